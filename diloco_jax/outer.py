@@ -1,0 +1,67 @@
+"""The outer step: worker deltas, their mean over the worker axis, the outer optax update.
+
+Deltas and outer optimizer state live in `delta_dtype(param dtype)`: at least float32, and the
+param's own dtype when it is wider (float64 under x64). Params keep their own dtype.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+
+def delta_dtype(dtype) -> np.dtype:
+    """The dtype deltas and outer state use for a param of `dtype`: float32 or wider."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+def widen(tree: Any) -> Any:
+    """Casts every leaf to its `delta_dtype`."""
+    return jax.tree.map(lambda x: jnp.asarray(x).astype(delta_dtype(jnp.result_type(x))), tree)
+
+
+def worker_delta(global_params: Any, worker_params: Any) -> Any:
+    """Δ_m = θ - θ_m, leafwise, in `delta_dtype` (the outer 'gradient' of worker m)."""
+    return jax.tree.map(lambda g, w: widen(g) - widen(w), global_params, worker_params)
+
+
+def outer_init(outer_optimizer: optax.GradientTransformation, params: Any) -> Any:
+    """The outer optimizer state, initialised on the widened params."""
+    return outer_optimizer.init(widen(params))
+
+
+def outer_update(
+    outer_optimizer: optax.GradientTransformation, params: Any, outer_opt_state: Any, delta: Any
+) -> tuple[Any, Any]:
+    """θ ← θ + outer_update(Δ), with Δ (the worker-mean delta) taken as the gradient.
+
+    The update is applied in the delta dtype and the result cast back to each param's dtype.
+    Returns (new params, new outer_opt_state).
+    """
+    wide = widen(params)
+    updates, outer_opt_state = outer_optimizer.update(delta, outer_opt_state, wide)
+    new_params = jax.tree.map(
+        lambda p, w, u: (w + u).astype(jnp.result_type(p)), params, wide, updates
+    )
+    return new_params, outer_opt_state
+
+
+def outer_step(
+    outer_optimizer: optax.GradientTransformation,
+    params: Any,
+    outer_opt_state: Any,
+    worker_params: Any,
+    axis_name: str,
+) -> tuple[Any, Any, Any]:
+    """The whole outer step for code running inside a mapped worker axis.
+
+    Call it inside `jax.vmap(..., axis_name=axis_name)`, `shard_map` or `pmap`, with `params`
+    the global θ (same on every worker) and `worker_params` this worker's θ_m after its inner
+    loop. Returns (new θ, new outer_opt_state, Δ) where Δ = pmean over `axis_name` of θ - θ_m.
+    """
+    delta = lax.pmean(worker_delta(params, worker_params), axis_name)
+    new_params, outer_opt_state = outer_update(outer_optimizer, params, outer_opt_state, delta)
+    return new_params, outer_opt_state, delta

@@ -1,0 +1,281 @@
+"""The host loops: `train_diloco` (rounds of DiLoCo) and `train_sync` (the data-parallel
+baseline). They validate inputs at the boundary, place state on the backend's devices, run
+one compiled dispatch per round (or step), and record one history dict per round."""
+
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from diloco_jax.comm import payload_bytes
+from diloco_jax.inner import LossFn
+from diloco_jax.outer import widen
+from diloco_jax.round import (
+    DiLoCoState,
+    default_inner_optimizer,
+    default_outer_optimizer,
+    diloco_round,
+    init_state,
+)
+from diloco_jax.sync import init_sync_state, sync_step
+from diloco_jax.workers import Backend, make_backend
+
+Record = dict[str, Any]
+
+
+class TrainResult(NamedTuple):
+    """params: final global params; state: the full final state; history: one dict a round."""
+
+    params: Any
+    state: Any
+    history: list[Record]
+
+
+def train_diloco(
+    loss_fn: LossFn,
+    params: Any,
+    data: Iterable[Any],
+    *,
+    num_rounds: int,
+    num_workers: int,
+    inner_steps: int,
+    inner_optimizer: optax.GradientTransformation | None = None,
+    outer_optimizer: optax.GradientTransformation | None = None,
+    backend: "str | Backend" = "auto",
+    devices: list[jax.Device] | None = None,
+    eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
+    eval_every: int = 1,
+    callback: Callable[[Record], None] | None = None,
+) -> TrainResult:
+    """Trains with DiLoCo for `num_rounds` communication rounds.
+
+    Args:
+      loss_fn: (params, batch) -> float scalar; batch is one worker's batch for one step.
+      params: initial global params, any pytree of float arrays. Never mutated or donated.
+      data: iterable of rounds; each a batch pytree with leaves [num_workers, inner_steps, ...].
+        Exactly `num_rounds` items are consumed.
+      num_rounds: R >= 0. num_workers: M >= 1. inner_steps: H >= 1.
+      inner_optimizer: default AdamW(4e-4, b1=0.9, b2=0.95, weight_decay=0.1).
+      outer_optimizer: default SGD(0.7, momentum=0.9, nesterov=True).
+      backend: "auto" | "vmap" | "shard_map" | "pmap" (see `diloco_jax.workers`).
+      devices: devices for the device backends (default `jax.devices()`).
+      eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
+        after the last one; its values join that round's history entry.
+      callback: called with each history entry as it is recorded (e.g. a progress bar).
+
+    Returns:
+      TrainResult(params, state: DiLoCoState, history). history[r] has "round" (0-based),
+      "steps" (inner steps per worker so far), "loss", "worker_loss" ([M]), "outer_grad_norm"
+      and "bytes_communicated" (cumulative bytes each worker has sent: size x itemsize of every
+      averaged delta leaf, float32 or wider).
+    """
+    _check_int("num_rounds", num_rounds, 0)
+    _check_int("num_workers", num_workers, 1)
+    _check_int("inner_steps", inner_steps, 1)
+    _check_int("eval_every", eval_every, 1)
+    _check_params(params)
+    inner_optimizer = _optimizer("inner_optimizer", inner_optimizer, default_inner_optimizer)
+    outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
+    backend = make_backend(backend, num_workers, devices)
+
+    state = init_state(params, num_workers, inner_optimizer, outer_optimizer)
+    state = DiLoCoState(
+        backend.place_shared(state.params),
+        backend.place_shared(state.outer_opt_state),
+        backend.place_workers(state.inner_opt_state),
+        backend.place_shared(state.round),
+    )
+    step = _jitted(
+        diloco_round,
+        loss_fn,
+        backend,
+        inner_optimizer=inner_optimizer,
+        outer_optimizer=outer_optimizer,
+    )
+    per_round = payload_bytes(jax.eval_shape(widen, params))
+
+    def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
+        return {
+            "round": r,
+            "steps": (r + 1) * inner_steps,
+            "loss": float(metrics["loss"]),
+            "worker_loss": [float(x) for x in metrics["worker_loss"]],
+            "outer_grad_norm": float(metrics["outer_grad_norm"]),
+            "bytes_communicated": (r + 1) * per_round,
+        }
+
+    batches = _batches(data, num_rounds, (num_workers, inner_steps), "[num_workers, inner_steps]")
+    state, history = _host_loop(
+        step,
+        state,
+        batches,
+        backend.place_workers,
+        record,
+        eval_fn,
+        eval_every,
+        num_rounds,
+        callback,
+    )
+    return TrainResult(state.params, state, history)
+
+
+def train_sync(
+    loss_fn: LossFn,
+    params: Any,
+    data: Iterable[Any],
+    *,
+    num_steps: int,
+    num_workers: int,
+    optimizer: optax.GradientTransformation | None = None,
+    backend: "str | Backend" = "auto",
+    devices: list[jax.Device] | None = None,
+    eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
+    eval_every: int = 1,
+    callback: Callable[[Record], None] | None = None,
+) -> TrainResult:
+    """Synchronous data parallelism: each step averages M workers' gradients, then one update.
+
+    Args:
+      data: iterable of steps; each a batch pytree with leaves [num_workers, ...].
+      num_steps: >= 0. num_workers: M >= 1. optimizer: default as DiLoCo's inner AdamW.
+      The rest as in `train_diloco`.
+
+    Returns:
+      TrainResult(params, state: SyncState, history). history[s] has "step" (0-based),
+      "steps" (s + 1), "loss", "worker_loss" ([M]) and "bytes_communicated" (cumulative bytes
+      each worker has sent: size x itemsize of every averaged gradient leaf).
+    """
+    _check_int("num_steps", num_steps, 0)
+    _check_int("num_workers", num_workers, 1)
+    _check_int("eval_every", eval_every, 1)
+    _check_params(params)
+    optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
+    backend = make_backend(backend, num_workers, devices)
+
+    state = backend.place_shared(init_sync_state(params, optimizer))
+    step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer)
+    per_step = payload_bytes(params)
+
+    def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
+        return {
+            "step": s,
+            "steps": s + 1,
+            "loss": float(metrics["loss"]),
+            "worker_loss": [float(x) for x in metrics["worker_loss"]],
+            "bytes_communicated": (s + 1) * per_step,
+        }
+
+    batches = _batches(data, num_steps, (num_workers,), "[num_workers]")
+    state, history = _host_loop(
+        step,
+        state,
+        batches,
+        backend.place_workers,
+        record,
+        eval_fn,
+        eval_every,
+        num_steps,
+        callback,
+    )
+    return TrainResult(state.params, state, history)
+
+
+def _host_loop(step, state, batches, place, record, eval_fn, eval_every, total, callback):
+    """Dispatches iteration i + 1 before pulling iteration i's metrics, so the host never
+    stalls the device; the state is donated to each dispatch (it is the library's own)."""
+    evaluate = jax.jit(eval_fn) if eval_fn is not None else None
+    history: list[Record] = []
+    pending = None
+
+    def finish(i, metrics, evals):
+        entry = record(i, jax.device_get(metrics))
+        if evals is not None:
+            entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
+        history.append(entry)
+        if callback is not None:
+            callback(entry)
+
+    for i, batch in enumerate(batches):
+        state, metrics = step(state, place(batch))
+        last = i + 1 == total
+        evals = evaluate(state.params) if evaluate and ((i + 1) % eval_every == 0 or last) else None
+        if pending is not None:
+            finish(*pending)
+        pending = (i, metrics, evals)
+    if pending is not None:
+        finish(*pending)
+    return state, history
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_jit(fn, loss_fn, backend, options):
+    return jax.jit(
+        functools.partial(fn, loss_fn, backend=backend, **dict(options)), donate_argnums=0
+    )
+
+
+def _jitted(fn, loss_fn, backend: Backend, **options):
+    """The jitted step, donating its state; cached so repeated runs reuse the compilation."""
+    key = tuple(sorted(options.items()))
+    try:
+        return _cached_jit(fn, loss_fn, backend, key)
+    except TypeError:  # an unhashable loss_fn or optimizer: compile without the cache
+        return _cached_jit.__wrapped__(fn, loss_fn, backend, key)
+
+
+def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) -> Iterator[Any]:
+    """Yields `count` items of `data`, each checked to have leaves with leading dims `lead`."""
+    if count == 0:
+        return
+    try:
+        items = iter(data)
+    except TypeError:
+        raise ValueError(
+            f"data must be an iterable of batches, got {type(data).__name__}"
+        ) from None
+    done = 0
+    for batch in itertools.islice(items, count):
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ValueError(f"data item {done} has no arrays")
+        for leaf in leaves:
+            shape = tuple(np.shape(leaf))
+            if shape[: len(lead)] != lead:
+                raise ValueError(
+                    f"data item {done}: every leaf must have leading dims {what} = {lead}, "
+                    f"got shape {shape}"
+                )
+        yield batch
+        done += 1
+    if done < count:
+        raise ValueError(f"data ran out after {done} items; {count} were asked for")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_params(params: Any) -> None:
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError("params must be a pytree with at least one array leaf")
+    for leaf in leaves:
+        dtype = np.dtype(jnp.result_type(leaf))
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"params leaves must be floating point, got a {dtype} leaf")
+
+
+def _optimizer(name: str, optimizer, default) -> optax.GradientTransformation:
+    if optimizer is None:
+        return default()
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise ValueError(f"{name} must be an optax GradientTransformation, got {optimizer!r}")
+    return optimizer
