@@ -10,6 +10,7 @@ from diloco_jax.round import (
     diloco_round,
     init_state,
 )
+from diloco_jax.sampler import Sampler
 from diloco_jax.sync import SyncState, init_sync_state, sync_step
 from diloco_jax.train import TrainResult, train_diloco, train_sync
 from diloco_jax.workers import WORKER_AXIS, Backend, make_backend
@@ -18,6 +19,7 @@ __all__ = [
     "WORKER_AXIS",
     "Backend",
     "DiLoCoState",
+    "Sampler",
     "SyncState",
     "TrainResult",
     "default_inner_optimizer",

@@ -9,6 +9,7 @@ import optax
 
 from diloco_jax.inner import LossFn, inner_loop
 from diloco_jax.outer import outer_init, outer_update, worker_delta
+from diloco_jax.sampler import num_workers_of, split_data, worker_batches
 from diloco_jax.workers import Backend, make_backend
 
 
@@ -66,13 +67,16 @@ def diloco_round(
     inner_optimizer: optax.GradientTransformation,
     outer_optimizer: optax.GradientTransformation,
     backend: "str | Backend" = "vmap",
+    num_workers: int | None = None,
+    inner_steps: int | None = None,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
 
     Args:
       loss_fn: (params, batch) -> float scalar.
       state: from `init_state` or a previous round.
-      batches: batch pytree with leaves [M, H, ...]: worker m's step h uses leaf[m, h].
+      batches: batch pytree with leaves [M, H, ...] (worker m's step h uses leaf[m, h]); or a
+        `Sampler` drawing each step's batch in the graph, with `num_workers` and `inner_steps`.
       inner_optimizer, outer_optimizer: optax transformations (state built with the same ones).
       backend: "vmap" | "shard_map" | "pmap" | "auto", or a `Backend` from `make_backend`.
 
@@ -81,18 +85,21 @@ def diloco_round(
       (float32 [M], each worker's mean over its H steps, each taken before that step's
       update) and "outer_grad_norm" (global L2 norm of the averaged delta Δ).
     """
-    num_workers = jax.tree.leaves(batches)[0].shape[0]
+    num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
+    shared_data, per_worker_data = split_data(batches, num_workers, state.round)
 
-    def worker(global_params, mine):
-        inner_opt_state, batches_H = mine
+    def worker(shared, mine):
+        global_params, shared_data = shared
+        inner_opt_state, my_data = mine
         params, inner_opt_state, losses_H = inner_loop(
-            loss_fn, inner_optimizer, global_params, inner_opt_state, batches_H
-        )
+            loss_fn, inner_optimizer, global_params, inner_opt_state,
+            worker_batches(batches, shared_data, my_data), num_steps=inner_steps,
+        )  # fmt: skip
         return worker_delta(global_params, params), (inner_opt_state, losses_H)
 
     delta, (inner_opt_state, losses_MxH) = backend.map_mean(worker)(
-        state.params, (state.inner_opt_state, batches)
+        (state.params, shared_data), (state.inner_opt_state, per_worker_data)
     )
     params, outer_opt_state = outer_update(
         outer_optimizer, state.params, state.outer_opt_state, delta

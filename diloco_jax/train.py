@@ -22,6 +22,7 @@ from diloco_jax.round import (
     diloco_round,
     init_state,
 )
+from diloco_jax.sampler import Sampler
 from diloco_jax.sync import init_sync_state, sync_step
 from diloco_jax.workers import Backend, make_backend
 
@@ -58,7 +59,8 @@ def train_diloco(
       loss_fn: (params, batch) -> float scalar; batch is one worker's batch for one step.
       params: initial global params, any pytree of float arrays. Never mutated or donated.
       data: iterable of rounds; each a batch pytree with leaves [num_workers, inner_steps, ...].
-        Exactly `num_rounds` items are consumed.
+        Exactly `num_rounds` items are consumed. Or a `Sampler`, which draws every inner
+        step's batch inside the compiled round (round r, worker m, step h).
       num_rounds: R >= 0. num_workers: M >= 1. inner_steps: H >= 1.
       inner_optimizer: default AdamW(4e-4, b1=0.9, b2=0.95, weight_decay=0.1).
       outer_optimizer: default SGD(0.7, momentum=0.9, nesterov=True).
@@ -96,6 +98,8 @@ def train_diloco(
         backend,
         inner_optimizer=inner_optimizer,
         outer_optimizer=outer_optimizer,
+        num_workers=num_workers,
+        inner_steps=inner_steps,
     )
     per_round = payload_bytes(jax.eval_shape(widen, params))
 
@@ -109,12 +113,12 @@ def train_diloco(
             "bytes_communicated": (r + 1) * per_round,
         }
 
-    batches = _batches(data, num_rounds, (num_workers, inner_steps), "[num_workers, inner_steps]")
+    lead = (num_workers, inner_steps)
+    batches = _placed(data, num_rounds, lead, "[num_workers, inner_steps]", backend)
     state, history = _host_loop(
         step,
         state,
         batches,
-        backend.place_workers,
         record,
         eval_fn,
         eval_every,
@@ -141,7 +145,8 @@ def train_sync(
     """Synchronous data parallelism: each step averages M workers' gradients, then one update.
 
     Args:
-      data: iterable of steps; each a batch pytree with leaves [num_workers, ...].
+      data: iterable of steps; each a batch pytree with leaves [num_workers, ...]; or a
+        `Sampler` (called with round = step index, step = 0).
       num_steps: >= 0. num_workers: M >= 1. optimizer: default as DiLoCo's inner AdamW.
       The rest as in `train_diloco`.
 
@@ -158,7 +163,7 @@ def train_sync(
     backend = make_backend(backend, num_workers, devices)
 
     state = backend.place_shared(init_sync_state(params, optimizer))
-    step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer)
+    step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers)
     per_step = payload_bytes(params)
 
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
@@ -170,12 +175,11 @@ def train_sync(
             "bytes_communicated": (s + 1) * per_step,
         }
 
-    batches = _batches(data, num_steps, (num_workers,), "[num_workers]")
+    batches = _placed(data, num_steps, (num_workers,), "[num_workers]", backend)
     state, history = _host_loop(
         step,
         state,
         batches,
-        backend.place_workers,
         record,
         eval_fn,
         eval_every,
@@ -185,7 +189,7 @@ def train_sync(
     return TrainResult(state.params, state, history)
 
 
-def _host_loop(step, state, batches, place, record, eval_fn, eval_every, total, callback):
+def _host_loop(step, state, batches, record, eval_fn, eval_every, total, callback):
     """Dispatches iteration i + 1 before pulling iteration i's metrics, so the host never
     stalls the device; the state is donated to each dispatch (it is the library's own)."""
     evaluate = jax.jit(eval_fn) if eval_fn is not None else None
@@ -201,7 +205,7 @@ def _host_loop(step, state, batches, place, record, eval_fn, eval_every, total, 
             callback(entry)
 
     for i, batch in enumerate(batches):
-        state, metrics = step(state, place(batch))
+        state, metrics = step(state, batch)
         last = i + 1 == total
         evals = evaluate(state.params) if evaluate and ((i + 1) % eval_every == 0 or last) else None
         if pending is not None:
@@ -226,6 +230,14 @@ def _jitted(fn, loss_fn, backend: Backend, **options):
         return _cached_jit(fn, loss_fn, backend, key)
     except TypeError:  # an unhashable loss_fn or optimizer: compile without the cache
         return _cached_jit.__wrapped__(fn, loss_fn, backend, key)
+
+
+def _placed(data: Any, count: int, lead: tuple[int, ...], what: str, backend: Backend):
+    """`count` inputs on the backend's devices: a Sampler's arrays once (replicated), or each
+    host batch split along workers."""
+    if isinstance(data, Sampler):
+        return itertools.repeat(backend.place_shared(data), count)
+    return map(backend.place_workers, _batches(data, count, lead, what))
 
 
 def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) -> Iterator[Any]:
