@@ -1,0 +1,127 @@
+"""The `diloco-jax` command: `train` (one run) and `compare` (DiLoCo against the synchronous
+baselines, the paper's Table 2 at laptop scale). User mistakes print one line, exit code 2,
+and nothing is written."""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from diloco_jax.config import ALGOS, OUTER_OPTIMIZERS, PRESETS, SHARDINGS, ConfigError
+
+PROG = "diloco-jax"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        _fail(message)
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"{PROG}: error: {message}".replace("\n", " "), file=sys.stderr)
+    sys.exit(2)
+
+
+def _shared_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset",
+        default="default",
+        choices=sorted(PRESETS),
+        help="base configuration (default: %(default)s)",
+    )
+    p.add_argument("--workers", type=int, help="M, number of DiLoCo / data-parallel workers")
+    p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
+    p.add_argument("--rounds", type=int, help="R, communication rounds (steps = H x R)")
+    p.add_argument("--data", help="stdlib | text:PATH | hf:NAME[:CONFIG[:SPLIT]]")
+    p.add_argument("--sharding", choices=SHARDINGS, help="worker data regime")
+    p.add_argument("--inner-lr", type=float, help="inner AdamW peak learning rate")
+    p.add_argument("--outer-lr", type=float, help="outer learning rate")
+    p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS)
+    p.add_argument("--model", help="model preset (micro, tiny, small, 60m, 150m, 400m, ...)")
+    p.add_argument("--batch-size", type=int, help="sequences per worker per step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--max-bytes", type=int, help="read at most this many bytes of data")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--backend", help="auto | vmap | shard_map | pmap")
+    p.add_argument("--out", help="output folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="DiLoCo language-model experiments in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="one run of DiLoCo or the synchronous baseline")
+    train.add_argument("--algo", choices=ALGOS, default="diloco")
+    _shared_flags(train)
+    compare = sub.add_parser(
+        "compare", help="DiLoCo vs sync_1worker vs sync_data_parallel, with summary and plots"
+    )
+    _shared_flags(compare)
+    return parser
+
+
+_CONFIG_FLAGS = ("preset", "workers", "inner_steps", "rounds", "data", "sharding", "inner_lr",
+                 "outer_lr", "outer_optimizer", "model", "batch_size", "seq_len", "max_bytes",
+                 "seed", "backend")  # fmt: skip
+
+
+def _out_dir(value: str | None, default: str) -> Path:
+    """The output folder, checked before anything runs: not a file, parent writable."""
+    out = Path(value if value is not None else default)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {out}: {parent} is not writable")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from diloco_jax import config
+
+        cfg = config.make_config(**{k: getattr(args, k) for k in _CONFIG_FLAGS if k != "preset"},
+                                 preset=args.preset)  # fmt: skip
+        default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
+        out = _out_dir(args.out, default_out)
+        from diloco_jax import lm
+
+        corpus = lm.load_corpus(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+    progress = not args.no_progress
+    if args.command == "train":
+        train_command(cfg, corpus, args.algo, out, progress=progress)
+    else:
+        from diloco_jax.compare import compare_command
+
+        compare_command(cfg, corpus, out, progress=progress)
+    return 0
+
+
+def train_command(cfg, corpus, algo: str, out: Path, progress: bool = True) -> dict[str, Any]:
+    """One run into `out`: config.json first, metrics.jsonl as it trains, summary.json last."""
+    from diloco_jax import lm
+    from diloco_jax.runlog import RunLog, write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", lm.config_record(cfg, corpus, algo=algo))
+    metrics = out / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    total = cfg.total_steps
+    log = RunLog(metrics, total, desc=f"{algo} M={cfg.workers}", progress=progress)
+    try:
+        summary, _ = lm.run(cfg, corpus, algo, cfg.workers, on_record=log)
+    finally:
+        log.close()
+    write_json(out / "summary.json", summary)
+    print(f"{algo}: eval loss {summary['final_eval_loss']:.4f} "
+          f"(ppl {summary['final_eval_ppl']:.3f}), sent {summary['bytes_communicated']:,} "
+          f"bytes per worker, {summary['wall_seconds']:.0f}s -> {out}")  # fmt: skip
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Run configurations for the language-model experiments: presets and validation.
+
+A config is a frozen dataclass; `make_config(preset, **overrides)` returns a checked one.
+"""
+
+import dataclasses
+from typing import Any
+
+import optax
+
+SHARDINGS = ("iid", "non_iid")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
+ALGOS = ("diloco", "sync")
+# The outer learning rate each outer optimizer gets unless one is given: the paper's
+# Nesterov(0.7, 0.9); plain SGD at 1.0 is parameter averaging (FedAvg); Adam rescales the
+# delta per coordinate, so it wants a step of the inner learning rate's order.
+DEFAULT_OUTER_LR = {"nesterov": 0.7, "sgd": 1.0, "adam": 1e-3}
+
+
+class ConfigError(ValueError):
+    """A user mistake in a run configuration (the CLI prints it as one line, exit code 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One LM experiment. Steps per worker = inner_steps x rounds for every algorithm."""
+
+    model: str = "tiny"  # a diloco_jax.model preset
+    data: str = "stdlib"  # "stdlib" | "text:PATH" | "hf:NAME[:CONFIG[:SPLIT]]"
+    max_bytes: int | None = 4_000_000  # read at most this many bytes of the source
+    val_fraction: float = 0.05  # documents held out for evaluation
+    sharding: str = "iid"  # "iid" | "non_iid"
+    workers: int = 4  # M
+    inner_steps: int = 25  # H
+    rounds: int = 8  # R
+    batch_size: int = 16  # sequences per worker per step
+    seq_len: int = 128
+    inner_lr: float = 3e-3  # AdamW peak, warmup then cosine decay over H x R steps
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    outer_optimizer: str = "nesterov"
+    outer_lr: float | None = None  # None: DEFAULT_OUTER_LR[outer_optimizer]
+    eval_batches: int = 8
+    seed: int = 0
+    backend: str = "auto"
+
+    @property
+    def total_steps(self) -> int:
+        return self.inner_steps * self.rounds
+
+    @property
+    def resolved_outer_lr(self) -> float:
+        return DEFAULT_OUTER_LR[self.outer_optimizer] if self.outer_lr is None else self.outer_lr
+
+
+PRESETS: dict[str, RunConfig] = {
+    # seconds: for tests and smoke runs
+    "micro": RunConfig(
+        model="micro", max_bytes=200_000, workers=2, inner_steps=4, rounds=2, batch_size=4,
+        seq_len=32, warmup_steps=2, eval_batches=2,
+    ),
+    # about 2 minutes for `compare` on 2 CPU cores
+    "quick": RunConfig(
+        model="mini", max_bytes=2_000_000, workers=4, inner_steps=20, rounds=6, batch_size=16,
+        seq_len=64, warmup_steps=10, eval_batches=8,
+    ),
+    # the README's main job: under 15 minutes for `compare` on 2 CPU cores
+    "default": RunConfig(),
+}  # fmt: skip
+
+
+def make_config(preset: str = "default", **overrides: Any) -> RunConfig:
+    """The preset with `overrides` (None values are ignored), validated. Raises ConfigError."""
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ConfigError(f"unknown config fields: {sorted(unknown)}")
+    cfg = dataclasses.replace(
+        PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}
+    )
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raises ConfigError naming the first bad field."""
+    from diloco_jax.model import PRESETS as MODELS
+    from diloco_jax.workers import BACKENDS
+
+    def positive(name: str, minimum: int = 1) -> None:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+    for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
+        positive(name)
+    positive("warmup_steps", 0)
+    positive("seed", 0)
+    if cfg.max_bytes is not None:
+        positive("max_bytes")
+    if cfg.model not in MODELS:
+        raise ConfigError(f"model must be one of {sorted(MODELS)}, got {cfg.model!r}")
+    if cfg.seq_len > MODELS[cfg.model].seq_len:
+        raise ConfigError(
+            f"seq_len={cfg.seq_len} exceeds model {cfg.model!r} context {MODELS[cfg.model].seq_len}"
+        )
+    if cfg.sharding not in SHARDINGS:
+        raise ConfigError(f"sharding must be one of {SHARDINGS}, got {cfg.sharding!r}")
+    if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
+        raise ConfigError(
+            f"outer_optimizer must be one of {OUTER_OPTIMIZERS}, got {cfg.outer_optimizer!r}"
+        )
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    for name in ("inner_lr", "weight_decay"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not cfg.inner_lr > 0:
+        raise ConfigError(f"inner_lr must be > 0, got {cfg.inner_lr!r}")
+    if not cfg.resolved_outer_lr > 0 or cfg.resolved_outer_lr == float("inf"):
+        raise ConfigError(f"outer_lr must be a finite number > 0, got {cfg.outer_lr!r}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction!r}")
+
+
+def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """AdamW(b1 0.9, b2 0.95) with linear warmup then cosine decay to 10% over H x R steps."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.inner_lr,
+        warmup_steps=min(cfg.warmup_steps, cfg.total_steps - 1),
+        decay_steps=cfg.total_steps,
+        end_value=cfg.inner_lr / 10,
+    )
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
+
+
+def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """The outer optimizer: Nesterov SGD (momentum 0.9), plain SGD, or Adam (b2 0.95)."""
+    lr = cfg.resolved_outer_lr
+    if cfg.outer_optimizer == "nesterov":
+        return optax.sgd(lr, momentum=0.9, nesterov=True)
+    if cfg.outer_optimizer == "sgd":
+        return optax.sgd(lr)
+    return optax.adam(lr, b1=0.9, b2=0.95)

@@ -1,0 +1,175 @@
+"""Language-model experiments: data and model from a RunConfig, one training run of DiLoCo or
+the synchronous baseline, evaluated on held-out documents. Used by the CLI and notebooks."""
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import data as data_lib
+from diloco_jax import model as model_lib
+from diloco_jax.config import ConfigError, RunConfig, inner_optimizer, outer_optimizer
+from diloco_jax.sampler import Sampler
+from diloco_jax.train import train_diloco, train_sync
+
+Record = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Byte tokens of the train split (with document starts) and fixed eval batches."""
+
+    train_tokens: np.ndarray  # int32 [N]
+    doc_starts: np.ndarray  # int64 [D], first token of each train document
+    eval_batches: dict[str, np.ndarray]  # {"inputs", "targets"}: int32 [num_batches, B, L]
+    info: dict[str, Any]  # source description, split sizes
+
+
+def load_corpus(cfg: RunConfig) -> Corpus:
+    """Loads `cfg.data`, splits it by document, builds the train stream and eval batches.
+
+    Raises ConfigError (one line, naming the problem) for a bad source or too little data.
+    """
+    try:
+        source = data_lib.load_source(cfg.data, max_bytes=cfg.max_bytes)
+        train_docs, val_docs = data_lib.split_documents(
+            source.documents, cfg.val_fraction, cfg.seed
+        )
+        train_tokens, doc_starts = data_lib.concat_documents(train_docs)
+        val_tokens, _ = data_lib.concat_documents(val_docs)
+        evals = data_lib.eval_batches(val_tokens, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
+        # Fails early when a shard can't hold a window (non_iid with too little data).
+        data_lib.worker_shards(doc_starts, len(train_tokens), cfg.workers, cfg.sharding,
+                               cfg.seq_len)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(f"--data {cfg.data}: {e}") from None
+    info = dict(source.info, train_documents=len(train_docs), val_documents=len(val_docs),
+                train_tokens=int(len(train_tokens)), val_tokens=int(len(val_tokens)))  # fmt: skip
+    evals = {k: np.asarray(v) for k, v in evals.items()}
+    return Corpus(train_tokens, doc_starts, evals, info)
+
+
+def _sample(batch_size: int, seq_len: int, arrays, round_index, worker, step):
+    key = data_lib.batch_key(arrays["key"], round_index, worker, step)
+    return data_lib.sample_batch(arrays["tokens"], arrays["starts"][worker],
+                                 arrays["lengths"][worker], key, batch_size, seq_len)  # fmt: skip
+
+
+def make_sampler(cfg: RunConfig, corpus: Corpus, num_workers: int, salt: int) -> Sampler:
+    """In-graph windows of the train stream for `num_workers` workers (cfg.sharding), keyed by
+    (seed, salt, round, worker, step); the token stream is uploaded once."""
+    starts, lengths = data_lib.worker_shards(
+        corpus.doc_starts, len(corpus.train_tokens), num_workers, cfg.sharding, cfg.seq_len
+    )
+    arrays = {
+        "tokens": jnp.asarray(corpus.train_tokens),
+        "starts": jnp.asarray(starts),
+        "lengths": jnp.asarray(lengths),
+        "key": jax.random.fold_in(jax.random.key(cfg.seed), salt),
+    }
+    return Sampler(arrays, functools.partial(_sample, cfg.batch_size, cfg.seq_len))
+
+
+def make_eval_fn(loss_fn: Callable, corpus: Corpus) -> Callable[[Any], dict[str, jax.Array]]:
+    """params -> {"eval_loss": mean loss over the fixed eval batches} (nats per byte)."""
+    evals = jax.tree.map(jnp.asarray, corpus.eval_batches)
+
+    def eval_fn(params):
+        losses = jax.lax.map(lambda batch: loss_fn(params, batch), evals)
+        return {"eval_loss": jnp.mean(losses)}
+
+    return eval_fn
+
+
+def init_model(cfg: RunConfig) -> tuple[model_lib.ModelConfig, Any, Callable]:
+    """(model config, initial params, loss_fn) for cfg.model, seeded by cfg.seed."""
+    model_cfg = model_lib.get_config(cfg.model)
+    params = model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
+    return model_cfg, params, model_lib.make_loss_fn(model_cfg)
+
+
+def run(
+    cfg: RunConfig,
+    corpus: Corpus,
+    algo: str,
+    num_workers: int,
+    *,
+    name: str | None = None,
+    on_record: Callable[[Record], None] | None = None,
+) -> tuple[Record, list[Record]]:
+    """Trains one run and returns (summary, history).
+
+    algo "diloco": M = num_workers workers, H = cfg.inner_steps, R = cfg.rounds.
+    algo "sync": M = num_workers workers averaging gradients every step, for H x R steps,
+    evaluated every H steps (the same points as DiLoCo's rounds).
+    Every history entry gets "run", "tokens_per_worker" and, where evaluated, "eval_loss".
+    """
+    name = name or algo
+    _, params, loss_fn = init_model(cfg)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    sampler = make_sampler(cfg, corpus, num_workers, salt=0 if algo == "diloco" else 1)
+    start = time.perf_counter()
+
+    def record(entry: Record) -> None:
+        entry["run"] = name
+        entry["workers"] = num_workers
+        entry["tokens_per_worker"] = entry["steps"] * tokens_per_step
+        entry["wall_seconds"] = time.perf_counter() - start
+        if on_record is not None:
+            on_record(entry)
+
+    common = dict(num_workers=num_workers, backend=cfg.backend,
+                  eval_fn=make_eval_fn(loss_fn, corpus), callback=record)  # fmt: skip
+    if algo == "diloco":
+        result = train_diloco(loss_fn, params, sampler, num_rounds=cfg.rounds,
+                              inner_steps=cfg.inner_steps, inner_optimizer=inner_optimizer(cfg),
+                              outer_optimizer=outer_optimizer(cfg), **common)  # fmt: skip
+    elif algo == "sync":
+        result = train_sync(loss_fn, params, sampler, num_steps=cfg.total_steps,
+                            optimizer=inner_optimizer(cfg), eval_every=cfg.inner_steps,
+                            **common)  # fmt: skip
+    else:
+        raise ConfigError(f"algo must be 'diloco' or 'sync', got {algo!r}")
+    history = result.history
+    final = [h for h in history if "eval_loss" in h][-1]
+    last = history[-1]
+    summary = {
+        "algo": algo,
+        "workers": num_workers,
+        "inner_steps": cfg.inner_steps if algo == "diloco" else 1,
+        "steps_per_worker": last["steps"],
+        "communication_rounds": cfg.rounds if algo == "diloco" else
+                                (cfg.total_steps if num_workers > 1 else 0),
+        "final_eval_loss": final["eval_loss"],
+        "final_eval_ppl": math.exp(final["eval_loss"]),
+        "final_train_loss": last["loss"],
+        "bytes_communicated": last["bytes_communicated"] if num_workers > 1 else 0,
+        "tokens_per_worker": last["tokens_per_worker"],
+        "tokens_seen": last["tokens_per_worker"] * num_workers,
+        "wall_seconds": time.perf_counter() - start,
+        "num_params": model_lib.count_params(params),
+    }  # fmt: skip
+    summary["tokens_per_second"] = summary["tokens_seen"] / summary["wall_seconds"]
+    return summary, history
+
+
+def config_record(cfg: RunConfig, corpus: Corpus, **extra: Any) -> dict[str, Any]:
+    """What a run folder's config.json holds: the config, the data and the environment."""
+    model_cfg = model_lib.get_config(cfg.model)
+    shapes = jax.eval_shape(model_lib.init_params, model_cfg, jax.random.key(0))
+    return {
+        "config": dataclasses.asdict(cfg),
+        "outer_lr": cfg.resolved_outer_lr,
+        "model": dataclasses.asdict(model_cfg),
+        "num_params": model_lib.count_params(shapes),
+        "data": corpus.info,
+        "jax_version": jax.__version__,
+        "devices": [str(d) for d in jax.devices()],
+        **extra,
+    }

@@ -1,0 +1,55 @@
+"""Run outputs: one JSON line of metrics per record (big_vision style), a tqdm progress bar,
+and atomic JSON files."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Writes JSON atomically: a temporary file in the same folder, then a rename."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(f.name, path)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}PB"
+
+
+class RunLog:
+    """Appends each record to `metrics_path` (flushed, one JSON object a line) and advances a
+    progress bar showing loss, eval loss, tokens/s, bytes communicated and the ETA."""
+
+    def __init__(self, metrics_path: Path, total: int, desc: str, progress: bool = True):
+        self._file = open(metrics_path, "a")  # noqa: SIM115 - closed in close()
+        self._bar = tqdm(total=total, desc=desc, disable=not progress, unit="step",
+                         dynamic_ncols=True, leave=True)  # fmt: skip
+        self._done = 0
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        steps = record["steps"]
+        self._bar.update(steps - self._done)
+        self._done = steps
+        seconds = max(record.get("wall_seconds", 0.0), 1e-9)
+        postfix = {"loss": f"{record['loss']:.3f}"}
+        if "eval_loss" in record:
+            postfix["eval"] = f"{record['eval_loss']:.3f}"
+        postfix["tok/s"] = f"{record['tokens_per_worker'] * record['workers'] / seconds:,.0f}"
+        postfix["sent"] = _human_bytes(record["bytes_communicated"])
+        self._bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._file.close()
