@@ -42,6 +42,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--max-bytes", type=int, help="read at most this many bytes of data")
+    p.add_argument("--pretrain-steps", type=int, help="shared 1-worker warm start (0: none)")
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", help="auto | vmap | shard_map | pmap")
     p.add_argument("--out", help="output folder")
@@ -61,9 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_CONFIG_FLAGS = ("preset", "workers", "inner_steps", "rounds", "data", "sharding", "inner_lr",
-                 "outer_lr", "outer_optimizer", "model", "batch_size", "seq_len", "max_bytes",
-                 "seed", "backend")  # fmt: skip
+_CONFIG_FLAGS = (
+    "preset",
+    "workers",
+    "inner_steps",
+    "rounds",
+    "data",
+    "sharding",
+    "inner_lr",
+    "outer_lr",
+    "outer_optimizer",
+    "model",
+    "batch_size",
+    "seq_len",
+    "max_bytes",
+    "pretrain_steps",
+    "seed",
+    "backend",
+)
 
 
 def _out_dir(value: str | None, default: str) -> Path:
@@ -82,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from diloco_jax import config
 
-        cfg = config.make_config(**{k: getattr(args, k) for k in _CONFIG_FLAGS if k != "preset"},
-                                 preset=args.preset)  # fmt: skip
+        cfg = config.make_config(
+            **{k: getattr(args, k) for k in _CONFIG_FLAGS if k != "preset"}, preset=args.preset
+        )
         default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
         out = _out_dir(args.out, default_out)
         from diloco_jax import lm
@@ -110,16 +127,16 @@ def train_command(cfg, corpus, algo: str, out: Path, progress: bool = True) -> d
     write_json(out / "config.json", lm.config_record(cfg, corpus, algo=algo))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    total = cfg.total_steps
-    log = RunLog(metrics, total, desc=f"{algo} M={cfg.workers}", progress=progress)
-    try:
-        summary, _ = lm.run(cfg, corpus, algo, cfg.workers, on_record=log)
-    finally:
-        log.close()
+    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
+        params = lm.pretrain(cfg, corpus, on_record=log)
+    with RunLog(metrics, cfg.total_steps, f"{algo} M={cfg.workers}", progress) as log:
+        summary, _ = lm.run(cfg, corpus, algo, cfg.workers, params=params, on_record=log)
     write_json(out / "summary.json", summary)
-    print(f"{algo}: eval loss {summary['final_eval_loss']:.4f} "
-          f"(ppl {summary['final_eval_ppl']:.3f}), sent {summary['bytes_communicated']:,} "
-          f"bytes per worker, {summary['wall_seconds']:.0f}s -> {out}")  # fmt: skip
+    print(
+        f"{algo}: eval loss {summary['final_eval_loss']:.4f} "
+        f"(ppl {summary['final_eval_ppl']:.3f}), sent {summary['bytes_communicated']:,} "
+        f"bytes per worker, {summary['wall_seconds']:.0f}s -> {out}"
+    )
     return summary
 
 

@@ -2,10 +2,11 @@
 at equal per-worker batch and steps, with a summary table and plots."""
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
-from diloco_jax import lm
+from diloco_jax import lm, netsim
 from diloco_jax.config import RunConfig
 from diloco_jax.plots import plot_eval_vs_bytes, plot_eval_vs_tokens
 from diloco_jax.runlog import RunLog, write_json
@@ -31,16 +32,21 @@ def compare_command(cfg: RunConfig, corpus: lm.Corpus, out: Path, progress: bool
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     summaries, histories = {}, {}
+    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
+        params = lm.pretrain(cfg, corpus, on_record=log)
     for name, (algo, workers) in runs_of(cfg).items():
-        log = RunLog(metrics, cfg.total_steps, desc=f"{name} M={workers}", progress=progress)
-        try:
-            summaries[name], histories[name] = lm.run(cfg, corpus, algo, workers, name=name,
-                                                      on_record=log)  # fmt: skip
-        finally:
-            log.close()
-    summary = {"config": json.loads(json.dumps(lm.config_record(cfg, corpus))), "runs": summaries}
+        with RunLog(metrics, cfg.total_steps, f"{name} M={workers}", progress) as log:
+            summaries[name], histories[name] = lm.run(
+                cfg, corpus, algo, workers, name=name, params=params, on_record=log
+            )
+    network = simulated_network(cfg, histories["sync_1worker"], summaries)
+    summary = {
+        "config": json.loads(json.dumps(lm.config_record(cfg, corpus))),
+        "runs": summaries,
+        "network": network,
+    }
     write_json(out / "summary.json", summary)
-    table = summary_markdown(cfg, summaries)
+    table = summary_markdown(cfg, summaries) + "\n" + network_markdown(network)
     (out / "summary.md").write_text(table)
     plot_eval_vs_tokens(histories, out / "eval_loss_vs_tokens.png")
     plot_eval_vs_bytes(histories, out / "eval_loss_vs_bytes.png")
@@ -49,12 +55,62 @@ def compare_command(cfg: RunConfig, corpus: lm.Corpus, out: Path, progress: bool
     return summary
 
 
+def step_seconds(history: list[Record]) -> float:
+    """One worker's steady-state seconds per step: the median gap between consecutive records
+    (robust to the first step's compilation and to the evaluation steps)."""
+    times = [h["wall_seconds"] for h in history]
+    return float(statistics.median(b - a for a, b in zip(times, times[1:], strict=False)))
+
+
+def simulated_network(cfg: RunConfig, one_worker: list[Record], runs: dict[str, Record]):
+    """netsim's table for DiLoCo (sync every H steps) and data parallelism (every step), fed
+    by the measured step time of one worker and the real payload of one all-reduce."""
+    payload = runs["diloco"]["bytes_communicated"] / cfg.rounds
+    return netsim.network_table(
+        step_seconds(one_worker),
+        payload,
+        cfg.workers,
+        {"diloco": cfg.inner_steps, "sync_data_parallel": 1},
+        cfg.total_steps,
+    )
+
+
+def network_markdown(network: dict[str, Any]) -> str:
+    """Simulated wall time (compute utilization) of each run on slower networks."""
+    bandwidths = list(netsim.BANDWIDTHS)
+    lines = [
+        f"## Simulated network: {network['num_workers']} workers, "
+        f"{network['payload_bytes']:,.0f} bytes per all-reduce, measured step "
+        f"{network['step_seconds'] * 1e3:.1f} ms, latency {network['latency_seconds'] * 1e3:g} ms",
+        "",
+        "| run | sync every | " + " | ".join(bandwidths) + " | bandwidth for 90% compute |",
+        "| --- | ---: | " + " | ".join("---:" for _ in bandwidths) + " | ---: |",
+    ]
+    for name, row in network["runs"].items():
+        cells = [
+            f"{row[b]['wall_seconds']:.3g} s ({row[b]['utilization']:.0%})" for b in bandwidths
+        ]
+        lines.append(
+            f"| {name} | {row['steps_per_sync']} steps | "
+            + " | ".join(cells)
+            + f" | {netsim.format_bandwidth(row['bandwidth_for_90pct_bit_s'])} |"
+        )
+    lines += [
+        "",
+        "Model: t_round = H t_step + latency + 2(M-1)/M x 8 bytes / bandwidth "
+        "(ring all-reduce, no overlap; Charles et al. 2025, Table 6).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def summary_markdown(cfg: RunConfig, runs: dict[str, Record]) -> str:
     """A table shaped like the paper's Table 2: communication, time, compute & data, ppl."""
     base = runs["sync_1worker"]
     lines = [
         f"# DiLoCo vs synchronous baselines ({cfg.model} model, data {cfg.data}, "
-        f"{cfg.sharding}, M={cfg.workers}, H={cfg.inner_steps}, R={cfg.rounds})",
+        f"{cfg.sharding}, M={cfg.workers}, H={cfg.inner_steps}, R={cfg.rounds}, "
+        f"from a {cfg.pretrain_steps}-step warm start)",
         "",
         "| run | workers | communication rounds | bytes sent / worker | wall time (s) | "
         "compute & data | eval loss | eval perplexity |",

@@ -14,7 +14,13 @@ import numpy as np
 
 from diloco_jax import data as data_lib
 from diloco_jax import model as model_lib
-from diloco_jax.config import ConfigError, RunConfig, inner_optimizer, outer_optimizer
+from diloco_jax.config import (
+    ConfigError,
+    RunConfig,
+    inner_optimizer,
+    outer_optimizer,
+    pretrain_optimizer,
+)
 from diloco_jax.sampler import Sampler
 from diloco_jax.train import train_diloco, train_sync
 
@@ -45,20 +51,32 @@ def load_corpus(cfg: RunConfig) -> Corpus:
         val_tokens, _ = data_lib.concat_documents(val_docs)
         evals = data_lib.eval_batches(val_tokens, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
         # Fails early when a shard can't hold a window (non_iid with too little data).
-        data_lib.worker_shards(doc_starts, len(train_tokens), cfg.workers, cfg.sharding,
-                               cfg.seq_len)  # fmt: skip
+        data_lib.worker_shards(
+            doc_starts, len(train_tokens), cfg.workers, cfg.sharding, cfg.seq_len
+        )
     except ValueError as e:
         raise ConfigError(f"--data {cfg.data}: {e}") from None
-    info = dict(source.info, train_documents=len(train_docs), val_documents=len(val_docs),
-                train_tokens=int(len(train_tokens)), val_tokens=int(len(val_tokens)))  # fmt: skip
+    info = dict(
+        source.info,
+        train_documents=len(train_docs),
+        val_documents=len(val_docs),
+        train_tokens=int(len(train_tokens)),
+        val_tokens=int(len(val_tokens)),
+    )
     evals = {k: np.asarray(v) for k, v in evals.items()}
     return Corpus(train_tokens, doc_starts, evals, info)
 
 
 def _sample(batch_size: int, seq_len: int, arrays, round_index, worker, step):
     key = data_lib.batch_key(arrays["key"], round_index, worker, step)
-    return data_lib.sample_batch(arrays["tokens"], arrays["starts"][worker],
-                                 arrays["lengths"][worker], key, batch_size, seq_len)  # fmt: skip
+    return data_lib.sample_batch(
+        arrays["tokens"],
+        arrays["starts"][worker],
+        arrays["lengths"][worker],
+        key,
+        batch_size,
+        seq_len,
+    )
 
 
 def make_sampler(cfg: RunConfig, corpus: Corpus, num_workers: int, salt: int) -> Sampler:
@@ -100,10 +118,11 @@ def run(
     algo: str,
     num_workers: int,
     *,
+    params: Any = None,
     name: str | None = None,
     on_record: Callable[[Record], None] | None = None,
 ) -> tuple[Record, list[Record]]:
-    """Trains one run and returns (summary, history).
+    """Trains one run from `params` (default: a fresh init) and returns (summary, history).
 
     algo "diloco": M = num_workers workers, H = cfg.inner_steps, R = cfg.rounds.
     algo "sync": M = num_workers workers averaging gradients every step, for H x R steps,
@@ -111,7 +130,8 @@ def run(
     Every history entry gets "run", "tokens_per_worker" and, where evaluated, "eval_loss".
     """
     name = name or algo
-    _, params, loss_fn = init_model(cfg)
+    _, init_params, loss_fn = init_model(cfg)
+    params = init_params if params is None else params
     tokens_per_step = cfg.batch_size * cfg.seq_len
     sampler = make_sampler(cfg, corpus, num_workers, salt=0 if algo == "diloco" else 1)
     start = time.perf_counter()
@@ -124,16 +144,33 @@ def run(
         if on_record is not None:
             on_record(entry)
 
-    common = dict(num_workers=num_workers, backend=cfg.backend,
-                  eval_fn=make_eval_fn(loss_fn, corpus), callback=record)  # fmt: skip
+    common = dict(
+        num_workers=num_workers,
+        backend=cfg.backend,
+        eval_fn=make_eval_fn(loss_fn, corpus),
+        callback=record,
+    )
     if algo == "diloco":
-        result = train_diloco(loss_fn, params, sampler, num_rounds=cfg.rounds,
-                              inner_steps=cfg.inner_steps, inner_optimizer=inner_optimizer(cfg),
-                              outer_optimizer=outer_optimizer(cfg), **common)  # fmt: skip
+        result = train_diloco(
+            loss_fn,
+            params,
+            sampler,
+            num_rounds=cfg.rounds,
+            inner_steps=cfg.inner_steps,
+            inner_optimizer=inner_optimizer(cfg),
+            outer_optimizer=outer_optimizer(cfg),
+            **common,
+        )
     elif algo == "sync":
-        result = train_sync(loss_fn, params, sampler, num_steps=cfg.total_steps,
-                            optimizer=inner_optimizer(cfg), eval_every=cfg.inner_steps,
-                            **common)  # fmt: skip
+        result = train_sync(
+            loss_fn,
+            params,
+            sampler,
+            num_steps=cfg.total_steps,
+            optimizer=inner_optimizer(cfg),
+            eval_every=cfg.inner_steps,
+            **common,
+        )
     else:
         raise ConfigError(f"algo must be 'diloco' or 'sync', got {algo!r}")
     history = result.history
@@ -143,20 +180,60 @@ def run(
         "algo": algo,
         "workers": num_workers,
         "inner_steps": cfg.inner_steps if algo == "diloco" else 1,
+        "outer": f"{cfg.outer_optimizer} {cfg.resolved_outer_lr:g}" if algo == "diloco" else "-",
+        "sharding": cfg.sharding if num_workers > 1 else "-",
         "steps_per_worker": last["steps"],
-        "communication_rounds": cfg.rounds if algo == "diloco" else
-                                (cfg.total_steps if num_workers > 1 else 0),
+        "communication_rounds": cfg.rounds
+        if algo == "diloco"
+        else (cfg.total_steps if num_workers > 1 else 0),
         "final_eval_loss": final["eval_loss"],
         "final_eval_ppl": math.exp(final["eval_loss"]),
         "final_train_loss": last["loss"],
-        "bytes_communicated": last["bytes_communicated"] if num_workers > 1 else 0,
+        "bytes_communicated": last["bytes_communicated"],
         "tokens_per_worker": last["tokens_per_worker"],
         "tokens_seen": last["tokens_per_worker"] * num_workers,
         "wall_seconds": time.perf_counter() - start,
         "num_params": model_lib.count_params(params),
-    }  # fmt: skip
+    }
     summary["tokens_per_second"] = summary["tokens_seen"] / summary["wall_seconds"]
     return summary, history
+
+
+def pretrain(
+    cfg: RunConfig, corpus: Corpus, on_record: Callable[[Record], None] | None = None
+) -> Any:
+    """The shared warm start: `cfg.pretrain_steps` steps of one worker from a fresh init
+    (returned unchanged when 0). Its records carry run "pretrain" and are not part of any
+    compared run's budget."""
+    _, params, loss_fn = init_model(cfg)
+    if cfg.pretrain_steps == 0:
+        return params
+    sampler = make_sampler(cfg, corpus, 1, salt=2)
+    start = time.perf_counter()
+
+    def record(entry: Record) -> None:
+        entry.update(
+            run="pretrain",
+            workers=1,
+            wall_seconds=time.perf_counter() - start,
+            tokens_per_worker=entry["steps"] * cfg.batch_size * cfg.seq_len,
+        )
+        if on_record is not None:
+            on_record(entry)
+
+    result = train_sync(
+        loss_fn,
+        params,
+        sampler,
+        num_steps=cfg.pretrain_steps,
+        num_workers=1,
+        optimizer=pretrain_optimizer(cfg),
+        backend=cfg.backend,
+        eval_fn=make_eval_fn(loss_fn, corpus),
+        eval_every=cfg.pretrain_steps,
+        callback=record,
+    )
+    return result.params
 
 
 def config_record(cfg: RunConfig, corpus: Corpus, **extra: Any) -> dict[str, Any]:

@@ -93,9 +93,13 @@ def diloco_round(
         global_params, shared_data = shared
         inner_opt_state, my_data = mine
         params, inner_opt_state, losses_H = inner_loop(
-            loss_fn, inner_optimizer, global_params, inner_opt_state,
-            worker_batches(batches, shared_data, my_data), num_steps=inner_steps,
-        )  # fmt: skip
+            loss_fn,
+            inner_optimizer,
+            global_params,
+            inner_opt_state,
+            worker_batches(batches, shared_data, my_data),
+            num_steps=inner_steps,
+        )
         return worker_delta(global_params, params), (inner_opt_state, losses_H)
 
     delta, (inner_opt_state, losses_MxH) = backend.map_mean(worker)(

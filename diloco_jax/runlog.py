@@ -32,8 +32,14 @@ class RunLog:
 
     def __init__(self, metrics_path: Path, total: int, desc: str, progress: bool = True):
         self._file = open(metrics_path, "a")  # noqa: SIM115 - closed in close()
-        self._bar = tqdm(total=total, desc=desc, disable=not progress, unit="step",
-                         dynamic_ncols=True, leave=True)  # fmt: skip
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            disable=not progress or total == 0,
+            unit="step",
+            dynamic_ncols=True,
+            leave=True,
+        )
         self._done = 0
 
     def __call__(self, record: dict[str, Any]) -> None:
@@ -53,3 +59,9 @@ class RunLog:
     def close(self) -> None:
         self._bar.close()
         self._file.close()
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -74,7 +74,7 @@ def train_diloco(
       TrainResult(params, state: DiLoCoState, history). history[r] has "round" (0-based),
       "steps" (inner steps per worker so far), "loss", "worker_loss" ([M]), "outer_grad_norm"
       and "bytes_communicated" (cumulative bytes each worker has sent: size x itemsize of every
-      averaged delta leaf, float32 or wider).
+      averaged delta leaf, float32 or wider; 0 when M = 1).
     """
     _check_int("num_rounds", num_rounds, 0)
     _check_int("num_workers", num_workers, 1)
@@ -101,7 +101,8 @@ def train_diloco(
         num_workers=num_workers,
         inner_steps=inner_steps,
     )
-    per_round = payload_bytes(jax.eval_shape(widen, params))
+    # A lone worker has no one to send to: its mean over workers is local.
+    per_round = payload_bytes(jax.eval_shape(widen, params)) if num_workers > 1 else 0
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
         return {
@@ -153,7 +154,7 @@ def train_sync(
     Returns:
       TrainResult(params, state: SyncState, history). history[s] has "step" (0-based),
       "steps" (s + 1), "loss", "worker_loss" ([M]) and "bytes_communicated" (cumulative bytes
-      each worker has sent: size x itemsize of every averaged gradient leaf).
+      each worker has sent: size x itemsize of every averaged gradient leaf; 0 when M = 1).
     """
     _check_int("num_steps", num_steps, 0)
     _check_int("num_workers", num_workers, 1)
@@ -164,7 +165,7 @@ def train_sync(
 
     state = backend.place_shared(init_sync_state(params, optimizer))
     step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers)
-    per_step = payload_bytes(params)
+    per_step = payload_bytes(params) if num_workers > 1 else 0
 
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
         return {

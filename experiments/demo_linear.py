@@ -26,9 +26,14 @@ def main() -> None:
     params = {"w": jnp.zeros(D), "b": jnp.float32(0)}
 
     diloco = dj.train_diloco(
-        loss_fn, params, [{"x": x[r], "y": y[r]} for r in range(R)],
-        num_rounds=R, num_workers=M, inner_steps=H, inner_optimizer=optax.adamw(0.05),
-    )  # fmt: skip
+        loss_fn,
+        params,
+        [{"x": x[r], "y": y[r]} for r in range(R)],
+        num_rounds=R,
+        num_workers=M,
+        inner_steps=H,
+        inner_optimizer=optax.adamw(0.05),
+    )
     steps = [{"x": x[r, :, h], "y": y[r, :, h]} for r in range(R) for h in range(H)]
     sync = dj.train_sync(
         loss_fn, params, steps, num_steps=R * H, num_workers=M, optimizer=optax.adamw(0.05)

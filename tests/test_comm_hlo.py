@@ -20,9 +20,12 @@ def _round_program(backend_name, params):
     state = dj.init_state(params, M, inner, outer)
     batch = {"x": jnp.ones((M, H, 4, DIM)), "y": jnp.ones((M, H, 4))}
     round_fn = functools.partial(
-        dj.diloco_round, linear_loss, inner_optimizer=inner, outer_optimizer=outer,
+        dj.diloco_round,
+        linear_loss,
+        inner_optimizer=inner,
+        outer_optimizer=outer,
         backend=backend,
-    )  # fmt: skip
+    )
     return jax.jit(round_fn).lower(state, batch).compile()
 
 
@@ -43,9 +46,14 @@ def test_round_all_reduces_exactly_the_deltas(backend, dtype):
     # Deltas travel in float32 whatever the param dtype: (1000 + 1) x 4 bytes. The one extra
     # float32 scalar is the round's mean loss, reduced from the per-worker losses.
     history = dj.train_diloco(
-        linear_loss, params, [{"x": np.ones((M, H, 4, DIM)), "y": np.ones((M, H, 4))}],
-        num_rounds=1, num_workers=M, inner_steps=H, backend=backend,
-    ).history  # fmt: skip
+        linear_loss,
+        params,
+        [{"x": np.ones((M, H, 4, DIM)), "y": np.ones((M, H, 4))}],
+        num_rounds=1,
+        num_workers=M,
+        inner_steps=H,
+        backend=backend,
+    ).history
     assert history[0]["bytes_communicated"] == (DIM + 1) * 4
     assert sum(c.operand_bytes for c in found) == (DIM + 1) * 4 + 4
 

@@ -50,6 +50,10 @@ def test_inner_loop_with_batch_function_needs_num_steps():
     assert losses.shape == (4,)
     with pytest.raises(ValueError, match="num_workers"):
         dj.diloco_round(
-            linear_loss, dj.init_state(params, 2, opt, opt), _table_sampler([{"x": 1.0}]),
-            inner_optimizer=opt, outer_optimizer=opt, inner_steps=1,
-        )  # fmt: skip
+            linear_loss,
+            dj.init_state(params, 2, opt, opt),
+            _table_sampler([{"x": 1.0}]),
+            inner_optimizer=opt,
+            outer_optimizer=opt,
+            inner_steps=1,
+        )

@@ -109,6 +109,7 @@ def test_one_worker_with_outer_sgd_1_is_plain_optax_training():
             u, s = inner.update(g, s, p)
             p = optax.apply_updates(p, u)
     chex_close(result.params, p, rtol=1e-6)
+    assert result.history[-1]["bytes_communicated"] == 0  # a lone worker sends nothing
 
 
 def test_one_inner_step_with_outer_sgd_1_is_train_sync():

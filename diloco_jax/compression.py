@@ -1,0 +1,433 @@
+"""Outer-gradient compression codecs for the DiLoCo all-reduce.
+
+Each worker encodes its float32 outer gradient (parameter delta) leaf into a *payload*: a dict of
+arrays with static shapes that depend only on the leaf shape and the :class:`Compression`. Low
+precision codes are always carried as **integer** arrays (bf16 bitcast to ``uint16``, fp8 bitcast
+to ``uint8``, 4-bit codes packed two per ``uint8``, sparsity masks packed eight per ``uint8``),
+next to ``float32`` scales / values and ``int32`` indices. XLA on CPU widens bf16 / fp8
+collectives back to f32, so only integer payloads make the bytes on the wire really drop.
+
+The exchange (:func:`compressed_mean`) is ``encode -> lax.all_gather(payload) -> decode every
+worker's slice -> mean in float32``; with kind ``"none"`` it is exactly ``lax.pmean``.
+
+Kinds (``block_size`` = elements per scale block; the flattened leaf is zero-padded to a multiple
+of it and the padding is sent and counted):
+
+* ``"none"``: the leaf itself (exact).
+* ``"bf16"``: round-to-nearest-even bfloat16, sent as ``uint16``. No scales.
+* ``"fp8"``: float8_e4m3fn codes of ``x / s`` with a per-block scale ``s = absmax / 448``, sent as
+  ``uint8``. The scale matters: outer gradients (~1e-4) sit far below e4m3's smallest normal
+  (2^-6), so an unscaled cast would flush most of them to zero.
+* ``"int8"``: symmetric, ``round(x / s)`` in [-127, 127] with ``s = absmax / 127`` per block.
+* ``"int4"``: symmetric, ``round(x / s)`` in [-7, 7] with ``s = absmax / 7`` per block; two's
+  complement nibbles packed two per ``uint8`` (low nibble = even element).
+* ``"e3m0"``: the 4-bit float of Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512):
+  1 sign bit, 3 exponent bits, 0 mantissa bits. The paper fixes the bit layout, not an exponent
+  bias or a scaling rule, so we use standard float semantics for the exponent field together
+  with a per-block absmax scale ``s``: exponent field ``e = 0`` is zero (a subnormal with an empty
+  mantissa) and ``e = 1..7`` encodes ``±s * 2^(e - 7)``; no codes are reserved for inf/NaN
+  ("fn" style, like float8_e4m3fn). The grid per block is therefore
+  ``{0, ±s/64, ±s/32, ±s/16, ±s/8, ±s/4, ±s/2, ±s}`` (15 values) and the block maximum is
+  represented exactly. Rounding is to the nearest grid value in linear distance (ties away from
+  zero): the relative error is <= 1/3 for ``|x| >= s/64`` and the absolute error is <= s/128
+  below it. Nibble = ``sign << 3 | e``, packed two per ``uint8``.
+* ``"topk"``: keep the ``k = ceil(keep_fraction * n)`` largest-magnitude entries of the leaf;
+  payload = their float32 values + int32 flat indices (8 bytes per kept entry).
+* ``"sign_prune"``: the outer-gradient pruning of DiLoCo (Douillard et al. 2023, arXiv 2311.08105,
+  Table 6), which prunes outer gradients "sign-based" in the sense of TIES-merging (Yadav et al.
+  2023). TIES-merging has three steps: *trim* (keep the top-k% entries by magnitude, zero the
+  rest), *elect sign* and *disjoint merge*. Only trim is a per-worker operation on the outer
+  gradient that removes values from what is sent; elect/disjoint-merge are a cross-worker
+  aggregation rule that would replace the plain mean of the outer optimizer. Our reading is
+  therefore the trim step, applied per worker and per leaf: zero out the smallest-magnitude
+  ``n - k`` entries, ``k = ceil(keep_fraction * n)`` (the same selection as ``"topk"``), and
+  average the pruned gradients as usual. The difference to ``"topk"`` is the wire format,
+  chosen for the moderate pruning rates of the paper (25-75%): a packed keep-bitmask (n/8 bytes)
+  plus the kept float32 values in position order, which is cheaper than int32 indices whenever
+  more than 1/32 of the entries are kept.
+
+``keep_fraction`` must be in (0, 1] for ``topk``/``sign_prune`` and is rejected for other kinds;
+``block_size`` is only used by the block-scaled kinds (fp8, int8, int4, e3m0). In ``k`` the product
+``keep_fraction * n`` is rounded up after forgiving float noise of 1e-6 (so 0.3 * 10 keeps 3).
+
+Error feedback (``error_feedback=True``): each worker compresses ``x + residual`` and keeps
+``new_residual = (x + residual) - decode(payload)`` for the next round, so what is dropped is
+delayed instead of lost. With ``error_feedback=False`` the residual argument is ignored and the
+returned residual is all zeros (:func:`compress_with_feedback`) or mirrors the argument
+(:func:`compressed_mean`: zeros if a residual tree was passed, ``None`` if not).
+
+:class:`Compression` is a frozen (hashable) dataclass rather than a NamedTuple so that it is not
+a pytree: close over it or pass it as a static argument of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+KINDS = ("none", "bf16", "fp8", "int8", "int4", "e3m0", "sign_prune", "topk")
+SPARSE_KINDS = ("sign_prune", "topk")
+BLOCK_KINDS = ("fp8", "int8", "int4", "e3m0")
+
+Payload = dict[str, jax.Array]
+PyTree = Any
+
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# e3m0 magnitude of exponent field e (0..7), in units of the block scale.
+_E3M0_GRID = np.array([0.0] + [2.0 ** (e - 7) for e in range(1, 8)], np.float32)
+# Rounding thresholds: |x|/s >= _E3M0_EDGES[e - 1] means exponent field >= e (midpoints).
+_E3M0_EDGES = np.array([2.0**-7] + [0.75 * 2.0 ** (e - 7) for e in range(2, 8)], np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """How an outer-gradient leaf is compressed before it is exchanged (see module docstring)."""
+
+    kind: str = "none"
+    keep_fraction: float | None = None
+    error_feedback: bool = False
+    block_size: int = 32
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"compression: unknown kind {self.kind!r}; expected one of {KINDS}")
+        if self.kind in SPARSE_KINDS:
+            f = self.keep_fraction
+            if f is None or isinstance(f, bool) or not isinstance(f, int | float):
+                raise ValueError(
+                    f"compression: kind {self.kind!r} needs keep_fraction in (0, 1], got {f!r}"
+                )
+            if not (0.0 < float(f) <= 1.0):
+                raise ValueError(
+                    f"compression: keep_fraction must be in (0, 1] for {self.kind!r}, got {f!r}"
+                )
+            object.__setattr__(self, "keep_fraction", float(f))
+        elif self.keep_fraction is not None:
+            raise ValueError(
+                f"compression: keep_fraction is only used by {SPARSE_KINDS}, "
+                f"not by kind {self.kind!r}"
+            )
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int | np.integer) or b < 1:
+            raise ValueError(f"compression: block_size must be an integer >= 1, got {b!r}")
+        object.__setattr__(self, "block_size", int(b))
+        if not isinstance(self.error_feedback, bool | np.bool_):
+            raise ValueError(
+                f"compression: error_feedback must be a bool, got {self.error_feedback!r}"
+            )
+        object.__setattr__(self, "error_feedback", bool(self.error_feedback))
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_compression(spec: str | Compression | None) -> Compression:
+    """Builds a validated :class:`Compression`.
+
+    ``None`` means ``"none"``. Strings are ``kind[:keep_fraction][,key=value...]`` with keys
+    ``keep_fraction`` (alias ``k``), ``error_feedback`` (alias ``ef``; true/false/yes/no/on/off/
+    1/0) and ``block_size`` (alias ``block``), e.g. ``"int8"``, ``"topk:0.01"``,
+    ``"int4,block_size=64,error_feedback=true"``, ``"sign_prune:0.5,ef=1"``. A ``Compression``
+    is re-validated and returned. Raises ``ValueError`` (message starting ``compression:``) on
+    an unknown kind or option, a keep_fraction missing / outside (0, 1] for topk/sign_prune or
+    given to another kind, or a block_size < 1.
+    """
+    if spec is None:
+        return Compression("none")
+    if isinstance(spec, Compression):
+        return dataclasses.replace(spec)  # re-runs validation
+    if not isinstance(spec, str):
+        raise ValueError(f"compression: expected a str, Compression or None, got {spec!r}")
+    parts = [p.strip() for p in spec.strip().split(",")]
+    head, opts = parts[0], parts[1:]
+    kwargs: dict[str, Any] = {}
+    if ":" in head:
+        head, frac = head.split(":", 1)
+        kwargs["keep_fraction"] = _parse_float(frac, spec)
+    kind = head.strip().lower()
+    for opt in opts:
+        if "=" not in opt:
+            raise ValueError(f"compression: expected key=value, got {opt!r} in {spec!r}")
+        key, val = (s.strip().lower() for s in opt.split("=", 1))
+        if key in ("keep_fraction", "k"):
+            kwargs["keep_fraction"] = _parse_float(val, spec)
+        elif key in ("error_feedback", "ef"):
+            if val not in _TRUE + _FALSE:
+                raise ValueError(f"compression: bad error_feedback {val!r} in {spec!r}")
+            kwargs["error_feedback"] = val in _TRUE
+        elif key in ("block_size", "block"):
+            try:
+                kwargs["block_size"] = int(val)
+            except ValueError:
+                raise ValueError(f"compression: bad block_size {val!r} in {spec!r}") from None
+        else:
+            raise ValueError(f"compression: unknown option {key!r} in {spec!r}")
+    return Compression(kind, **kwargs)
+
+
+def _parse_float(s: str, spec: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise ValueError(f"compression: bad keep_fraction {s!r} in {spec!r}") from None
+
+
+# ----------------------------------------------------------------------------- static sizes
+
+
+def _size(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def num_kept(n: int, keep_fraction: float) -> int:
+    """``k = ceil(keep_fraction * n)`` (float noise below 1e-6 forgiven), clipped to [1, n]."""
+    if n == 0:
+        return 0
+    return min(n, max(1, math.ceil(keep_fraction * n - 1e-6)))
+
+
+def _blocks(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _blocked(x: jax.Array, block_size: int) -> jax.Array:
+    """Flattens to float32, zero-pads to a multiple of block_size, reshapes (blocks, block)."""
+    flat = jnp.ravel(x).astype(jnp.float32)
+    n = flat.shape[0]
+    nb = _blocks(n, block_size)
+    flat = jnp.pad(flat, (0, nb * block_size - n))
+    return flat.reshape(nb, block_size)
+
+
+def _absmax_scale(xb: jax.Array, qmax: float) -> tuple[jax.Array, jax.Array]:
+    """Per-block scale ``absmax / qmax`` and a division-safe version (1 where the scale is 0)."""
+    scale = jnp.max(jnp.abs(xb), axis=1) / qmax
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return scale, safe
+
+
+def _pack_nibbles(nib: jax.Array) -> jax.Array:
+    """uint8 values in [0, 16) -> uint8 pairs (even element in the low nibble)."""
+    nib = nib.astype(jnp.uint8)
+    if nib.shape[0] % 2:
+        nib = jnp.pad(nib, (0, 1))
+    pairs = nib.reshape(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: jax.Array, count: int) -> jax.Array:
+    nib = jnp.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)
+    return nib[:count]
+
+
+def _restore(flat: jax.Array, shape: Sequence[int], dtype) -> jax.Array:
+    return flat[: _size(shape)].reshape(tuple(shape)).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- encode / decode
+
+
+def encode(x: jax.Array, compression: Compression | str | None) -> Payload:
+    """Encodes one leaf into a payload dict of arrays with static shapes (see module docstring)."""
+    c = parse_compression(compression)
+    x = jnp.asarray(x)
+    kind, bs = c.kind, c.block_size
+    if kind == "none":
+        return {"values": x}
+    if kind == "bf16":
+        codes = lax.bitcast_convert_type(jnp.ravel(x).astype(jnp.bfloat16), jnp.uint16)
+        return {"codes": codes}
+    if kind in SPARSE_KINDS:
+        flat = jnp.ravel(x).astype(jnp.float32)
+        n = flat.shape[0]
+        k = num_kept(n, c.keep_fraction)
+        if k == 0:
+            idx = jnp.zeros((0,), jnp.int32)
+        else:
+            _, idx = lax.top_k(jnp.abs(flat), k)
+            idx = idx.astype(jnp.int32)
+        if kind == "topk":
+            return {"values": flat[idx], "indices": idx}
+        idx = jnp.sort(idx)
+        mask = jnp.zeros((n,), jnp.bool_).at[idx].set(True)
+        return {"values": flat[idx], "mask": jnp.packbits(mask)}
+
+    xb = _blocked(x, bs)
+    if kind == "fp8":
+        scale, safe = _absmax_scale(xb, _FP8_MAX)
+        y = jnp.clip(xb / safe[:, None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
+        codes = lax.bitcast_convert_type(y, jnp.uint8).reshape(-1)
+        return {"codes": codes, "scales": scale}
+    if kind == "int8":
+        scale, safe = _absmax_scale(xb, 127.0)
+        q = jnp.clip(jnp.round(xb / safe[:, None]), -127, 127).astype(jnp.int8)
+        return {"codes": q.reshape(-1), "scales": scale}
+    if kind == "int4":
+        scale, safe = _absmax_scale(xb, 7.0)
+        q = jnp.clip(jnp.round(xb / safe[:, None]), -7, 7).astype(jnp.int8)
+        nib = lax.bitcast_convert_type(q, jnp.uint8) & 0xF  # two's complement nibble
+        return {"codes": _pack_nibbles(nib.reshape(-1)), "scales": scale}
+    if kind == "e3m0":
+        scale, safe = _absmax_scale(xb, 1.0)
+        a = jnp.abs(xb) / safe[:, None]
+        e = jnp.sum(a[..., None] >= jnp.asarray(_E3M0_EDGES), axis=-1).astype(jnp.uint8)
+        sign = (xb < 0).astype(jnp.uint8) & (e > 0).astype(jnp.uint8)
+        nib = (sign << 3) | e
+        return {"codes": _pack_nibbles(nib.reshape(-1)), "scales": scale}
+    raise AssertionError(kind)  # unreachable: Compression validates kind
+
+
+def decode(
+    payload: Payload,
+    compression: Compression | str | None,
+    shape: Sequence[int],
+    dtype=jnp.float32,
+) -> jax.Array:
+    """Inverse of :func:`encode`: returns an array of ``shape`` and ``dtype``."""
+    c = parse_compression(compression)
+    kind, bs = c.kind, c.block_size
+    shape = tuple(int(d) for d in shape)
+    n = _size(shape)
+    if kind == "none":
+        return payload["values"].reshape(shape).astype(dtype)
+    if kind == "bf16":
+        y = lax.bitcast_convert_type(payload["codes"], jnp.bfloat16).astype(jnp.float32)
+        return _restore(y, shape, dtype)
+    if kind == "topk":
+        flat = jnp.zeros((n,), jnp.float32).at[payload["indices"]].set(payload["values"])
+        return _restore(flat, shape, dtype)
+    if kind == "sign_prune":
+        values = payload["values"]
+        k = values.shape[0]
+        mask = jnp.unpackbits(payload["mask"], count=n).astype(jnp.bool_)
+        if k == 0:
+            return jnp.zeros(shape, dtype)
+        pos = jnp.clip(jnp.cumsum(mask.astype(jnp.int32)) - 1, 0, k - 1)
+        flat = jnp.where(mask, values[pos], 0.0)
+        return _restore(flat, shape, dtype)
+
+    scales = payload["scales"]
+    nb = scales.shape[0]
+    npad = nb * bs
+    if kind == "fp8":
+        y = lax.bitcast_convert_type(payload["codes"], jnp.float8_e4m3fn).astype(jnp.float32)
+    elif kind == "int8":
+        y = payload["codes"].astype(jnp.float32)
+    elif kind == "int4":
+        nib = _unpack_nibbles(payload["codes"], npad).astype(jnp.int32)
+        y = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
+    elif kind == "e3m0":
+        nib = _unpack_nibbles(payload["codes"], npad)
+        mag = jnp.asarray(_E3M0_GRID)[nib & 0x7]
+        y = jnp.where((nib >> 3) > 0, -mag, mag)
+    else:
+        raise AssertionError(kind)
+    y = y.reshape(nb, bs) * scales[:, None]
+    return _restore(y.reshape(-1), shape, dtype)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def payload_bytes(shape: Sequence[int], dtype, compression: Compression | str | None) -> int:
+    """Bytes of the payload arrays of one leaf (codes, scales, indices, masks, padding).
+
+    Computed abstractly with ``jax.eval_shape``; nothing is run.
+    """
+    c = parse_compression(compression)
+    spec = jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype))
+    out = jax.eval_shape(lambda x: encode(x, c), spec)
+    return int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(out)))
+
+
+def tree_payload_bytes(tree: PyTree, compression: Compression | str | None) -> int:
+    """Sum of :func:`payload_bytes` over the leaves (arrays or ShapeDtypeStructs) of ``tree``."""
+    c = parse_compression(compression)
+    return sum(payload_bytes(x.shape, x.dtype, c) for x in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------- error feedback
+
+
+def init_residual(tree: PyTree) -> PyTree:
+    """Zero float32 error-feedback residuals shaped like ``tree``."""
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+
+
+def compress_with_feedback(
+    x: jax.Array, residual: jax.Array | None, compression: Compression | str | None
+) -> tuple[Payload, jax.Array]:
+    """Encodes ``x + residual`` and returns ``(payload, (x + residual) - decode(payload))``.
+
+    With ``error_feedback=False`` the residual is ignored (may be ``None``), ``x`` alone is
+    encoded and the returned residual is float32 zeros shaped like ``x``. A ``None`` residual
+    with error feedback on counts as zeros.
+    """
+    c = parse_compression(compression)
+    x = jnp.asarray(x)
+    if not c.error_feedback:
+        return encode(x, c), jnp.zeros(x.shape, jnp.float32)
+    value = x.astype(jnp.float32)
+    if residual is not None:
+        value = value + residual.astype(jnp.float32)
+    payload = encode(value, c)
+    return payload, value - decode(payload, c, x.shape, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- collective
+
+
+def compressed_mean(
+    tree: PyTree,
+    compression: Compression | str | None,
+    axis_name,
+    residual: PyTree | None = None,
+) -> tuple[PyTree, PyTree | None]:
+    """Mean of ``tree`` over ``axis_name`` with every worker's leaves sent compressed.
+
+    For use inside ``jax.vmap(axis_name=...)``, ``shard_map`` or ``pmap``. Each leaf is encoded
+    (after adding the residual when error feedback is on), the payload is ``lax.all_gather``-ed,
+    every worker's slice is decoded and the slices are averaged in float32; the mean is returned
+    in the leaf's dtype. Kind ``"none"`` uses ``lax.pmean`` directly (bit-identical to it).
+
+    Returns ``(mean_tree, new_residual)``. With error feedback, ``new_residual`` is this worker's
+    float32 residual tree (``residual=None`` starts from zeros). Without, it is a zero tree if a
+    residual tree was passed and ``None`` otherwise.
+    """
+    c = parse_compression(compression)
+    leaves, treedef = jax.tree.flatten(tree)
+    if residual is None:
+        res_leaves = [None] * len(leaves)
+    else:
+        res_leaves = treedef.flatten_up_to(residual)
+
+    means, new_res = [], []
+    for x, r in zip(leaves, res_leaves, strict=True):
+        x = jnp.asarray(x)
+        if c.kind == "none":
+            if c.error_feedback and r is not None:
+                x = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(x.dtype)
+            means.append(lax.pmean(x, axis_name))
+            new_res.append(jnp.zeros(x.shape, jnp.float32))
+            continue
+        payload, nr = compress_with_feedback(x, r, c)
+        gathered = lax.all_gather(payload, axis_name)
+        decoded = jax.vmap(lambda p, shape=x.shape: decode(p, c, shape, jnp.float32))(gathered)
+        means.append(jnp.mean(decoded, axis=0).astype(x.dtype))
+        new_res.append(nr)
+
+    mean_tree = jax.tree.unflatten(treedef, means)
+    if not c.error_feedback and residual is None:
+        return mean_tree, None
+    return mean_tree, jax.tree.unflatten(treedef, new_res)

@@ -1,0 +1,92 @@
+"""Shared runner for the paper's sweeps at small scale (imported by the sweep_*.py scripts).
+
+Each sweep varies one setting of DiLoCo from the `quick` preset, starting every run from the
+same warm start, and writes results/<name>.md (a table) and results/<name>.png (eval loss
+against tokens per worker), plus results/<name>.json with every run's summary.
+"""
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from diloco_jax import lm  # noqa: E402
+from diloco_jax.config import make_config  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def run_sweep(
+    name: str, title: str, variants: dict[str, dict[str, Any]], baselines: bool = True
+) -> None:
+    """Runs DiLoCo once per variant (config overrides on the `quick` preset, or --preset),
+    plus the sync_1worker and sync_data_parallel baselines of the base config."""
+    parser = argparse.ArgumentParser(description=title)
+    parser.add_argument("--preset", default="quick")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = make_config(args.preset)
+    corpus = lm.load_corpus(
+        dataclasses.replace(
+            base, workers=max(v.get("workers", base.workers) for v in variants.values())
+        )
+    )
+    params = lm.pretrain(base, corpus)
+    summaries, histories = {}, {}
+    runs = [(label, "diloco", make_config(args.preset, **ov)) for label, ov in variants.items()]
+    if baselines:
+        runs += [("sync_1worker", "sync", base), ("sync_data_parallel", "sync", base)]
+    for label, algo, cfg in runs:
+        workers = 1 if label == "sync_1worker" else cfg.workers
+        summaries[label], histories[label] = lm.run(
+            cfg, corpus, algo, workers, name=label, params=params
+        )
+        print(f"{label}: eval loss {summaries[label]['final_eval_loss']:.4f}")
+    table = _table(title, base, summaries)
+    (out / f"{name}.md").write_text(table)
+    (out / f"{name}.json").write_text(json.dumps(summaries, indent=2, sort_keys=True) + "\n")
+    _plot(title, histories, out / f"{name}.png")
+    print(table)
+
+
+def _table(title: str, base, summaries: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        f"## {title}",
+        "",
+        f"Base: preset with {base.model} model, M={base.workers}, H={base.inner_steps}, "
+        f"R={base.rounds}, {base.sharding}, warm start {base.pretrain_steps} steps.",
+        "",
+        "| run | workers | H | outer | data | bytes sent / worker | eval loss | eval ppl |",
+        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    for label, s in summaries.items():
+        lines.append(
+            f"| {label} | {s['workers']} | {s['inner_steps']} | {s['outer']} | "
+            f"{s['sharding']} | {s['bytes_communicated']:,} | "
+            f"{s['final_eval_loss']:.4f} | {s['final_eval_ppl']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(title: str, histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for label, history in histories.items():
+        points = [(h["tokens_per_worker"], h["eval_loss"]) for h in history if "eval_loss" in h]
+        style = "--" if label.startswith("sync") else "-"
+        ax.plot(*zip(*points, strict=True), style, marker="o", ms=2, label=label)
+    ax.set_xlabel("tokens per worker")
+    ax.set_ylabel("eval loss (nats / byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,164 @@
+"""The diloco-jax CLI end to end on the micro preset, and its handling of user mistakes."""
+
+import json
+import math
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+
+from diloco_jax.cli import main
+
+TEXT = "".join(
+    f"Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(400)
+)
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "micro",
+                "--algo",
+                "diloco",
+                "--data",
+                f"text:{corpus}",
+                "--workers",
+                "2",
+                "--inner-steps",
+                "3",
+                "--rounds",
+                "2",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["inner_steps"] == 3 and config["data"]["spec"] == f"text:{corpus}"
+    assert config["data"]["sha256"] and config["num_params"] > 0
+    records = _read_jsonl(out / "metrics.jsonl")
+    pre = [r for r in records if r["run"] == "pretrain"]
+    main_run = [r for r in records if r["run"] == "diloco"]
+    assert len(pre) == 2 and [r["round"] for r in main_run] == [0, 1]
+    assert all("eval_loss" in r for r in main_run)
+    # DiLoCo sends one float32 delta of every parameter per round.
+    assert main_run[-1]["bytes_communicated"] == 2 * 4 * config["num_params"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_eval_ppl"] == pytest.approx(math.exp(summary["final_eval_loss"]))
+    assert "diloco: eval loss" in capsys.readouterr().out
+
+
+def test_compare_writes_summary_table_and_plots(tmp_path):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--preset", "micro", "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    runs = summary["runs"]
+    assert set(runs) == {"diloco", "sync_1worker", "sync_data_parallel"}
+    cfg = summary["config"]["config"]
+    m, h, r = cfg["workers"], cfg["inner_steps"], cfg["rounds"]
+    n = summary["config"]["num_params"]
+    for name, run in runs.items():
+        for key in (
+            "final_eval_loss",
+            "final_eval_ppl",
+            "bytes_communicated",
+            "tokens_seen",
+            "wall_seconds",
+        ):
+            assert math.isfinite(run[key]), (name, key)
+        assert run["steps_per_worker"] == h * r
+    assert runs["diloco"]["bytes_communicated"] == r * n * 4
+    assert runs["sync_data_parallel"]["bytes_communicated"] == h * r * n * 4
+    assert runs["sync_1worker"]["bytes_communicated"] == 0
+    tokens = h * r * cfg["batch_size"] * cfg["seq_len"]
+    assert runs["sync_1worker"]["tokens_seen"] == tokens
+    assert runs["diloco"]["tokens_seen"] == runs["sync_data_parallel"]["tokens_seen"] == m * tokens
+    table = (out / "summary.md").read_text()
+    for name in runs:
+        assert table.count(f"\n| {name} |") == (2 if name != "sync_1worker" else 1)
+    assert "## Simulated network" in table
+    network = summary["network"]["runs"]
+    assert (
+        network["diloco"]["steps_per_sync"] == h
+        and network["sync_data_parallel"]["steps_per_sync"] == 1
+    )
+    for bandwidth in ("100 Gbit/s", "10 Gbit/s", "1 Gbit/s", "100 Mbit/s"):
+        assert (
+            network["diloco"][bandwidth]["utilization"]
+            > network["sync_data_parallel"][bandwidth]["utilization"]
+        )
+    for png in ("eval_loss_vs_tokens.png", "eval_loss_vs_bytes.png"):
+        image = matplotlib.image.imread(out / png)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    records = _read_jsonl(out / "metrics.jsonl")
+    assert {rec["run"] for rec in records} == {"pretrain", *runs}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--workers", "0"], "workers must be an integer >= 1"),
+        (["train", "--workers", "two"], "invalid int value"),
+        (["compare", "--inner-steps", "-3"], "inner_steps"),
+        (["train", "--preset", "huge"], "invalid choice"),
+        (["train", "--sharding", "random"], "invalid choice"),
+        (["train", "--outer-optimizer", "lamb"], "invalid choice"),
+        (["train", "--outer-lr", "-1"], "outer_lr"),
+        (["train", "--inner-lr", "nan"], "inner_lr"),
+        (["train", "--model", "gpt5"], "model must be one of"),
+        (["train", "--preset", "micro", "--seq-len", "4096"], "exceeds model"),
+        (["train", "--backend", "tpu"], "backend must be one of"),
+        (["train", "--data", "text:/no/such/file.txt"], "--data text:/no/such/file.txt"),
+        (["train", "--data", "s3://bucket"], "unknown data spec"),
+        (
+            ["compare", "--preset", "micro", "--sharding", "non_iid", "--workers", "5000"],
+            "--data stdlib",
+        ),
+        (["train", "--frobnicate"], "unrecognized arguments"),
+        ([], "required"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path, capsys):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(out)] if argv else argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("diloco-jax: error:"), err
+    assert message in err
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_is_rejected(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--preset", "micro", "--out", str(target)])
+    assert exit_info.value.code == 2 and "is not a folder" in capsys.readouterr().err
+    assert target.read_text() == "keep me"
+
+
+def test_module_entry_point_reports_bad_flag():
+    done = subprocess.run(
+        [sys.executable, "-m", "diloco_jax", "train", "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "diloco-jax: error: workers must be an integer >= 1, got 0"
+    ]
