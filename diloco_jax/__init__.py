@@ -1,5 +1,6 @@
 """diloco-jax: DiLoCo (Douglas et al. 2023, arXiv 2311.08105) in JAX."""
 
+from diloco_jax import checkpoint
 from diloco_jax.comm import payload_bytes
 from diloco_jax.inner import inner_loop, inner_step
 from diloco_jax.outer import delta_dtype, outer_init, outer_step, outer_update, worker_delta
@@ -16,6 +17,7 @@ from diloco_jax.train import TrainResult, train_diloco, train_sync
 from diloco_jax.workers import WORKER_AXIS, Backend, make_backend
 
 __all__ = [
+    "checkpoint",
     "WORKER_AXIS",
     "Backend",
     "DiLoCoState",

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="one run of DiLoCo or the synchronous baseline")
     train.add_argument("--algo", choices=ALGOS, default="diloco")
+    train.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help="checkpoint every K rounds into OUT/checkpoints; rerunning resumes from there",
+    )
     _shared_flags(train)
     compare = sub.add_parser(
         "compare", help="DiLoCo vs sync_1worker vs sync_data_parallel, with summary and plots"
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
         out = _out_dir(args.out, default_out)
+        if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_every < 1:
+            raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         from diloco_jax import lm
 
         corpus = lm.load_corpus(cfg)
@@ -110,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(e))
     progress = not args.no_progress
     if args.command == "train":
-        train_command(cfg, corpus, args.algo, out, progress=progress)
+        every = args.checkpoint_every
+        train_command(cfg, corpus, args.algo, out, progress=progress, checkpoint_every=every)
     else:
         from diloco_jax.compare import compare_command
 
@@ -118,19 +126,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_command(cfg, corpus, algo: str, out: Path, progress: bool = True) -> dict[str, Any]:
-    """One run into `out`: config.json first, metrics.jsonl as it trains, summary.json last."""
+def train_command(
+    cfg, corpus, algo: str, out: Path, progress: bool = True, checkpoint_every: int | None = None
+) -> dict[str, Any]:
+    """One run into `out`: config.json first, metrics.jsonl as it trains, summary.json last.
+
+    With `checkpoint_every`, checkpoints go to out/checkpoints/{pretrain,run}; rerunning the
+    same command after an interruption resumes there, and metrics.jsonl is rewritten whole at
+    the end, so it ends up as an uninterrupted run's.
+    """
     from diloco_jax import lm
-    from diloco_jax.runlog import RunLog, write_json
+    from diloco_jax.runlog import RunLog, write_json, write_jsonl
 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", lm.config_record(cfg, corpus, algo=algo))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
+    ckpt = (lambda name: str(out / "checkpoints" / name)) if checkpoint_every else (lambda _: None)
     with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
-        params = lm.pretrain(cfg, corpus, on_record=log)
+        params, pre_history = lm.pretrain(
+            cfg, corpus, on_record=log, checkpoint_dir=ckpt("pretrain")
+        )
     with RunLog(metrics, cfg.total_steps, f"{algo} M={cfg.workers}", progress) as log:
-        summary, _ = lm.run(cfg, corpus, algo, cfg.workers, params=params, on_record=log)
+        summary, history = lm.run(
+            cfg,
+            corpus,
+            algo,
+            cfg.workers,
+            params=params,
+            on_record=log,
+            checkpoint_dir=ckpt("run"),
+            checkpoint_every=checkpoint_every or 1,
+        )
+    write_jsonl(metrics, pre_history + history)
     write_json(out / "summary.json", summary)
     print(
         f"{algo}: eval loss {summary['final_eval_loss']:.4f} "

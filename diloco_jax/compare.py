@@ -33,7 +33,7 @@ def compare_command(cfg: RunConfig, corpus: lm.Corpus, out: Path, progress: bool
     metrics.unlink(missing_ok=True)
     summaries, histories = {}, {}
     with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
-        params = lm.pretrain(cfg, corpus, on_record=log)
+        params, _ = lm.pretrain(cfg, corpus, on_record=log)
     for name, (algo, workers) in runs_of(cfg).items():
         with RunLog(metrics, cfg.total_steps, f"{name} M={workers}", progress) as log:
             summaries[name], histories[name] = lm.run(

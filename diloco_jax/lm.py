@@ -112,6 +112,25 @@ def init_model(cfg: RunConfig) -> tuple[model_lib.ModelConfig, Any, Callable]:
     return model_cfg, params, model_lib.make_loss_fn(model_cfg)
 
 
+def _recorder(
+    cfg: RunConfig, name: str, num_workers: int, on_record: Callable[[Record], None] | None
+) -> Callable[[Record], None]:
+    """A train_* callback that tags each history entry with the run and its token count."""
+    start = time.perf_counter()
+
+    def record(entry: Record) -> None:
+        entry.update(
+            run=name,
+            workers=num_workers,
+            wall_seconds=time.perf_counter() - start,
+            tokens_per_worker=entry["steps"] * cfg.batch_size * cfg.seq_len,
+        )
+        if on_record is not None:
+            on_record(entry)
+
+    return record
+
+
 def run(
     cfg: RunConfig,
     corpus: Corpus,
@@ -121,34 +140,30 @@ def run(
     params: Any = None,
     name: str | None = None,
     on_record: Callable[[Record], None] | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 1,
 ) -> tuple[Record, list[Record]]:
     """Trains one run from `params` (default: a fresh init) and returns (summary, history).
 
     algo "diloco": M = num_workers workers, H = cfg.inner_steps, R = cfg.rounds.
     algo "sync": M = num_workers workers averaging gradients every step, for H x R steps,
     evaluated every H steps (the same points as DiLoCo's rounds).
-    Every history entry gets "run", "tokens_per_worker" and, where evaluated, "eval_loss".
+    Every history entry gets "run", "workers", "tokens_per_worker", "wall_seconds" and, where
+    evaluated, "eval_loss". With `checkpoint_dir`, the run checkpoints every
+    `checkpoint_every` rounds (steps for sync) and resumes from a checkpoint found there.
     """
     name = name or algo
     _, init_params, loss_fn = init_model(cfg)
     params = init_params if params is None else params
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     sampler = make_sampler(cfg, corpus, num_workers, salt=0 if algo == "diloco" else 1)
     start = time.perf_counter()
-
-    def record(entry: Record) -> None:
-        entry["run"] = name
-        entry["workers"] = num_workers
-        entry["tokens_per_worker"] = entry["steps"] * tokens_per_step
-        entry["wall_seconds"] = time.perf_counter() - start
-        if on_record is not None:
-            on_record(entry)
-
     common = dict(
         num_workers=num_workers,
         backend=cfg.backend,
         eval_fn=make_eval_fn(loss_fn, corpus),
-        callback=record,
+        callback=_recorder(cfg, name, num_workers, on_record),
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
     if algo == "diloco":
         result = train_diloco(
@@ -162,6 +177,7 @@ def run(
             **common,
         )
     elif algo == "sync":
+        common["checkpoint_every"] = checkpoint_every * cfg.inner_steps
         result = train_sync(
             loss_fn,
             params,
@@ -200,40 +216,32 @@ def run(
 
 
 def pretrain(
-    cfg: RunConfig, corpus: Corpus, on_record: Callable[[Record], None] | None = None
-) -> Any:
-    """The shared warm start: `cfg.pretrain_steps` steps of one worker from a fresh init
-    (returned unchanged when 0). Its records carry run "pretrain" and are not part of any
-    compared run's budget."""
+    cfg: RunConfig,
+    corpus: Corpus,
+    on_record: Callable[[Record], None] | None = None,
+    checkpoint_dir: str | None = None,
+) -> tuple[Any, list[Record]]:
+    """The shared warm start: (params, history) after `cfg.pretrain_steps` steps of one worker
+    from a fresh init (unchanged, with no history, when 0). Its records carry run "pretrain"
+    and are not part of any compared run's budget."""
     _, params, loss_fn = init_model(cfg)
     if cfg.pretrain_steps == 0:
-        return params
-    sampler = make_sampler(cfg, corpus, 1, salt=2)
-    start = time.perf_counter()
-
-    def record(entry: Record) -> None:
-        entry.update(
-            run="pretrain",
-            workers=1,
-            wall_seconds=time.perf_counter() - start,
-            tokens_per_worker=entry["steps"] * cfg.batch_size * cfg.seq_len,
-        )
-        if on_record is not None:
-            on_record(entry)
-
+        return params, []
     result = train_sync(
         loss_fn,
         params,
-        sampler,
+        make_sampler(cfg, corpus, 1, salt=2),
         num_steps=cfg.pretrain_steps,
         num_workers=1,
         optimizer=pretrain_optimizer(cfg),
         backend=cfg.backend,
         eval_fn=make_eval_fn(loss_fn, corpus),
         eval_every=cfg.pretrain_steps,
-        callback=record,
+        callback=_recorder(cfg, "pretrain", 1, on_record),
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=cfg.pretrain_steps,
     )
-    return result.params
+    return result.params, result.history
 
 
 def config_record(cfg: RunConfig, corpus: Corpus, **extra: Any) -> dict[str, Any]:

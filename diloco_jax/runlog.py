@@ -18,6 +18,13 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(f.name, path)
 
 
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Writes one JSON object a line, atomically (temporary file, then a rename)."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    os.replace(f.name, path)
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000:

@@ -2,8 +2,10 @@
 baseline). They validate inputs at the boundary, place state on the backend's devices, run
 one compiled dispatch per round (or step), and record one history dict per round."""
 
+import dataclasses
 import functools
 import itertools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -12,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco_jax import checkpoint
 from diloco_jax.comm import payload_bytes
 from diloco_jax.inner import LossFn
 from diloco_jax.outer import widen
 from diloco_jax.round import (
-    DiLoCoState,
     default_inner_optimizer,
     default_outer_optimizer,
     diloco_round,
@@ -52,6 +54,9 @@ def train_diloco(
     eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
     eval_every: int = 1,
     callback: Callable[[Record], None] | None = None,
+    checkpoint_dir: "str | os.PathLike | None" = None,
+    checkpoint_every: int = 1,
+    keep_checkpoints: int = 3,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -69,6 +74,12 @@ def train_diloco(
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
         after the last one; its values join that round's history entry.
       callback: called with each history entry as it is recorded (e.g. a progress bar).
+      checkpoint_dir: if set, the full state and history are saved there (Orbax, atomic) every
+        `checkpoint_every` rounds and after the last, keeping the newest `keep_checkpoints`;
+        a call with a `checkpoint_dir` that holds a checkpoint resumes from it (the data of
+        completed rounds is skipped; a Sampler is keyed by round), so the result is
+        bit-identical to an uninterrupted run. A checkpoint of another configuration (M, H,
+        param shapes or dtypes, optimizer state) is a ValueError.
 
     Returns:
       TrainResult(params, state: DiLoCoState, history). history[r] has "round" (0-based),
@@ -86,12 +97,6 @@ def train_diloco(
     backend = make_backend(backend, num_workers, devices)
 
     state = init_state(params, num_workers, inner_optimizer, outer_optimizer)
-    state = DiLoCoState(
-        backend.place_shared(state.params),
-        backend.place_shared(state.outer_opt_state),
-        backend.place_workers(state.inner_opt_state),
-        backend.place_shared(state.round),
-    )
     step = _jitted(
         diloco_round,
         loss_fn,
@@ -114,18 +119,25 @@ def train_diloco(
             "bytes_communicated": (r + 1) * per_round,
         }
 
-    lead = (num_workers, inner_steps)
-    batches = _placed(data, num_rounds, lead, "[num_workers, inner_steps]", backend)
-    state, history = _host_loop(
-        step,
-        state,
-        batches,
-        record,
-        eval_fn,
-        eval_every,
-        num_rounds,
-        callback,
+    loop = _Loop(
+        backend=backend,
+        total=num_rounds,
+        lead=(num_workers, inner_steps),
+        what="[num_workers, inner_steps]",
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        callback=callback,
+        checkpoints=_checkpoints(
+            checkpoint_dir,
+            checkpoint_every,
+            keep_checkpoints,
+            params,
+            algorithm="diloco",
+            num_workers=num_workers,
+            inner_steps=inner_steps,
+        ),
     )
+    state, history = loop.run(step, record, state, data)
     return TrainResult(state.params, state, history)
 
 
@@ -142,6 +154,9 @@ def train_sync(
     eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
     eval_every: int = 1,
     callback: Callable[[Record], None] | None = None,
+    checkpoint_dir: "str | os.PathLike | None" = None,
+    checkpoint_every: int = 1,
+    keep_checkpoints: int = 3,
 ) -> TrainResult:
     """Synchronous data parallelism: each step averages M workers' gradients, then one update.
 
@@ -149,7 +164,7 @@ def train_sync(
       data: iterable of steps; each a batch pytree with leaves [num_workers, ...]; or a
         `Sampler` (called with round = step index, step = 0).
       num_steps: >= 0. num_workers: M >= 1. optimizer: default as DiLoCo's inner AdamW.
-      The rest as in `train_diloco`.
+      The rest as in `train_diloco` (checkpoints count steps instead of rounds).
 
     Returns:
       TrainResult(params, state: SyncState, history). history[s] has "step" (0-based),
@@ -163,7 +178,7 @@ def train_sync(
     optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
     backend = make_backend(backend, num_workers, devices)
 
-    state = backend.place_shared(init_sync_state(params, optimizer))
+    state = init_sync_state(params, optimizer)
     step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers)
     per_step = payload_bytes(params) if num_workers > 1 else 0
 
@@ -176,45 +191,131 @@ def train_sync(
             "bytes_communicated": (s + 1) * per_step,
         }
 
-    batches = _placed(data, num_steps, (num_workers,), "[num_workers]", backend)
-    state, history = _host_loop(
-        step,
-        state,
-        batches,
-        record,
-        eval_fn,
-        eval_every,
-        num_steps,
-        callback,
+    loop = _Loop(
+        backend=backend,
+        total=num_steps,
+        lead=(num_workers,),
+        what="[num_workers]",
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        callback=callback,
+        checkpoints=_checkpoints(
+            checkpoint_dir,
+            checkpoint_every,
+            keep_checkpoints,
+            params,
+            algorithm="sync",
+            num_workers=num_workers,
+        ),
     )
+    state, history = loop.run(step, record, state, data)
     return TrainResult(state.params, state, history)
 
 
-def _host_loop(step, state, batches, record, eval_fn, eval_every, total, callback):
-    """Dispatches iteration i + 1 before pulling iteration i's metrics, so the host never
-    stalls the device; the state is donated to each dispatch (it is the library's own)."""
-    evaluate = jax.jit(eval_fn) if eval_fn is not None else None
-    history: list[Record] = []
-    pending = None
+# State fields that hold one entry per worker (split along workers); the rest is replicated.
+_PER_WORKER_FIELDS = ("inner_opt_state", "residual")
 
-    def finish(i, metrics, evals):
-        entry = record(i, jax.device_get(metrics))
-        if evals is not None:
-            entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
-        history.append(entry)
-        if callback is not None:
-            callback(entry)
 
-    for i, batch in enumerate(batches):
-        state, metrics = step(state, batch)
-        last = i + 1 == total
-        evals = evaluate(state.params) if evaluate and ((i + 1) % eval_every == 0 or last) else None
+def _place_state(state: Any, backend: Backend) -> Any:
+    """Puts a DiLoCoState / SyncState on the backend's devices."""
+    return type(state)(
+        **{
+            name: (backend.place_workers if name in _PER_WORKER_FIELDS else backend.place_shared)(
+                value
+            )
+            for name, value in state._asdict().items()
+        }
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoints:
+    directory: str
+    every: int
+    keep: int
+    fingerprint: dict[str, Any]
+
+
+def _checkpoints(directory, every, keep, params, **fields) -> _Checkpoints | None:
+    _check_int("checkpoint_every", every, 1)
+    _check_int("keep_checkpoints", keep, 1)
+    if directory is None:
+        return None
+    if not isinstance(directory, str | os.PathLike):
+        raise ValueError(f"checkpoint_dir must be a path, got {directory!r}")
+    return _Checkpoints(os.fspath(directory), every, keep, checkpoint.fingerprint(params, **fields))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """The host loop shared by both trainers."""
+
+    backend: Backend
+    total: int
+    lead: tuple[int, ...]
+    what: str
+    eval_fn: Callable | None
+    eval_every: int
+    callback: Callable[[Record], None] | None
+    checkpoints: _Checkpoints | None
+
+    def run(self, step, record, state, data) -> tuple[Any, list[Record]]:
+        """Resumes from the latest checkpoint if any, then dispatches iteration i + 1 before
+        pulling iteration i's metrics, so the host never stalls the device. The state is
+        donated to each dispatch (it is the library's own, never the caller's)."""
+        state = _place_state(state, self.backend)
+        state, history = self._resume(state)
+        evaluate = jax.jit(self.eval_fn) if self.eval_fn is not None else None
+        pending = None
+
+        def finish(i, metrics, evals):
+            entry = record(i, jax.device_get(metrics))
+            if evals is not None:
+                entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
+            history.append(entry)
+            if self.callback is not None:
+                self.callback(entry)
+
+        batches = _placed(data, self.total, self.lead, self.what, self.backend, len(history))
+        for i, batch in enumerate(batches, start=len(history)):
+            state, metrics = step(state, batch)
+            done = i + 1
+            last = done == self.total
+            due = evaluate and (done % self.eval_every == 0 or last)
+            evals = evaluate(state.params) if due else None
+            if pending is not None:
+                finish(*pending)
+            pending = (i, metrics, evals)
+            ckpt = self.checkpoints
+            if ckpt is not None and (done % ckpt.every == 0 or last):
+                finish(*pending)
+                pending = None
+                checkpoint.save(
+                    ckpt.directory,
+                    done,
+                    state,
+                    {**ckpt.fingerprint, "data_position": done, "history": history},
+                    keep=ckpt.keep,
+                )
         if pending is not None:
             finish(*pending)
-        pending = (i, metrics, evals)
-    if pending is not None:
-        finish(*pending)
-    return state, history
+        return state, history
+
+    def _resume(self, state) -> tuple[Any, list[Record]]:
+        ckpt = self.checkpoints
+        restored = (
+            None if ckpt is None else checkpoint.restore(ckpt.directory, state, ckpt.fingerprint)
+        )
+        if restored is None:
+            return state, []
+        state, metadata, step = restored
+        checkpoint.discard_after(ckpt.directory, step)  # damaged newer ones restore skipped
+        if metadata["data_position"] > self.total:
+            raise ValueError(
+                f"checkpoint_dir {ckpt.directory} holds {metadata['data_position']} completed "
+                f"iterations, more than the {self.total} asked for"
+            )
+        return state, list(metadata["history"])
 
 
 @functools.lru_cache(maxsize=64)
@@ -233,12 +334,17 @@ def _jitted(fn, loss_fn, backend: Backend, **options):
         return _cached_jit.__wrapped__(fn, loss_fn, backend, key)
 
 
-def _placed(data: Any, count: int, lead: tuple[int, ...], what: str, backend: Backend):
-    """`count` inputs on the backend's devices: a Sampler's arrays once (replicated), or each
-    host batch split along workers."""
+def _placed(
+    data: Any, count: int, lead: tuple[int, ...], what: str, backend: Backend, skip: int = 0
+):
+    """Inputs for iterations skip..count-1 on the backend's devices: a Sampler's arrays once
+    (replicated; it is keyed by the state's counter), or each host batch split along workers
+    (the first `skip` items, already trained on, are read and dropped)."""
     if isinstance(data, Sampler):
-        return itertools.repeat(backend.place_shared(data), count)
-    return map(backend.place_workers, _batches(data, count, lead, what))
+        return itertools.repeat(backend.place_shared(data), count - skip)
+    return map(
+        backend.place_workers, itertools.islice(_batches(data, count, lead, what), skip, None)
+    )
 
 
 def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) -> Iterator[Any]:

@@ -39,7 +39,7 @@ def run_sweep(
             base, workers=max(v.get("workers", base.workers) for v in variants.values())
         )
     )
-    params = lm.pretrain(base, corpus)
+    params, _ = lm.pretrain(base, corpus)
     summaries, histories = {}, {}
     runs = [(label, "diloco", make_config(args.preset, **ov)) for label, ov in variants.items()]
     if baselines:
