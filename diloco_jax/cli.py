@@ -3,6 +3,7 @@ baselines, the paper's Table 2 at laptop scale). User mistakes print one line, e
 and nothing is written."""
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -98,31 +99,54 @@ def _out_dir(value: str | None, default: str) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        from diloco_jax import config
+@dataclasses.dataclass(frozen=True)
+class Invocation:
+    """A checked command line: what to run, with which config, into which folder."""
 
-        cfg = config.make_config(
-            **{k: getattr(args, k) for k in _CONFIG_FLAGS if k != "preset"}, preset=args.preset
-        )
-        default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
-        out = _out_dir(args.out, default_out)
-        if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_every < 1:
-            raise ConfigError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    command: str
+    cfg: Any
+    out: Path
+    algo: str | None
+    checkpoint_every: int | None
+    progress: bool
+
+
+def parse(argv: list[str] | None = None) -> Invocation:
+    """Parses and validates a command line without touching the disk or the accelerator.
+    Raises ConfigError for a bad value; argparse errors exit with code 2 (one line)."""
+    from diloco_jax import config
+
+    args = build_parser().parse_args(argv)
+    overrides = {k: getattr(args, k) for k in _CONFIG_FLAGS if k != "preset"}
+    cfg = config.make_config(args.preset, **overrides)
+    default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
+    every = getattr(args, "checkpoint_every", None)
+    if every is not None and every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {every}")
+    return Invocation(
+        args.command,
+        cfg,
+        _out_dir(args.out, default_out),
+        getattr(args, "algo", None),
+        every,
+        not args.no_progress,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run = parse(argv)
         from diloco_jax import lm
 
-        corpus = lm.load_corpus(cfg)
+        corpus = lm.load_corpus(run.cfg)
     except ConfigError as e:
         _fail(str(e))
-    progress = not args.no_progress
-    if args.command == "train":
-        every = args.checkpoint_every
-        train_command(cfg, corpus, args.algo, out, progress=progress, checkpoint_every=every)
+    if run.command == "train":
+        train_command(run.cfg, corpus, run.algo, run.out, run.progress, run.checkpoint_every)
     else:
         from diloco_jax.compare import compare_command
 
-        compare_command(cfg, corpus, out, progress=progress)
+        compare_command(run.cfg, corpus, run.out, progress=run.progress)
     return 0
 
 

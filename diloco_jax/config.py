@@ -4,6 +4,7 @@ A config is a frozen dataclass; `make_config(preset, **overrides)` returns a che
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import optax
@@ -103,23 +104,44 @@ def make_config(preset: str = "default", **overrides: Any) -> RunConfig:
     return cfg
 
 
+def _check_types(cfg: RunConfig) -> None:
+    """Every field has its declared type (bool is not a number here; ints pass as floats)."""
+    for field in dataclasses.fields(RunConfig):
+        value = getattr(cfg, field.name)
+        declared = field.type.__name__ if isinstance(field.type, type) else str(field.type)
+        if value is None and "None" in declared:
+            continue
+        if isinstance(value, bool):
+            ok = False
+        elif declared.startswith("int"):
+            ok = isinstance(value, int)
+        elif declared.startswith("float"):
+            ok = isinstance(value, int | float) and math.isfinite(value)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ConfigError(
+                f"{field.name} must be {declared.replace(' | ', ' or ')}, got {value!r}"
+            )
+
+
 def validate(cfg: RunConfig) -> None:
     """Raises ConfigError naming the first bad field."""
     from diloco_jax.model import PRESETS as MODELS
     from diloco_jax.workers import BACKENDS
 
-    def positive(name: str, minimum: int = 1) -> None:
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    _check_types(cfg)
+
+    def at_least(name: str, minimum: int) -> None:
+        if getattr(cfg, name) < minimum:
+            raise ConfigError(f"{name} must be an integer >= {minimum}, got {getattr(cfg, name)!r}")
 
     for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
-        positive(name)
-    positive("warmup_steps", 0)
-    positive("pretrain_steps", 0)
-    positive("seed", 0)
+        at_least(name, 1)
+    for name in ("warmup_steps", "pretrain_steps", "seed"):
+        at_least(name, 0)
     if cfg.max_bytes is not None:
-        positive("max_bytes")
+        at_least("max_bytes", 1)
     if cfg.model not in MODELS:
         raise ConfigError(f"model must be one of {sorted(MODELS)}, got {cfg.model!r}")
     if cfg.seq_len > MODELS[cfg.model].seq_len:
@@ -134,13 +156,11 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
-    for name in ("inner_lr", "weight_decay"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int | float) or not 0 <= value < float("inf"):
-            raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
     if not cfg.inner_lr > 0:
-        raise ConfigError(f"inner_lr must be > 0, got {cfg.inner_lr!r}")
-    if not cfg.resolved_outer_lr > 0 or cfg.resolved_outer_lr == float("inf"):
+        raise ConfigError(f"inner_lr must be a finite number > 0, got {cfg.inner_lr!r}")
+    if cfg.weight_decay < 0:
+        raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay!r}")
+    if not cfg.resolved_outer_lr > 0:
         raise ConfigError(f"outer_lr must be a finite number > 0, got {cfg.outer_lr!r}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction!r}")

@@ -1,0 +1,139 @@
+"""Fuzzing the command line and config parsing: a user mistake is a ConfigError or a one-line
+exit 2, never a traceback, and parsing writes nothing."""
+
+import dataclasses
+import math
+import os
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from diloco_jax import cli
+from diloco_jax.config import ConfigError, RunConfig, make_config, validate
+
+FLAGS = [
+    "--preset",
+    "--workers",
+    "--inner-steps",
+    "--rounds",
+    "--data",
+    "--sharding",
+    "--inner-lr",
+    "--outer-lr",
+    "--outer-optimizer",
+    "--model",
+    "--batch-size",
+    "--seq-len",
+    "--max-bytes",
+    "--pretrain-steps",
+    "--seed",
+    "--backend",
+    "--checkpoint-every",
+]
+VALUES = st.one_of(
+    st.integers(-10, 10_000).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(
+        [
+            "micro",
+            "quick",
+            "default",
+            "iid",
+            "non_iid",
+            "nesterov",
+            "sgd",
+            "adam",
+            "vmap",
+            "pmap",
+            "auto",
+            "stdlib",
+            "text:/nope",
+            "hf:",
+            "",
+            "-",
+            "nan",
+            "1e-3",
+            "0",
+            "-1",
+            "tiny",
+            "micro2",
+            "ü",
+            "--",
+            "--workers",
+        ]
+    ),
+    st.text(max_size=12),
+)
+ARGV = st.tuples(
+    st.sampled_from(["train", "compare", "bogus", "--help-me"]),
+    st.lists(st.tuples(st.sampled_from(FLAGS), VALUES), max_size=6),
+)
+
+SETTINGS = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@SETTINGS
+@given(ARGV)
+def test_any_command_line_parses_or_fails_cleanly(tmp_path, capsys, argv):
+    command, pairs = argv
+    args = [command] + [x for pair in pairs for x in pair] + ["--out", str(tmp_path / "out")]
+    before = sorted(os.listdir(tmp_path))
+    try:
+        run = cli.parse(args)
+    except ConfigError as e:
+        assert "\n" not in str(e) and str(e)
+    except SystemExit as e:
+        assert e.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("diloco-jax: error:") and err.count("\n") == 1, err
+    else:
+        validate(run.cfg)  # what parse returns is always a valid config
+        assert run.command in ("train", "compare")
+        assert run.checkpoint_every is None or run.checkpoint_every >= 1
+    assert sorted(os.listdir(tmp_path)) == before  # parsing never writes
+
+
+FIELD_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+
+
+FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(
+        st.sampled_from(FIELDS).flatmap(lambda f: st.fixed_dictionaries({f: FIELD_VALUES})),
+        st.dictionaries(st.sampled_from(FIELDS), FIELD_VALUES, max_size=4),
+    )
+)
+@example({"val_fraction": "x"})
+@example({"outer_lr": "x"})
+@example({"inner_lr": True})
+@example({"model": ["a"]})
+@example({"workers": 2.0})
+@example({"inner_lr": math.inf})
+def test_make_config_accepts_only_valid_configs(overrides):
+    try:
+        cfg = make_config("micro", **overrides)
+    except ConfigError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    validate(cfg)
+    for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
+        assert isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1
+    assert math.isfinite(cfg.inner_lr) and cfg.inner_lr > 0
+    assert math.isfinite(cfg.resolved_outer_lr) and cfg.resolved_outer_lr > 0
+
+
+def test_unknown_config_field_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown config fields"):
+        make_config("micro", learning_rate=1.0)
