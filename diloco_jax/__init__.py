@@ -1,7 +1,8 @@
 """diloco-jax: DiLoCo (Douglas et al. 2023, arXiv 2311.08105) in JAX."""
 
 from diloco_jax import checkpoint
-from diloco_jax.comm import payload_bytes
+from diloco_jax.comm import payload_bytes, round_bytes
+from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.inner import inner_loop, inner_step
 from diloco_jax.outer import delta_dtype, outer_init, outer_step, outer_update, worker_delta
 from diloco_jax.round import (
@@ -20,6 +21,7 @@ __all__ = [
     "checkpoint",
     "WORKER_AXIS",
     "Backend",
+    "Compression",
     "DiLoCoState",
     "Sampler",
     "SyncState",
@@ -36,7 +38,9 @@ __all__ = [
     "outer_init",
     "outer_step",
     "outer_update",
+    "parse_compression",
     "payload_bytes",
+    "round_bytes",
     "sync_step",
     "train_diloco",
     "train_sync",

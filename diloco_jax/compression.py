@@ -8,7 +8,9 @@ next to ``float32`` scales / values and ``int32`` indices. XLA on CPU widens bf1
 collectives back to f32, so only integer payloads make the bytes on the wire really drop.
 
 The exchange (:func:`compressed_mean`) is ``encode -> lax.all_gather(payload) -> decode every
-worker's slice -> mean in float32``; with kind ``"none"`` it is exactly ``lax.pmean``.
+worker's slice -> mean in float32``; with kind ``"none"`` it is exactly ``lax.pmean``. Its two
+halves, :func:`encode_tree` (per worker) and :func:`decode_mean` (on the gathered payloads),
+are what ``diloco_round`` runs around the backend's all_gather.
 
 Kinds (``block_size`` = elements per scale block; the flattened leaf is zero-padded to a multiple
 of it and the padding is sent and counted):
@@ -385,6 +387,55 @@ def compress_with_feedback(
     return payload, value - decode(payload, c, x.shape, jnp.float32)
 
 
+# ----------------------------------------------------------------------------- trees
+
+
+def encode_tree(
+    tree: PyTree, compression: Compression | str | None, residual: PyTree | None = None
+) -> tuple[PyTree, PyTree]:
+    """One worker's payloads for every leaf of ``tree`` (see :func:`compress_with_feedback`).
+
+    Args:
+      tree: this worker's leaves (e.g. its outer gradient), any float dtype.
+      compression: a lossy kind (``"none"`` encodes to ``{"values": leaf}``).
+      residual: float32 tree like ``tree`` or ``None`` (zeros); read only with error feedback.
+
+    Returns:
+      ``(payloads, new_residual)``: ``payloads`` has ``tree``'s structure with a payload dict
+      per leaf (static shapes, integer codes); ``new_residual`` is float32 like ``tree`` (all
+      zeros without error feedback).
+    """
+    c = parse_compression(compression)
+    leaves, treedef = jax.tree.flatten(tree)
+    res = [None] * len(leaves) if residual is None else treedef.flatten_up_to(residual)
+    pairs = [compress_with_feedback(x, r, c) for x, r in zip(leaves, res, strict=True)]
+    payloads = treedef.unflatten([p for p, _ in pairs])
+    return payloads, treedef.unflatten([r for _, r in pairs])
+
+
+def decode_mean(gathered: PyTree, compression: Compression | str | None, like: PyTree) -> PyTree:
+    """Mean over workers of their payloads, decoded.
+
+    Args:
+      gathered: ``like``'s structure with a payload dict per leaf whose arrays are stacked
+        over the workers, [M, ...] (what an all_gather of :func:`encode_tree`'s payloads gives).
+      compression: the compression that encoded them.
+      like: arrays or ``jax.ShapeDtypeStruct``s: each leaf's shape and dtype, without M.
+
+    Returns:
+      ``like``-shaped tree: every worker's payload decoded to float32, averaged in float32
+      and cast to the leaf's dtype.
+    """
+    c = parse_compression(compression)
+    like_leaves, treedef = jax.tree.flatten(like)
+    means = []
+    for payload, x in zip(treedef.flatten_up_to(gathered), like_leaves, strict=True):
+        shape = tuple(jnp.shape(x))
+        decoded = jax.vmap(lambda p, shape=shape: decode(p, c, shape, jnp.float32))(payload)
+        means.append(jnp.mean(decoded, axis=0).astype(x.dtype))
+    return treedef.unflatten(means)
+
+
 # ----------------------------------------------------------------------------- collective
 
 
@@ -406,28 +457,19 @@ def compressed_mean(
     residual tree was passed and ``None`` otherwise.
     """
     c = parse_compression(compression)
-    leaves, treedef = jax.tree.flatten(tree)
-    if residual is None:
-        res_leaves = [None] * len(leaves)
+    tree = jax.tree.map(jnp.asarray, tree)
+    if c.kind == "none":
+        if c.error_feedback and residual is not None:
+            tree = jax.tree.map(
+                lambda x, r: (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(x.dtype),
+                tree,
+                residual,
+            )
+        mean_tree = lax.pmean(tree, axis_name)
+        new_residual = init_residual(tree)
     else:
-        res_leaves = treedef.flatten_up_to(residual)
-
-    means, new_res = [], []
-    for x, r in zip(leaves, res_leaves, strict=True):
-        x = jnp.asarray(x)
-        if c.kind == "none":
-            if c.error_feedback and r is not None:
-                x = (x.astype(jnp.float32) + r.astype(jnp.float32)).astype(x.dtype)
-            means.append(lax.pmean(x, axis_name))
-            new_res.append(jnp.zeros(x.shape, jnp.float32))
-            continue
-        payload, nr = compress_with_feedback(x, r, c)
-        gathered = lax.all_gather(payload, axis_name)
-        decoded = jax.vmap(lambda p, shape=x.shape: decode(p, c, shape, jnp.float32))(gathered)
-        means.append(jnp.mean(decoded, axis=0).astype(x.dtype))
-        new_res.append(nr)
-
-    mean_tree = jax.tree.unflatten(treedef, means)
+        payloads, new_residual = encode_tree(tree, c, residual)
+        mean_tree = decode_mean(lax.all_gather(payloads, axis_name), c, tree)
     if not c.error_feedback and residual is None:
         return mean_tree, None
-    return mean_tree, jax.tree.unflatten(treedef, new_res)
+    return mean_tree, new_residual

@@ -15,9 +15,9 @@ import numpy as np
 import optax
 
 from diloco_jax import checkpoint
-from diloco_jax.comm import payload_bytes
+from diloco_jax.comm import payload_bytes, round_bytes
+from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.inner import LossFn
-from diloco_jax.outer import widen
 from diloco_jax.round import (
     default_inner_optimizer,
     default_outer_optimizer,
@@ -57,6 +57,7 @@ def train_diloco(
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
+    compression: "str | Compression | None" = None,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -80,12 +81,16 @@ def train_diloco(
         completed rounds is skipped; a Sampler is keyed by round), so the result is
         bit-identical to an uninterrupted run. A checkpoint of another configuration (M, H,
         param shapes or dtypes, optimizer state) is a ValueError.
+      compression: how deltas travel: None / "none" (exact float32 all-reduce), "bf16",
+        "fp8", "int8", "int4", "e3m0", or a `Compression` (also "sign_prune" and "topk" with
+        keep_fraction, optional error feedback); see `diloco_jax.compression`.
 
     Returns:
       TrainResult(params, state: DiLoCoState, history). history[r] has "round" (0-based),
       "steps" (inner steps per worker so far), "loss", "worker_loss" ([M]), "outer_grad_norm"
       and "bytes_communicated" (cumulative bytes each worker has sent: size x itemsize of every
-      averaged delta leaf, float32 or wider; 0 when M = 1).
+      averaged delta leaf, float32 or wider, or of every compressed payload array it
+      contributes to the all_gather; 0 when M = 1).
     """
     _check_int("num_rounds", num_rounds, 0)
     _check_int("num_workers", num_workers, 1)
@@ -96,7 +101,8 @@ def train_diloco(
     outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
     backend = make_backend(backend, num_workers, devices)
 
-    state = init_state(params, num_workers, inner_optimizer, outer_optimizer)
+    compression = parse_compression(compression)
+    state = init_state(params, num_workers, inner_optimizer, outer_optimizer, compression)
     step = _jitted(
         diloco_round,
         loss_fn,
@@ -105,9 +111,10 @@ def train_diloco(
         outer_optimizer=outer_optimizer,
         num_workers=num_workers,
         inner_steps=inner_steps,
+        compression=compression,
     )
     # A lone worker has no one to send to: its mean over workers is local.
-    per_round = payload_bytes(jax.eval_shape(widen, params)) if num_workers > 1 else 0
+    per_round = round_bytes(params, compression) if num_workers > 1 else 0
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
         return {
@@ -135,6 +142,7 @@ def train_diloco(
             algorithm="diloco",
             num_workers=num_workers,
             inner_steps=inner_steps,
+            compression=repr(compression),
         ),
     )
     state, history = loop.run(step, record, state, data)

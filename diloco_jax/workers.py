@@ -1,11 +1,20 @@
-"""Worker backends: run a per-worker function over M workers and average a result across them.
+"""Worker backends: run a per-worker function over M workers and reduce a result across them.
 
-Every backend exposes the same primitive, `map_mean(fn)`: `fn(shared, mine) -> (to_average,
-kept)` runs once per worker, with `shared` the same for all workers and `mine` that worker's
-slice of a [M, ...]-stacked pytree; the result is (mean over workers of `to_average`,
-`kept` stacked [M, ...]). The mean is a collective over the axis named `WORKER_AXIS`.
+Every backend exposes the same primitive, `map_reduce(fn, reduce)`: `fn(shared, mine) ->
+(to_reduce, kept)` runs once per worker, with `shared` the same for all workers and `mine` that
+worker's slice of a [M, ...]-stacked pytree; the result is (`reduce` of the workers'
+`to_reduce`, `kept` stacked [M, ...]).
 
-- "vmap": all workers on one device, `jax.vmap(..., axis_name=WORKER_AXIS)`.
+`reduce(local)` runs once per device on `local`, the `to_reduce` of the k workers that device
+holds, stacked [k, ...] (worker order = global worker order). It reaches the other devices with
+collectives over the axis named `WORKER_AXIS`, which spans the D devices (D * k = M), and must
+return a value that is the same on every device (e.g. from `psum`, or from `all_gather_workers`,
+which hands every device all M workers' values). `map_mean(fn)` is the exact-mean case:
+`reduce = exact_mean` (a local sum over k, then one all-reduce over the devices). `fn` itself
+must not use collectives over `WORKER_AXIS`: it names the devices, not the workers.
+
+- "vmap": all workers on one device under `jax.vmap` (k = M); `reduce` sees a device axis of
+  size 1, so its collectives compile to nothing.
 - "shard_map": workers over a 1-D device mesh axis; with M > devices (M a multiple of the
   device count) each device runs M / D workers under a local vmap.
 - "pmap": the same layout through `jax.pmap`.
@@ -14,6 +23,7 @@ slice of a [M, ...]-stacked pytree; the result is (mean over workers of `to_aver
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,13 +54,24 @@ class Backend:
     def mesh(self) -> Mesh:
         return Mesh(np.array(self.devices), (WORKER_AXIS,), axis_types=(AxisType.Auto,))
 
-    def map_mean(self, fn: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
-        """Lifts per-worker `fn(shared, mine) -> (to_average, kept)` to all M workers."""
+    def map_reduce(
+        self, fn: Callable[[Any, Any], tuple[Any, Any]], reduce: Callable[[Any], Any]
+    ) -> Callable[[Any, Any], tuple[Any, Any]]:
+        """Lifts per-worker `fn(shared, mine) -> (to_reduce, kept)` to all M workers.
+
+        Returns `run(shared, mine_M) -> (reduce(...), kept_M)`: `mine_M` and `kept_M` have
+        leaves [M, ...]; `reduce` is called per device on its workers' `to_reduce`, stacked
+        [k, ...], inside the mapped context (see the module docstring).
+        """
         if self.name == "vmap":
-            return _vmap_mean(fn)
+            return _vmap_reduce(fn, reduce)
         if self.name == "shard_map":
-            return _shard_map_mean(fn, self.mesh, self.num_workers)
-        return _pmap_mean(fn, self.devices, self.num_workers)
+            return _shard_map_reduce(fn, reduce, self.mesh)
+        return _pmap_reduce(fn, reduce, self.devices, self.num_workers)
+
+    def map_mean(self, fn: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
+        """`map_reduce` with the exact mean over all M workers, in each leaf's dtype."""
+        return self.map_reduce(fn, functools.partial(exact_mean, num_workers=self.num_workers))
 
     def place_shared(self, tree: Any) -> Any:
         """Puts a pytree on the backend's devices, replicated."""
@@ -100,40 +121,75 @@ def make_backend(
     return Backend(backend, num_workers, devices)
 
 
-def _sum_then_mean(tree: Any, num_workers: int) -> Any:
-    """Mean over all workers of a tree whose leaves are [workers on this device, ...]."""
+def exact_mean(local: Any, num_workers: int) -> Any:
+    """Reducer: mean over all M workers of leaves [k, ...] (this device's workers).
+
+    Sums the k local values, all-reduces the sums over the devices and divides by M; the
+    result is [...] in each leaf's dtype. On the vmap backend this is exactly `lax.pmean`
+    over M vmapped workers (the same reduce-sum, then the same division).
+    """
     return jax.tree.map(
-        lambda x: (lax.psum(jnp.sum(x, 0), WORKER_AXIS) / num_workers).astype(x.dtype), tree
+        lambda x: (lax.psum(jnp.sum(x, 0), WORKER_AXIS) / num_workers).astype(x.dtype), local
     )
 
 
-def _vmap_mean(fn):
-    def one(shared, mine):
-        to_average, kept = fn(shared, mine)
-        return lax.pmean(to_average, WORKER_AXIS), kept
+def all_gather_workers(local: Any) -> Any:
+    """Reducer building block: every worker's value on every device, [k, ...] -> [M, ...].
 
-    return jax.vmap(one, in_axes=(None, 0), out_axes=(None, 0), axis_name=WORKER_AXIS)
+    All-gathers this device's k workers' leaves over the D devices ([D, k, ...] flattened to
+    [M, ...], worker order kept). The per-device collective operand is the local [k, ...]
+    buffer, in its own dtype: integer payloads travel as integers. The result is invariant
+    across devices, so it (or anything computed from it) can leave a shard_map replicated.
+    """
+    return jax.tree.map(_gather_leaf, local)
 
 
-def _shard_map_mean(fn, mesh: Mesh, num_workers: int):
+def _gather_leaf(x: jax.Array) -> jax.Array:
+    # Under shard_map the operand is typed varying over the workers axis and the result must be
+    # typed invariant to leave through out_specs P(); vmap and pmap carry no such types (and
+    # an invariant gather is not defined under vmap), so they take the plain all_gather.
+    to = "invarying" if WORKER_AXIS in _varying_axes(x) else "varying"
+    return lax.all_gather(x, WORKER_AXIS, tiled=True, to=to)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """Manual mesh axes `x` is typed as varying over (jax 0.10: `.mat.varying`; older: `.vma`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _vmap_reduce(fn, reduce):
+    def run(shared, mine):
+        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
+        # One device holding all M workers: bind WORKER_AXIS as a size-1 device axis so the
+        # same reducer runs unchanged; its collectives batch away to local ops.
+        one_device = jax.tree.map(lambda x: x[None], to_reduce)
+        reduced = jax.vmap(reduce, axis_name=WORKER_AXIS, out_axes=None)(one_device)
+        return reduced, kept
+
+    return run
+
+
+def _shard_map_reduce(fn, reduce, mesh: Mesh):
     def body(shared, mine):
         # Each device's workers start from the replicated value and then diverge: the carry of
         # their scans must be typed as varying over the worker axis from the start.
         shared = lax.pcast(shared, WORKER_AXIS, to="varying")
-        to_average, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
-        return _sum_then_mean(to_average, num_workers), kept
+        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
+        return reduce(to_reduce), kept
 
     return jax.shard_map(
         body, mesh=mesh, in_specs=(P(), P(WORKER_AXIS)), out_specs=(P(), P(WORKER_AXIS))
     )
 
 
-def _pmap_mean(fn, devices: tuple[jax.Device, ...], num_workers: int):
+def _pmap_reduce(fn, reduce, devices: tuple[jax.Device, ...], num_workers: int):
     per_device = num_workers // len(devices)
 
     def body(shared, mine):
-        to_average, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
-        return _sum_then_mean(to_average, num_workers), kept
+        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
+        return reduce(to_reduce), kept
 
     mapped = jax.pmap(
         body, axis_name=WORKER_AXIS, in_axes=(None, 0), out_axes=(None, 0), devices=devices
@@ -142,7 +198,7 @@ def _pmap_mean(fn, devices: tuple[jax.Device, ...], num_workers: int):
     def run(shared, mine):
         split = lambda x: x.reshape((len(devices), per_device) + x.shape[1:])
         merge = lambda x: x.reshape((num_workers,) + x.shape[2:])
-        to_average, kept = mapped(shared, jax.tree.map(split, mine))
-        return to_average, jax.tree.map(merge, kept)
+        reduced, kept = mapped(shared, jax.tree.map(split, mine))
+        return reduced, jax.tree.map(merge, kept)
 
     return run
