@@ -9,6 +9,8 @@ from typing import Any
 
 import optax
 
+from diloco_jax.compression import parse_compression
+
 SHARDINGS = ("iid", "non_iid")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
 ALGOS = ("diloco", "sync")
@@ -45,6 +47,7 @@ class RunConfig:
     outer_optimizer: str = "nesterov"
     outer_lr: float | None = None  # None: DEFAULT_OUTER_LR[outer_optimizer]
     eval_batches: int = 8
+    compression: str = "none"  # how DiLoCo's deltas travel (diloco_jax.compression)
     seed: int = 0
     backend: str = "auto"
 
@@ -164,6 +167,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"outer_lr must be a finite number > 0, got {cfg.outer_lr!r}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction!r}")
+    try:
+        parse_compression(cfg.compression)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:

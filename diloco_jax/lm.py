@@ -174,6 +174,7 @@ def run(
             inner_steps=cfg.inner_steps,
             inner_optimizer=inner_optimizer(cfg),
             outer_optimizer=outer_optimizer(cfg),
+            compression=cfg.compression,
             **common,
         )
     elif algo == "sync":
@@ -198,6 +199,7 @@ def run(
         "inner_steps": cfg.inner_steps if algo == "diloco" else 1,
         "outer": f"{cfg.outer_optimizer} {cfg.resolved_outer_lr:g}" if algo == "diloco" else "-",
         "sharding": cfg.sharding if num_workers > 1 else "-",
+        "compression": cfg.compression if algo == "diloco" else "-",
         "steps_per_worker": last["steps"],
         "communication_rounds": cfg.rounds
         if algo == "diloco"

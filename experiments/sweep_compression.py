@@ -1,0 +1,14 @@
+"""Streaming DiLoCo's claim at small scale: quality against the bits of the outer gradients
+(float32, bf16, fp8 e4m3, int8, int4 and the 4-bit float e3m0; per-block scales)."""
+
+from sweep import run_sweep
+
+if __name__ == "__main__":
+    run_sweep(
+        "compression",
+        "DiLoCo: outer-gradient precision (bytes per round fall with the bits)",
+        {
+            f"diloco_{c}": {"compression": c}
+            for c in ("none", "bf16", "fp8", "int8", "int4", "e3m0")
+        },
+    )
