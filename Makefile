@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 setup: $(VENV)/.installed
 
 run: setup
-	$(BIN)/python experiments/demo_linear.py
+	$(BIN)/diloco-jax compare
 
 test: setup
 	$(BIN)/python -m pytest

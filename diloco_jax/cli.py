@@ -50,6 +50,15 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _distributed_flags(p: argparse.ArgumentParser) -> None:
+    """Multi-process runs (see diloco_jax.distributed): all three flags, or none (then the
+    DILOCO_* / JAX environment, if any, decides). Process 0 writes OUT; process I > 0 writes
+    its own logs into OUT/process-I; checkpoints are shared in OUT/checkpoints."""
+    p.add_argument("--coordinator", help="HOST:PORT of process 0 for a multi-process run")
+    p.add_argument("--num-processes", type=int, help="processes in a multi-process run")
+    p.add_argument("--process-id", type=int, help="this process's id, 0..N-1")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="DiLoCo language-model experiments in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -61,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint every K rounds into OUT/checkpoints; rerunning resumes from there",
     )
     _shared_flags(train)
+    _distributed_flags(train)
     compare = sub.add_parser(
         "compare", help="DiLoCo vs sync_1worker vs sync_data_parallel, with summary and plots"
     )
@@ -109,6 +119,7 @@ class Invocation:
     algo: str | None
     checkpoint_every: int | None
     progress: bool
+    distributed: tuple[str, int, int] | None = None
 
 
 def parse(argv: list[str] | None = None) -> Invocation:
@@ -130,19 +141,45 @@ def parse(argv: list[str] | None = None) -> Invocation:
         getattr(args, "algo", None),
         every,
         not args.no_progress,
+        _distributed_args(args),
     )
+
+
+def _distributed_args(args: argparse.Namespace) -> tuple[str, int, int] | None:
+    """(coordinator, num_processes, process_id) when given (all three or none, checked)."""
+    values = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        raise ConfigError("--coordinator, --num-processes and --process-id go together")
+    coordinator, num_processes, process_id = values
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ConfigError(
+            f"--process-id must be in [0, --num-processes), got {process_id} of {num_processes}"
+        )
+    if ":" not in coordinator:
+        raise ConfigError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+    return coordinator, num_processes, process_id
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         run = parse(argv)
+        if run.distributed is not None or _distributed_env():
+            from diloco_jax import distributed
+
+            try:
+                distributed.initialize(*(run.distributed or ()))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         from diloco_jax import lm
 
         corpus = lm.load_corpus(run.cfg)
     except ConfigError as e:
         _fail(str(e))
     if run.command == "train":
-        train_command(run.cfg, corpus, run.algo, run.out, run.progress, run.checkpoint_every)
+        out, shared = _process_out(run.out)
+        train_command(run.cfg, corpus, run.algo, out, run.progress, run.checkpoint_every, shared)
     else:
         from diloco_jax.compare import compare_command
 
@@ -150,14 +187,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _distributed_env() -> bool:
+    """Whether DILOCO_COORDINATOR asks for a multi-process run through the environment."""
+    return bool(os.environ.get("DILOCO_COORDINATOR"))
+
+
+def _process_out(out: Path) -> tuple[Path, Path]:
+    """(this process's output folder, the shared folder for checkpoints): OUT for process 0
+    (and single-process runs), OUT/process-I for process I > 0; checkpoints always in OUT."""
+    import jax
+
+    index = jax.process_index()
+    return (out if index == 0 else out / f"process-{index}"), out
+
+
 def train_command(
-    cfg, corpus, algo: str, out: Path, progress: bool = True, checkpoint_every: int | None = None
+    cfg,
+    corpus,
+    algo: str,
+    out: Path,
+    progress: bool = True,
+    checkpoint_every: int | None = None,
+    checkpoint_root: Path | None = None,
 ) -> dict[str, Any]:
     """One run into `out`: config.json first, metrics.jsonl as it trains, summary.json last.
 
     With `checkpoint_every`, checkpoints go to out/checkpoints/{pretrain,run}; rerunning the
     same command after an interruption resumes there, and metrics.jsonl is rewritten whole at
-    the end, so it ends up as an uninterrupted run's.
+    the end, so it ends up as an uninterrupted run's. `checkpoint_root` (default `out`) holds
+    the checkpoints folder instead: the shared OUT of every process of a multi-process run.
     """
     from diloco_jax import lm
     from diloco_jax.runlog import RunLog, write_json, write_jsonl
@@ -166,7 +224,8 @@ def train_command(
     write_json(out / "config.json", lm.config_record(cfg, corpus, algo=algo))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    ckpt = (lambda name: str(out / "checkpoints" / name)) if checkpoint_every else (lambda _: None)
+    root = out if checkpoint_root is None else checkpoint_root
+    ckpt = (lambda name: str(root / "checkpoints" / name)) if checkpoint_every else (lambda _: None)
     with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
         params, pre_history = lm.pretrain(
             cfg, corpus, on_record=log, checkpoint_dir=ckpt("pretrain")

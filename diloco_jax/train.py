@@ -13,10 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint
 from diloco_jax.comm import payload_bytes, round_bytes
 from diloco_jax.compression import Compression, parse_compression
+from diloco_jax.distributed import is_multiprocess, to_host
 from diloco_jax.inner import LossFn
 from diloco_jax.round import (
     default_inner_optimizer,
@@ -99,7 +102,7 @@ def train_diloco(
     _check_params(params)
     inner_optimizer = _optimizer("inner_optimizer", inner_optimizer, default_inner_optimizer)
     outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
-    backend = make_backend(backend, num_workers, devices)
+    backend = _check_processes(make_backend(backend, num_workers, devices))
 
     compression = parse_compression(compression)
     state = init_state(params, num_workers, inner_optimizer, outer_optimizer, compression)
@@ -146,7 +149,7 @@ def train_diloco(
         ),
     )
     state, history = loop.run(step, record, state, data)
-    return TrainResult(state.params, state, history)
+    return _result(state, history)
 
 
 def train_sync(
@@ -184,7 +187,7 @@ def train_sync(
     _check_int("eval_every", eval_every, 1)
     _check_params(params)
     optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
-    backend = make_backend(backend, num_workers, devices)
+    backend = _check_processes(make_backend(backend, num_workers, devices))
 
     state = init_sync_state(params, optimizer)
     step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers)
@@ -217,7 +220,55 @@ def train_sync(
         ),
     )
     state, history = loop.run(step, record, state, data)
+    return _result(state, history)
+
+
+def _result(state: Any, history: list[Record]) -> TrainResult:
+    """The final result; in a multi-process run as host NumPy arrays, whole on every process
+    (per-worker state is all-gathered), since global arrays can't be read off one process."""
+    if is_multiprocess():
+        state = to_host(state)
     return TrainResult(state.params, state, history)
+
+
+def _check_processes(backend: Backend) -> Backend:
+    """In a multi-process run: "shard_map" over devices of every process, or "vmap" run whole
+    on each process's own device; "pmap" is refused."""
+    if not is_multiprocess():
+        return backend
+    if backend.name == "vmap":
+        # Nothing to split over processes: every process runs all M workers, redundantly and
+        # identically, on its own first device (e.g. the CLI's 1-worker warm start).
+        return Backend("vmap", backend.num_workers, tuple(jax.local_devices()[:1]))
+    if backend.name != "shard_map":
+        raise ValueError(
+            f"a run over {jax.process_count()} processes needs backend='shard_map' (workers "
+            f"over the global device mesh), got {backend.name!r}"
+        )
+    spanned = {d.process_index for d in backend.devices}
+    if spanned != set(range(jax.process_count())):
+        raise ValueError(
+            f"num_workers={backend.num_workers} uses devices of processes {sorted(spanned)} "
+            f"only; every one of the {jax.process_count()} processes needs at least one: use "
+            f"at least {len(jax.devices())} workers (a multiple of it)"
+        )
+    return backend
+
+
+def _place(place: Callable[[Any], Any], tree: Any) -> Any:
+    """`place(tree)`; in a multi-process run, leaf by leaf from host copies (global arrays are
+    built from identical host data on every process), typed PRNG keys through their key data."""
+    if not is_multiprocess():
+        return place(tree)
+    return jax.tree.map(functools.partial(_place_leaf, place), tree)
+
+
+def _place_leaf(place: Callable[[Any], Any], leaf: Any) -> Any:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = place(np.asarray(jax.device_get(jax.random.key_data(leaf))))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+    return place(to_host(leaf))
 
 
 # State fields that hold one entry per worker (split along workers); the rest is replicated.
@@ -228,8 +279,9 @@ def _place_state(state: Any, backend: Backend) -> Any:
     """Puts a DiLoCoState / SyncState on the backend's devices."""
     return type(state)(
         **{
-            name: (backend.place_workers if name in _PER_WORKER_FIELDS else backend.place_shared)(
-                value
+            name: _place(
+                backend.place_workers if name in _PER_WORKER_FIELDS else backend.place_shared,
+                value,
             )
             for name, value in state._asdict().items()
         }
@@ -277,9 +329,9 @@ class _Loop:
         pending = None
 
         def finish(i, metrics, evals):
-            entry = record(i, jax.device_get(metrics))
+            entry = record(i, to_host(metrics))
             if evals is not None:
-                entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
+                entry.update({k: float(v) for k, v in to_host(evals).items()})
             history.append(entry)
             if self.callback is not None:
                 self.callback(entry)
@@ -301,7 +353,7 @@ class _Loop:
                 checkpoint.save(
                     ckpt.directory,
                     done,
-                    state,
+                    self._global(state),
                     {**ckpt.fingerprint, "data_position": done, "history": history},
                     keep=ckpt.keep,
                 )
@@ -309,14 +361,31 @@ class _Loop:
             finish(*pending)
         return state, history
 
+    def _global(self, state: Any) -> Any:
+        """The state as Orbax can save it: a multi-process "vmap" run's per-process copies
+        (identical on every process) become global arrays replicated over all devices."""
+        if not (is_multiprocess() and self.backend.name == "vmap"):
+            return state
+        everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), P())
+        return jax.device_put(to_host(state), everywhere)
+
+    def _local(self, state: Any) -> Any:
+        """Inverse of `_global`: back onto this process's own device."""
+        if not (is_multiprocess() and self.backend.name == "vmap"):
+            return state
+        return jax.device_put(to_host(state), self.backend.devices[0])
+
     def _resume(self, state) -> tuple[Any, list[Record]]:
         ckpt = self.checkpoints
         restored = (
-            None if ckpt is None else checkpoint.restore(ckpt.directory, state, ckpt.fingerprint)
+            None
+            if ckpt is None
+            else checkpoint.restore(ckpt.directory, self._global(state), ckpt.fingerprint)
         )
         if restored is None:
             return state, []
         state, metadata, step = restored
+        state = self._local(state)
         checkpoint.discard_after(ckpt.directory, step)  # damaged newer ones restore skipped
         if metadata["data_position"] > self.total:
             raise ValueError(
@@ -349,10 +418,9 @@ def _placed(
     (replicated; it is keyed by the state's counter), or each host batch split along workers
     (the first `skip` items, already trained on, are read and dropped)."""
     if isinstance(data, Sampler):
-        return itertools.repeat(backend.place_shared(data), count - skip)
-    return map(
-        backend.place_workers, itertools.islice(_batches(data, count, lead, what), skip, None)
-    )
+        return itertools.repeat(_place(backend.place_shared, data), count - skip)
+    batches = itertools.islice(_batches(data, count, lead, what), skip, None)
+    return (_place(backend.place_workers, b) for b in batches)
 
 
 def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) -> Iterator[Any]:

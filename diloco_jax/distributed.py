@@ -1,0 +1,117 @@
+"""Multi-process runs on JAX's own distributed runtime, and host<->global array helpers.
+
+One Python process per host (or per GPU): every process calls `initialize` before anything else
+touches JAX devices, then runs the same program on the same host data. `jax.devices()` then
+lists the devices of all processes, the "shard_map" backend's worker mesh spans them, and
+`train_diloco` / `train_sync` build global arrays from the (identical) host data and hand back
+host-readable results on every process.
+
+`initialize` takes the coordinator address, process count and process id as arguments, or from
+the environment: DILOCO_COORDINATOR ("HOST:PORT"), DILOCO_NUM_PROCESSES, DILOCO_PROCESS_ID. With
+none of them set it leaves discovery to `jax.distributed.initialize` itself (SLURM, Open MPI,
+TPU pods and the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables).
+"""
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+ENV_COORDINATOR = "DILOCO_COORDINATOR"
+ENV_NUM_PROCESSES = "DILOCO_NUM_PROCESSES"
+ENV_PROCESS_ID = "DILOCO_PROCESS_ID"
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    platform: str | None = None,
+) -> None:
+    """Joins this process to a multi-process JAX run (call once, before using devices).
+
+    Args:
+      coordinator: "HOST:PORT" of process 0's coordinator service; default DILOCO_COORDINATOR.
+      num_processes: N >= 1; default DILOCO_NUM_PROCESSES.
+      process_id: 0 <= I < N; default DILOCO_PROCESS_ID.
+      platform: the platform the run uses ("cpu", "gpu", "tpu"); default the first entry of
+        JAX_PLATFORMS, if set. On "cpu" the cross-process collectives go through gloo.
+
+    With all three unset (arguments and DILOCO_* variables), JAX detects the cluster itself.
+    Raises ValueError when only some of them are given, or one is malformed or out of range.
+    """
+    coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR)
+    num_processes = _int_or_env("num_processes", num_processes, ENV_NUM_PROCESSES)
+    process_id = _int_or_env("process_id", process_id, ENV_PROCESS_ID)
+    given = {
+        "coordinator": coordinator,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    missing = [name for name, value in given.items() if value is None]
+    if 0 < len(missing) < len(given):
+        raise ValueError(
+            f"coordinator, num_processes and process_id go together; missing {missing} "
+            f"(arguments or {ENV_COORDINATOR} / {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})"
+        )
+    if not missing:
+        _check_explicit(coordinator, num_processes, process_id)
+    platform = platform or (os.environ.get("JAX_PLATFORMS") or "").split(",")[0] or None
+    if platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if missing:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def _int_or_env(name: str, value: int | None, env: str) -> int | None:
+    if value is not None:
+        return value
+    raw = os.environ.get(env)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{env} must be an integer for {name}, got {raw!r}") from None
+
+
+def _check_explicit(coordinator: str, num_processes: int, process_id: int) -> None:
+    host, sep, port = coordinator.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"coordinator must be HOST:PORT, got {coordinator!r}")
+    for name, value in (("num_processes", num_processes), ("process_id", process_id)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+
+
+def is_multiprocess() -> bool:
+    """Whether this run spans several JAX processes."""
+    return jax.process_count() > 1
+
+
+def to_host(tree: Any) -> Any:
+    """Every leaf as a host NumPy array, readable on every process.
+
+    Fully addressable leaves are copied; fully replicated global arrays are read from this
+    process's own shard; any other global array (e.g. per-worker values split over processes)
+    is all-gathered, a collective: every process must call `to_host` on the same tree.
+    """
+    return jax.tree.map(_leaf_to_host, tree)
+
+
+def _leaf_to_host(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return jax.device_get(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,0 +1,79 @@
+"""One process of the 2-process test run (see test_multiprocess.py); not a test module.
+
+Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR [CKPT_DIR]
+
+Joins the run, trains DiLoCo and the synchronous baseline on `run_config()`'s data (the same
+on every process) and saves the final params and histories to OUT_DIR/process-I.npz.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import optax
+from reference import linear_loss, make_data
+
+from diloco_jax import distributed
+
+NUM_WORKERS, INNER_STEPS, NUM_ROUNDS = 4, 3, 3
+
+
+def run_config() -> dict:
+    """Params and data of the run, built identically by every process and by the test."""
+    rng = np.random.default_rng(7)
+    data = make_data(rng, NUM_ROUNDS, NUM_WORKERS, INNER_STEPS)
+    sync_data = [{k: v[:, 0] for k, v in batch.items()} for batch in data]
+    params = {"w": np.asarray([0.3, -0.2, 0.1], np.float32), "b": np.float32(0.5)}
+    return {"params": params, "data": data, "sync_data": sync_data}
+
+
+def train_both(checkpoint_dir: str | None = None, **kwargs) -> dict[str, np.ndarray]:
+    """Final params of DiLoCo and sync runs, flattened to {"diloco_w": ..., ...}."""
+    import diloco_jax as dj
+
+    cfg = run_config()
+    diloco = dj.train_diloco(
+        linear_loss,
+        cfg["params"],
+        cfg["data"],
+        num_rounds=NUM_ROUNDS,
+        num_workers=NUM_WORKERS,
+        inner_steps=INNER_STEPS,
+        backend="shard_map",
+        inner_optimizer=optax.adamw(0.05),
+        outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+        checkpoint_dir=checkpoint_dir,
+        **kwargs,
+    )
+    sync = dj.train_sync(
+        linear_loss,
+        cfg["params"],
+        cfg["sync_data"],
+        num_steps=NUM_ROUNDS,
+        num_workers=NUM_WORKERS,
+        backend="shard_map",
+        optimizer=optax.adamw(0.05),
+        **kwargs,
+    )
+    out = {f"diloco_{k}": np.asarray(v) for k, v in diloco.params.items()}
+    out.update({f"sync_{k}": np.asarray(v) for k, v in sync.params.items()})
+    out["diloco_inner_mu_w"] = np.asarray(diloco.state.inner_opt_state[0].mu["w"])
+    out["history"] = np.asarray(json.dumps([diloco.history, sync.history]))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    coordinator, num_processes, process_id, out_dir = argv[:4]
+    checkpoint_dir = argv[4] if len(argv) > 4 else None
+    distributed.initialize(coordinator, int(num_processes), int(process_id))
+    import jax
+
+    assert jax.process_count() == int(num_processes), jax.process_count()
+    result = train_both(checkpoint_dir)
+    np.savez(Path(out_dir) / f"process-{process_id}.npz", **result)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""Two processes on JAX's distributed runtime (gloo CPU collectives, 2 fake CPU devices each)
+train DiLoCo and sync on a 4-device global mesh; both must end with the same params as each
+other and as a single-process run on 4 of this process's 8 fake devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from diloco_jax import distributed
+
+HERE = Path(__file__).parent
+TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, num_processes: int = 2, *extra: str) -> list[str]:
+    """Runs multiprocess_main.py in `num_processes` processes; returns their logs."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]),
+    }
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "multiprocess_main.py"), coordinator]
+            + [str(num_processes), str(i), str(out), *extra],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-4000:]
+    return logs
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.slow
+def test_two_processes_match_each_other_and_one_process(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from multiprocess_main import train_both
+
+    ckpt = tmp_path / "ckpt"
+    _launch(tmp_path, 2, str(ckpt))
+    p0, p1 = _load(tmp_path / "process-0.npz"), _load(tmp_path / "process-1.npz")
+    local = train_both(devices=jax.devices()[:4])
+    assert sorted(p0) == sorted(local)
+    for key in local:
+        if key == "history":
+            continue
+        np.testing.assert_array_equal(p0[key], p1[key], err_msg=key)
+        np.testing.assert_allclose(p0[key], local[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    h0, h1, hl = (json.loads(str(x["history"])) for x in (p0, p1, local))
+    assert h0 == h1
+    for run0, runl in zip(h0, hl, strict=True):
+        for e0, el in zip(run0, runl, strict=True):
+            np.testing.assert_allclose(e0["worker_loss"], el["worker_loss"], rtol=1e-6)
+            assert len(e0["worker_loss"]) == 4
+    # The DiLoCo run checkpointed (both processes writing one Orbax checkpoint); a second
+    # launch on the same directory resumes from its last step and returns the same params.
+    assert sorted(os.listdir(ckpt)) == ["1", "2", "3"]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    _launch(resumed, 2, str(ckpt))
+    r0 = _load(resumed / "process-0.npz")
+    for key in ("diloco_w", "diloco_b", "diloco_inner_mu_w"):
+        np.testing.assert_array_equal(r0[key], p0[key], err_msg=key)
+    assert json.loads(str(r0["history"]))[0] == h0[0]
+
+
+def test_initialize_rejects_partial_or_bad_arguments(monkeypatch):
+    for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
+    with pytest.raises(ValueError, match="missing"):
+        distributed.initialize("localhost:1234")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        distributed.initialize("localhost", 2, 0)
+    with pytest.raises(ValueError, match="process_id"):
+        distributed.initialize("localhost:1234", 2, 2)
+    with pytest.raises(ValueError, match="num_processes"):
+        distributed.initialize("localhost:1234", 0, 0)
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
+    with pytest.raises(ValueError, match="DILOCO_NUM_PROCESSES"):
+        distributed.initialize("localhost:1234", process_id=0)
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    with pytest.raises(ValueError, match="process_id"):
+        distributed.initialize("localhost:1234", process_id=5)
+
+
+def test_to_host_reads_local_arrays():
+    tree = {"a": jax.numpy.arange(3.0), "b": np.float32(2)}
+    out = distributed.to_host(tree)
+    np.testing.assert_array_equal(out["a"], [0, 1, 2])
+    assert not distributed.is_multiprocess()
