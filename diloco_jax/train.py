@@ -61,6 +61,7 @@ def train_diloco(
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
     compression: "str | Compression | None" = None,
+    data_parallel: int = 1,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -75,6 +76,9 @@ def train_diloco(
       outer_optimizer: default SGD(0.7, momentum=0.9, nesterov=True).
       backend: "auto" | "vmap" | "shard_map" | "pmap" (see `diloco_jax.workers`).
       devices: devices for the device backends (default `jax.devices()`).
+      data_parallel: devices per worker (shard_map): each worker's batch (the dim after
+        [M, H]) is split over its devices and its gradients averaged there every inner step;
+        the deltas are averaged over workers once a round.
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
         after the last one; its values join that round's history entry.
       callback: called with each history entry as it is recorded (e.g. a progress bar).
@@ -102,7 +106,7 @@ def train_diloco(
     _check_params(params)
     inner_optimizer = _optimizer("inner_optimizer", inner_optimizer, default_inner_optimizer)
     outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
-    backend = _check_processes(make_backend(backend, num_workers, devices))
+    backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
 
     compression = parse_compression(compression)
     state = init_state(params, num_workers, inner_optimizer, outer_optimizer, compression)
@@ -168,6 +172,7 @@ def train_sync(
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
+    data_parallel: int = 1,
 ) -> TrainResult:
     """Synchronous data parallelism: each step averages M workers' gradients, then one update.
 
@@ -187,7 +192,7 @@ def train_sync(
     _check_int("eval_every", eval_every, 1)
     _check_params(params)
     optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
-    backend = _check_processes(make_backend(backend, num_workers, devices))
+    backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
 
     state = init_sync_state(params, optimizer)
     step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers)
@@ -420,7 +425,8 @@ def _placed(
     if isinstance(data, Sampler):
         return itertools.repeat(_place(backend.place_shared, data), count - skip)
     batches = itertools.islice(_batches(data, count, lead, what), skip, None)
-    return (_place(backend.place_workers, b) for b in batches)
+    place = functools.partial(backend.place_batches, lead=len(lead))
+    return (_place(place, b) for b in batches)
 
 
 def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) -> Iterator[Any]:

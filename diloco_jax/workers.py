@@ -35,24 +35,36 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 WORKER_AXIS = "workers"
+DATA_AXIS = "data"
 BACKENDS = ("auto", "vmap", "shard_map", "pmap")
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """A resolved backend: its name, M, and the devices it runs on (hashable, jit-static)."""
+    """A resolved backend: its name, M, and the devices it runs on (hashable, jit-static).
+
+    With `data_parallel` = N > 1 (shard_map only) each worker spans N devices: the mesh is
+    [devices / N, N] over (WORKER_AXIS, DATA_AXIS), batches are split over DATA_AXIS, and
+    XLA averages each inner step's gradients over a worker's N devices (the data axis stays
+    an automatic axis inside the shard_map, which is manual over workers only).
+    """
 
     name: str
     num_workers: int
     devices: tuple[jax.Device, ...]
+    data_parallel: int = 1
 
     @property
     def workers_per_device(self) -> int:
-        return self.num_workers // len(self.devices)
+        """Workers per device (per group of `data_parallel` devices)."""
+        return self.num_workers * self.data_parallel // len(self.devices)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(np.array(self.devices), (WORKER_AXIS,), axis_types=(AxisType.Auto,))
+        if self.data_parallel == 1:
+            return Mesh(np.array(self.devices), (WORKER_AXIS,), axis_types=(AxisType.Auto,))
+        grid = np.array(self.devices).reshape(-1, self.data_parallel)
+        return Mesh(grid, (WORKER_AXIS, DATA_AXIS), axis_types=(AxisType.Auto,) * 2)
 
     def map_reduce(
         self, fn: Callable[[Any, Any], tuple[Any, Any]], reduce: Callable[[Any], Any]
@@ -66,7 +78,7 @@ class Backend:
         if self.name == "vmap":
             return _vmap_reduce(fn, reduce)
         if self.name == "shard_map":
-            return _shard_map_reduce(fn, reduce, self.mesh)
+            return _shard_map_reduce(fn, reduce, self.mesh, self.data_parallel > 1)
         return _pmap_reduce(fn, reduce, self.devices, self.num_workers)
 
     def map_mean(self, fn: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
@@ -81,6 +93,20 @@ class Backend:
         """Puts a [M, ...]-stacked pytree on the backend's devices, split along workers."""
         return jax.device_put(tree, self._sharding(P(WORKER_AXIS)))
 
+    def place_batches(self, tree: Any, lead: int) -> Any:
+        """Puts batches with leaves [M, <lead - 1 more dims>, B, ...] on the devices: split
+        along workers, and with `data_parallel` > 1 the batch dim B along DATA_AXIS."""
+        if self.data_parallel == 1:
+            return self.place_workers(tree)
+        for leaf in jax.tree.leaves(tree):
+            if np.ndim(leaf) <= lead or np.shape(leaf)[lead] % self.data_parallel:
+                raise ValueError(
+                    f"with data_parallel={self.data_parallel}, every batch leaf needs a batch "
+                    f"dim (after the leading {lead}) divisible by it, got shape {np.shape(leaf)}"
+                )
+        spec = P(WORKER_AXIS, *[None] * (lead - 1), DATA_AXIS)
+        return jax.device_put(tree, self._sharding(spec))
+
     def _sharding(self, spec: P):
         if self.name == "vmap":
             return self.devices[0]
@@ -88,13 +114,22 @@ class Backend:
 
 
 def make_backend(
-    backend: "str | Backend", num_workers: int, devices: Sequence[jax.Device] | None = None
+    backend: "str | Backend",
+    num_workers: int,
+    devices: Sequence[jax.Device] | None = None,
+    data_parallel: int = 1,
 ) -> Backend:
     """Resolves a backend name for M = `num_workers` on `devices` (default: `jax.devices()`).
 
-    Raises ValueError naming `backend` for an unknown name and `num_workers` when M can't be
-    placed: a device backend needs M <= number of devices or M a multiple of it.
+    `data_parallel` = N >= 1 devices per worker (N > 1 needs "shard_map" or "auto" and a
+    device count divisible by N). Raises ValueError naming `backend` for an unknown name,
+    `data_parallel` for a bad N, and `num_workers` when M can't be placed: a device backend
+    needs M <= number of device groups or M a multiple of it.
     """
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel must be an integer >= 1, got {data_parallel!r}")
+    if data_parallel > 1:
+        return _data_parallel_backend(backend, num_workers, devices, data_parallel)
     if isinstance(backend, Backend):
         if backend.num_workers != num_workers:
             raise ValueError(
@@ -119,6 +154,21 @@ def make_backend(
             f"{len(devices)}, or backend='vmap'"
         )
     return Backend(backend, num_workers, devices)
+
+
+def _data_parallel_backend(backend, num_workers, devices, data_parallel) -> Backend:
+    if backend not in ("auto", "shard_map"):
+        raise ValueError(
+            f"data_parallel={data_parallel} needs backend 'shard_map' or 'auto', got {backend!r}"
+        )
+    devices = tuple(jax.devices() if devices is None else devices)
+    if len(devices) % data_parallel:
+        raise ValueError(
+            f"data_parallel={data_parallel} must divide the number of devices {len(devices)}"
+        )
+    resolved = make_backend("shard_map", num_workers, devices[::data_parallel])
+    groups = len(resolved.devices)
+    return Backend("shard_map", num_workers, devices[: groups * data_parallel], data_parallel)
 
 
 def exact_mean(local: Any, num_workers: int) -> Any:
@@ -171,7 +221,7 @@ def _vmap_reduce(fn, reduce):
     return run
 
 
-def _shard_map_reduce(fn, reduce, mesh: Mesh):
+def _shard_map_reduce(fn, reduce, mesh: Mesh, data_parallel: bool = False):
     def body(shared, mine):
         # Each device's workers start from the replicated value and then diverge: the carry of
         # their scans must be typed as varying over the worker axis from the start.
@@ -179,8 +229,15 @@ def _shard_map_reduce(fn, reduce, mesh: Mesh):
         to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
         return reduce(to_reduce), kept
 
+    # With a data axis, only the worker axis is manual: XLA partitions each worker's batch
+    # over DATA_AXIS and all-reduces its gradients there every inner step.
+    manual = {"axis_names": {WORKER_AXIS}} if data_parallel else {}
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P(WORKER_AXIS)), out_specs=(P(), P(WORKER_AXIS))
+        body,
+        mesh=mesh,
+        in_specs=(P(), P(WORKER_AXIS)),
+        out_specs=(P(), P(WORKER_AXIS)),
+        **manual,
     )
 
 
