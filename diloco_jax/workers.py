@@ -66,6 +66,20 @@ class Backend:
         grid = np.array(self.devices).reshape(-1, self.data_parallel)
         return Mesh(grid, (WORKER_AXIS, DATA_AXIS), axis_types=(AxisType.Auto,) * 2)
 
+    def map_devices(self, body: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
+        """Lifts a per-device `body(shared, local) -> (same_everywhere, local_out)`.
+
+        `local` holds this device's k workers' slices of a [M, ...]-stacked pytree, stacked
+        [k, ...]; `body` may use collectives over WORKER_AXIS (the devices) any number of
+        times, and its first output must be the same on every device. Returns
+        `run(shared, mine_M) -> (same_everywhere, local_out_M)` with leaves [M, ...].
+        """
+        if self.name == "vmap":
+            return _vmap_devices(body)
+        if self.name == "shard_map":
+            return _shard_map_devices(body, self.mesh, self.data_parallel > 1)
+        return _pmap_devices(body, self.devices, self.num_workers)
+
     def map_reduce(
         self, fn: Callable[[Any, Any], tuple[Any, Any]], reduce: Callable[[Any], Any]
     ) -> Callable[[Any, Any], tuple[Any, Any]]:
@@ -75,11 +89,12 @@ class Backend:
         leaves [M, ...]; `reduce` is called per device on its workers' `to_reduce`, stacked
         [k, ...], inside the mapped context (see the module docstring).
         """
-        if self.name == "vmap":
-            return _vmap_reduce(fn, reduce)
-        if self.name == "shard_map":
-            return _shard_map_reduce(fn, reduce, self.mesh, self.data_parallel > 1)
-        return _pmap_reduce(fn, reduce, self.devices, self.num_workers)
+
+        def body(shared, local):
+            to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, local)
+            return reduce(to_reduce), kept
+
+        return self.map_devices(body)
 
     def map_mean(self, fn: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
         """`map_reduce` with the exact mean over all M workers, in each leaf's dtype."""
@@ -209,31 +224,30 @@ def _varying_axes(x: jax.Array) -> frozenset:
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
-def _vmap_reduce(fn, reduce):
+def _vmap_devices(body):
     def run(shared, mine):
-        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
-        # One device holding all M workers: bind WORKER_AXIS as a size-1 device axis so the
-        # same reducer runs unchanged; its collectives batch away to local ops.
-        one_device = jax.tree.map(lambda x: x[None], to_reduce)
-        reduced = jax.vmap(reduce, axis_name=WORKER_AXIS, out_axes=None)(one_device)
-        return reduced, kept
+        # One device holding all M workers: WORKER_AXIS is bound as a size-1 device axis, so
+        # the same body runs unchanged and its collectives batch away to local ops.
+        one_device = jax.tree.map(lambda x: x[None], mine)
+        same, local = jax.vmap(body, in_axes=(None, 0), out_axes=(None, 0), axis_name=WORKER_AXIS)(
+            shared, one_device
+        )
+        return same, jax.tree.map(lambda x: x[0], local)
 
     return run
 
 
-def _shard_map_reduce(fn, reduce, mesh: Mesh, data_parallel: bool = False):
-    def body(shared, mine):
+def _shard_map_devices(body, mesh: Mesh, data_parallel: bool = False):
+    def typed_body(shared, mine):
         # Each device's workers start from the replicated value and then diverge: the carry of
         # their scans must be typed as varying over the worker axis from the start.
-        shared = lax.pcast(shared, WORKER_AXIS, to="varying")
-        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
-        return reduce(to_reduce), kept
+        return body(lax.pcast(shared, WORKER_AXIS, to="varying"), mine)
 
     # With a data axis, only the worker axis is manual: XLA partitions each worker's batch
     # over DATA_AXIS and all-reduces its gradients there every inner step.
     manual = {"axis_names": {WORKER_AXIS}} if data_parallel else {}
     return jax.shard_map(
-        body,
+        typed_body,
         mesh=mesh,
         in_specs=(P(), P(WORKER_AXIS)),
         out_specs=(P(), P(WORKER_AXIS)),
@@ -241,13 +255,8 @@ def _shard_map_reduce(fn, reduce, mesh: Mesh, data_parallel: bool = False):
     )
 
 
-def _pmap_reduce(fn, reduce, devices: tuple[jax.Device, ...], num_workers: int):
+def _pmap_devices(body, devices: tuple[jax.Device, ...], num_workers: int):
     per_device = num_workers // len(devices)
-
-    def body(shared, mine):
-        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
-        return reduce(to_reduce), kept
-
     mapped = jax.pmap(
         body, axis_name=WORKER_AXIS, in_axes=(None, 0), out_axes=(None, 0), devices=devices
     )
@@ -255,7 +264,7 @@ def _pmap_reduce(fn, reduce, devices: tuple[jax.Device, ...], num_workers: int):
     def run(shared, mine):
         split = lambda x: x.reshape((len(devices), per_device) + x.shape[1:])
         merge = lambda x: x.reshape((num_workers,) + x.shape[2:])
-        reduced, kept = mapped(shared, jax.tree.map(split, mine))
-        return reduced, jax.tree.map(merge, kept)
+        same, local = mapped(shared, jax.tree.map(split, mine))
+        return same, jax.tree.map(merge, local)
 
     return run
