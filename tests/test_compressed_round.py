@@ -164,9 +164,11 @@ def test_backends_agree_under_compression(num_workers):
     ref_state, ref_metrics = runs["vmap"]
     assert jax.tree.leaves(ref_state.residual)[0].shape[0] == num_workers
     for state, metrics in runs.values():
+        # Backends sum in different orders, so deltas differ by float32 rounding; int4 codes
+        # then agree, and residuals (delta minus its decoded code) differ by that rounding.
         for got, want in [(state.params, ref_state.params), (state.residual, ref_state.residual)]:
             for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8)
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(metrics["worker_loss"], ref_metrics["worker_loss"], rtol=1e-6)
 
 
