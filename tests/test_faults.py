@@ -1,0 +1,265 @@
+"""Worker faults in diloco_round (non-finite deltas, drops, uneven inner steps) against a NumPy
+reference extended from tests/reference.py's diloco_sgd."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference import linear_grads, linear_loss, make_data
+
+import diloco_jax as dj
+from diloco_jax import faults
+
+INNER_LR, OUTER_LR, MOMENTUM = 0.05, 0.7, 0.9
+INNER = optax.sgd(INNER_LR)
+OUTER = optax.sgd(OUTER_LR, momentum=MOMENTUM, nesterov=True)
+PARAMS = {"w": np.asarray([0.3, -0.2, 0.1], np.float32), "b": np.float32(0.5)}
+
+
+def faulty_sgd(w, b, rounds, include, steps=None, weights=None, carry=None):
+    """diloco_sgd (SGD inner, Nesterov SGD outer, float64) with faults.
+
+    include[r][m]: worker m's delta joins round r's mean (a round with none is skipped: θ and
+    the momentum trace stay). steps[m]: worker m takes its first steps[m] steps. weights[m]:
+    its weight in the mean (default 1). carry[r][m]: worker m starts round r + 1 from its own
+    params instead of the new θ. Returns (w, b, losses[r][m] over each worker's own steps).
+    """
+    w, b = np.float64(w).copy(), np.float64(b)
+    num_workers = rounds[0]["x"].shape[0]
+    steps = steps or [rounds[0]["x"].shape[1]] * num_workers
+    weights = weights or [1.0] * num_workers
+    starts = [(w.copy(), b)] * num_workers
+    trace_w, trace_b, losses = np.zeros_like(w), 0.0, []
+    for r, batch in enumerate(rounds):
+        x, y = batch["x"].astype(np.float64), batch["y"].astype(np.float64)
+        finals, round_losses, sum_w, sum_b, total = [], [], 0.0, 0.0, 0.0
+        for m in range(num_workers):
+            wm, bm = starts[m][0].copy(), starts[m][1]
+            step_losses = []
+            for h in range(steps[m]):
+                gw, gb, loss = linear_grads(wm, bm, x[m, h], y[m, h])
+                step_losses.append(loss)
+                wm, bm = wm - INNER_LR * gw, bm - INNER_LR * gb
+            finals.append((wm, bm))
+            round_losses.append(np.mean(step_losses))
+            if include[r][m]:
+                sum_w, sum_b = sum_w + weights[m] * (w - wm), sum_b + weights[m] * (b - bm)
+                total += weights[m]
+        if total > 0:
+            dw, db = sum_w / total, sum_b / total
+            trace_w, trace_b = dw + MOMENTUM * trace_w, db + MOMENTUM * trace_b
+            w = w - OUTER_LR * (dw + MOMENTUM * trace_w)
+            b = b - OUTER_LR * (db + MOMENTUM * trace_b)
+        carry_r = carry[r] if carry else [False] * num_workers
+        starts = [finals[m] if carry_r[m] else (w.copy(), b) for m in range(num_workers)]
+        losses.append(round_losses)
+    return w, b, losses
+
+
+def run_rounds(data, backend="vmap", inner=INNER, drop_probability=None, **options):
+    """Runs len(data) jitted rounds; returns (state, [metrics as NumPy])."""
+    num_workers = data[0]["x"].shape[0]
+    state = dj.init_state(PARAMS, num_workers, inner, OUTER, drop_probability=drop_probability)
+    step = jax.jit(
+        functools.partial(
+            dj.diloco_round,
+            linear_loss,
+            inner_optimizer=inner,
+            outer_optimizer=OUTER,
+            backend=backend,
+            drop_probability=drop_probability,
+            **options,
+        )
+    )
+    history = []
+    for batch in data:
+        state, metrics = step(state, batch)
+        history.append(jax.tree.map(np.asarray, metrics))
+    return state, history
+
+
+def assert_params(state, w, b):
+    np.testing.assert_allclose(state.params["w"], w, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(state.params["b"], b, rtol=2e-5, atol=1e-6)
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_nonfinite_worker_is_left_out_of_that_round(backend):
+    data = make_data(np.random.default_rng(0), num_rounds=2, num_workers=4, inner_steps=2)
+    data[0]["x"][1, 0, 0, 0] = np.nan
+    state, history = run_rounds(data, backend, exclude_nonfinite=True)
+    include = [[True, False, True, True], [True] * 4]
+    w, b, losses = faulty_sgd(PARAMS["w"], PARAMS["b"], data, include)
+    assert_params(state, w, b)
+    assert history[0]["excluded_workers"].tolist() == [False, True, False, False]
+    assert not history[1]["excluded_workers"].any()
+    assert not history[0]["skipped"] and not history[1]["skipped"]
+    assert not history[0]["dropped_workers"].any()
+    np.testing.assert_allclose(history[1]["worker_loss"], losses[1], rtol=1e-5)
+    assert np.isnan(history[0]["worker_loss"][1])
+
+
+def test_nonfinite_worker_keeps_its_inner_state_from_before_the_round():
+    data = make_data(np.random.default_rng(1), num_rounds=1, num_workers=2, inner_steps=2)
+    data[0]["y"][1, 1, 0] = np.inf
+    inner = optax.adam(0.01)
+    state, _ = run_rounds(data, inner=inner, exclude_nonfinite=True)
+    fresh = inner.init(PARAMS)
+    mu0, mu1 = (jax.tree.map(lambda x, m=m: x[m], state.inner_opt_state[0].mu) for m in (0, 1))
+    assert_trees_equal(mu1, jax.tree.map(np.asarray, fresh[0].mu))
+    assert int(state.inner_opt_state[0].count[0]) == 2
+    assert int(state.inner_opt_state[0].count[1]) == 0
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(mu0))
+
+
+def test_all_workers_nonfinite_skips_the_round_bit_for_bit():
+    data = make_data(np.random.default_rng(2), num_rounds=2, num_workers=2, inner_steps=2)
+    data[1]["x"][:, 0] = np.nan
+    state1, _ = run_rounds(data[:1], exclude_nonfinite=True)
+    state2, history = run_rounds(data, exclude_nonfinite=True)
+    assert history[1]["skipped"] and not history[0]["skipped"]
+    assert history[1]["excluded_workers"].all()
+    assert_trees_equal(state2.params, state1.params)
+    assert_trees_equal(state2.outer_opt_state, state1.outer_opt_state)
+    assert int(state2.round) == 2
+
+
+def test_drop_probability_zero_is_the_plain_round_bit_for_bit():
+    data = make_data(np.random.default_rng(3), num_rounds=2, num_workers=2, inner_steps=2)
+    plain, plain_history = run_rounds(data)
+    zero, history = run_rounds(data, drop_probability=0.0)
+    assert_trees_equal(zero.params, plain.params)
+    assert_trees_equal(zero.outer_opt_state, plain.outer_opt_state)
+    assert_trees_equal(zero.local_params, jax.tree.map(lambda x: np.stack([x] * 2), zero.params))
+    assert not any(h["dropped_workers"].any() or h["skipped"] for h in history)
+    np.testing.assert_array_equal(history[1]["loss"], plain_history[1]["loss"])
+
+
+def test_drop_probability_one_skips_every_round():
+    data = make_data(np.random.default_rng(4), num_rounds=2, num_workers=2, inner_steps=2)
+    state, history = run_rounds(data, drop_probability=1.0)
+    assert all(h["skipped"] and h["dropped_workers"].all() for h in history)
+    assert_trees_equal(state.params, jax.tree.map(np.asarray, PARAMS))
+    assert_trees_equal(state.outer_opt_state, OUTER.init(jax.tree.map(jnp.asarray, PARAMS)))
+
+
+def test_drops_are_deterministic_from_seed_and_round():
+    data = make_data(np.random.default_rng(5), num_rounds=3, num_workers=4, inner_steps=1)
+    a, ha = run_rounds(data, drop_probability=0.5, drop_seed=7)
+    b, hb = run_rounds(data, drop_probability=0.5, drop_seed=7)
+    assert_trees_equal(a, b)
+    for r, (x, y) in enumerate(zip(ha, hb, strict=True)):
+        np.testing.assert_array_equal(x["dropped_workers"], y["dropped_workers"])
+        expected = faults.drop_mask(7, jnp.int32(r), 4, 0.5)
+        np.testing.assert_array_equal(x["dropped_workers"], expected)
+
+
+def _seed_dropping(masks):
+    """A seed whose p=0.5 drop masks for rounds 0, 1, ... of 2 workers are `masks`."""
+    for seed in range(1000):
+        got = [faults.drop_mask(seed, jnp.int32(r), 2, 0.5).tolist() for r in range(len(masks))]
+        if got == masks:
+            return seed
+    raise AssertionError(f"no seed below 1000 drops {masks}")
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_dropped_worker_carries_on_from_its_own_params(backend):
+    masks = [[True, False], [False, False]]
+    seed = _seed_dropping(masks)
+    data = make_data(np.random.default_rng(6), num_rounds=2, num_workers=2, inner_steps=2)
+    state, history = run_rounds(data, backend, drop_probability=0.5, drop_seed=seed)
+    assert [h["dropped_workers"].tolist() for h in history] == masks
+    include = [[not d for d in mask] for mask in masks]
+    w, b, losses = faulty_sgd(PARAMS["w"], PARAMS["b"], data, include, carry=masks)
+    assert_params(state, w, b)
+    for h, ref in zip(history, losses, strict=True):
+        np.testing.assert_allclose(h["worker_loss"], ref, rtol=1e-5)
+    # Control: had worker 0 restarted from θ, round 1 would differ.
+    w_restart, _, _ = faulty_sgd(PARAMS["w"], PARAMS["b"], data, include)
+    assert not np.allclose(w, w_restart, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weighting, backend", [("uniform", "vmap"), ("steps", "shard_map")])
+def test_uneven_worker_steps(weighting, backend):
+    H = 3
+    data = make_data(np.random.default_rng(7), num_rounds=2, num_workers=2, inner_steps=H)
+    state, history = run_rounds(data, backend, worker_steps=(H, 1), weighting=weighting)
+    weights = [H, 1] if weighting == "steps" else None
+    include = [[True, True]] * 2
+    w, b, losses = faulty_sgd(PARAMS["w"], PARAMS["b"], data, include, [H, 1], weights)
+    assert_params(state, w, b)
+    for h, ref in zip(history, losses, strict=True):
+        np.testing.assert_allclose(h["worker_loss"], ref, rtol=1e-5)
+        np.testing.assert_allclose(h["loss"], (H * ref[0] + ref[1]) / (H + 1), rtol=1e-5)
+
+
+def test_masked_steps_do_not_advance_the_inner_optimizer():
+    data = make_data(np.random.default_rng(8), num_rounds=1, num_workers=2, inner_steps=3)
+    state, _ = run_rounds(data, inner=optax.adam(0.01), worker_steps=[3, 1])
+    assert state.inner_opt_state[0].count.tolist() == [3, 1]
+
+
+@pytest.mark.parametrize(
+    "options, name",
+    [
+        (dict(drop_probability=-0.1), "drop_probability"),
+        (dict(drop_probability=1.5), "drop_probability"),
+        (dict(worker_steps=(1, 1, 1)), "worker_steps"),
+        (dict(worker_steps=(0, 2)), "worker_steps"),
+        (dict(worker_steps=(1, 3)), "worker_steps"),
+        (dict(weighting="median"), "weighting"),
+        (dict(exclude_nonfinite=True, compression="int8"), "compression"),
+    ],
+)
+def test_invalid_options_raise(options, name):
+    data = make_data(np.random.default_rng(9), num_rounds=1, num_workers=2, inner_steps=2)
+    state = dj.init_state(PARAMS, 2, INNER, OUTER)
+    with pytest.raises(ValueError, match=name):
+        dj.diloco_round(
+            linear_loss, state, data[0], inner_optimizer=INNER, outer_optimizer=OUTER, **options
+        )
+
+
+def test_drops_need_local_params_in_the_state():
+    data = make_data(np.random.default_rng(10), num_rounds=1, num_workers=2, inner_steps=2)
+    state = dj.init_state(PARAMS, 2, INNER, OUTER)
+    with pytest.raises(ValueError, match="local_params"):
+        dj.diloco_round(
+            linear_loss,
+            state,
+            data[0],
+            inner_optimizer=INNER,
+            outer_optimizer=OUTER,
+            drop_probability=0.5,
+        )
+
+
+def test_uneven_steps_with_a_sampler():
+    H = 3
+    data = make_data(np.random.default_rng(11), num_rounds=1, num_workers=2, inner_steps=H)
+    sampler = dj.Sampler(
+        arrays=jax.tree.map(jnp.asarray, data[0]),
+        sample=lambda arrays, r, m, h: jax.tree.map(lambda x: x[m, h], arrays),
+    )
+    state = dj.init_state(PARAMS, 2, INNER, OUTER)
+    state, metrics = dj.diloco_round(
+        linear_loss,
+        state,
+        sampler,
+        inner_optimizer=INNER,
+        outer_optimizer=OUTER,
+        num_workers=2,
+        inner_steps=H,
+        worker_steps=(1, H),
+    )
+    w, b, losses = faulty_sgd(PARAMS["w"], PARAMS["b"], data, [[True, True]], [1, H])
+    assert_params(state, w, b)
+    np.testing.assert_allclose(metrics["worker_loss"], losses[0], rtol=1e-5)
