@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint
+from diloco_jax import checkpoint, faults, streaming
 from diloco_jax.comm import payload_bytes, round_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.distributed import is_multiprocess, to_host
@@ -62,6 +62,14 @@ def train_diloco(
     keep_checkpoints: int = 3,
     compression: "str | Compression | None" = None,
     data_parallel: int = 1,
+    exclude_nonfinite: bool | None = None,
+    drop_probability: float | None = None,
+    drop_seed: int = 0,
+    worker_steps: "list[int] | None" = None,
+    weighting: str = "uniform",
+    fragments: Any = None,
+    overlap_steps: int = 0,
+    merge_alpha: float = 0.0,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -79,6 +87,19 @@ def train_diloco(
       data_parallel: devices per worker (shard_map): each worker's batch (the dim after
         [M, H]) is split over its devices and its gradients averaged there every inner step;
         the deltas are averaged over workers once a round.
+      exclude_nonfinite: leave a worker whose delta has a NaN or Inf out of the round's mean
+        (it restarts from the new global params; if every worker is left out the round is
+        skipped: params and outer state unchanged). Default: on for exact deltas, off with a
+        lossy `compression` (the two can't be combined yet).
+      drop_probability, drop_seed: drop each worker's delta from the mean with probability p
+        each round (keyed by seed and round); a dropped worker carries on from its own params
+        (the paper's communication-drop ablation).
+      worker_steps, weighting: per-worker inner step counts h_m <= H (slow workers do fewer
+        steps, masked inside the scan) and "uniform" or "steps" (h_m-weighted) averaging.
+      fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.streaming`):
+        P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
+        schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
+        `merge_alpha`. P = 1, tau = 0, alpha = 0 is standard DiLoCo.
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
         after the last one; its values join that round's history entry.
       callback: called with each history entry as it is recorded (e.g. a progress bar).
@@ -109,17 +130,56 @@ def train_diloco(
     backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
 
     compression = parse_compression(compression)
-    state = init_state(params, num_workers, inner_optimizer, outer_optimizer, compression)
-    step = _jitted(
-        diloco_round,
-        loss_fn,
-        backend,
+    if exclude_nonfinite is None:
+        exclude_nonfinite = compression.kind == "none"
+    fault_options = dict(
+        exclude_nonfinite=bool(exclude_nonfinite),
+        drop_probability=faults.check_drop_probability(drop_probability),
+        drop_seed=_checked_seed(drop_seed),
+        worker_steps=faults.check_worker_steps(worker_steps, num_workers, inner_steps),
+        weighting=faults.check_weighting(weighting),
+    )
+    faulty = fault_options != _NO_FAULTS
+    common = dict(
         inner_optimizer=inner_optimizer,
         outer_optimizer=outer_optimizer,
         num_workers=num_workers,
         inner_steps=inner_steps,
         compression=compression,
     )
+    if fragments is not None:
+        if faulty and fault_options != dict(_NO_FAULTS, exclude_nonfinite=True):
+            raise ValueError("fragments can't be combined with drops or worker_steps yet")
+        frags = streaming.fragment_of(params, fragments)
+        streaming.check_schedule(max(frags) + 1, inner_steps, overlap_steps, merge_alpha)
+        faulty = False  # streaming rounds report no fault metrics
+        state = streaming.init_streaming_state(
+            params, num_workers, inner_optimizer, outer_optimizer, frags, compression
+        )
+        step = _jitted(
+            streaming.streaming_round,
+            loss_fn,
+            backend,
+            frags=frags,
+            overlap_steps=overlap_steps,
+            merge_alpha=float(merge_alpha),
+            **common,
+        )
+    else:
+        if faulty and compression.kind != "none":
+            raise ValueError(
+                f"compression={compression.kind!r} can't be combined with exclude_nonfinite, "
+                "drops or worker_steps yet: pass exclude_nonfinite=False"
+            )
+        state = init_state(
+            params,
+            num_workers,
+            inner_optimizer,
+            outer_optimizer,
+            compression,
+            drop_probability=fault_options["drop_probability"],
+        )
+        step = _jitted(diloco_round, loss_fn, backend, **common, **fault_options)
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, compression) if num_workers > 1 else 0
 
@@ -131,7 +191,7 @@ def train_diloco(
             "worker_loss": [float(x) for x in metrics["worker_loss"]],
             "outer_grad_norm": float(metrics["outer_grad_norm"]),
             "bytes_communicated": (r + 1) * per_round,
-        }
+        } | (_fault_record(metrics) if faulty else {})
 
     loop = _Loop(
         backend=backend,
@@ -150,6 +210,8 @@ def train_diloco(
             num_workers=num_workers,
             inner_steps=inner_steps,
             compression=repr(compression),
+            faults=repr(fault_options),
+            fragments=repr((fragments, overlap_steps, merge_alpha)),
         ),
     )
     state, history = loop.run(step, record, state, data)
@@ -277,7 +339,27 @@ def _place_leaf(place: Callable[[Any], Any], leaf: Any) -> Any:
 
 
 # State fields that hold one entry per worker (split along workers); the rest is replicated.
-_PER_WORKER_FIELDS = ("inner_opt_state", "residual")
+_PER_WORKER_FIELDS = ("inner_opt_state", "residual", "local_params")
+_NO_FAULTS = dict(
+    exclude_nonfinite=False,
+    drop_probability=None,
+    drop_seed=0,
+    worker_steps=None,
+    weighting="uniform",
+)
+
+
+def _fault_record(metrics: dict[str, np.ndarray]) -> Record:
+    return {
+        "excluded_workers": [int(m) for m in np.flatnonzero(metrics["excluded_workers"])],
+        "dropped_workers": [int(m) for m in np.flatnonzero(metrics["dropped_workers"])],
+        "skipped": bool(metrics["skipped"]),
+    }
+
+
+def _checked_seed(seed: Any) -> int:
+    _check_int("drop_seed", seed, 0)
+    return int(seed)
 
 
 def _place_state(state: Any, backend: Backend) -> Any:

@@ -66,18 +66,23 @@ class Backend:
         grid = np.array(self.devices).reshape(-1, self.data_parallel)
         return Mesh(grid, (WORKER_AXIS, DATA_AXIS), axis_types=(AxisType.Auto,) * 2)
 
-    def map_devices(self, body: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
+    def map_devices(
+        self, body: Callable[[Any, Any], tuple[Any, Any]], vary_shared: bool = True
+    ) -> Callable:
         """Lifts a per-device `body(shared, local) -> (same_everywhere, local_out)`.
 
         `local` holds this device's k workers' slices of a [M, ...]-stacked pytree, stacked
         [k, ...]; `body` may use collectives over WORKER_AXIS (the devices) any number of
         times, and its first output must be the same on every device. Returns
         `run(shared, mine_M) -> (same_everywhere, local_out_M)` with leaves [M, ...].
+        `vary_shared` types `shared` as varying over the workers under shard_map (needed when
+        workers start scans from it); pass False when `body` returns values computed from
+        `shared` as the same everywhere.
         """
         if self.name == "vmap":
             return _vmap_devices(body)
         if self.name == "shard_map":
-            return _shard_map_devices(body, self.mesh, self.data_parallel > 1)
+            return _shard_map_devices(body, self.mesh, self.data_parallel > 1, vary_shared)
         return _pmap_devices(body, self.devices, self.num_workers)
 
     def map_reduce(
@@ -237,11 +242,13 @@ def _vmap_devices(body):
     return run
 
 
-def _shard_map_devices(body, mesh: Mesh, data_parallel: bool = False):
+def _shard_map_devices(body, mesh: Mesh, data_parallel: bool = False, vary_shared: bool = True):
     def typed_body(shared, mine):
         # Each device's workers start from the replicated value and then diverge: the carry of
         # their scans must be typed as varying over the worker axis from the start.
-        return body(lax.pcast(shared, WORKER_AXIS, to="varying"), mine)
+        if vary_shared:
+            shared = lax.pcast(shared, WORKER_AXIS, to="varying")
+        return body(shared, mine)
 
     # With a data axis, only the worker axis is manual: XLA partitions each worker's batch
     # over DATA_AXIS and all-reduces its gradients there every inner step.
