@@ -44,6 +44,8 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--max-bytes", type=int, help="read at most this many bytes of data")
     p.add_argument("--pretrain-steps", type=int, help="shared 1-worker warm start (0: none)")
+    p.add_argument("--compression", help="DiLoCo deltas as none|bf16|fp8|int8|int4|e3m0|...")
+    p.add_argument("--drop-probability", type=float, help="simulated drops of worker deltas")
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", help="auto | vmap | shard_map | pmap")
     p.add_argument("--out", help="output folder")
@@ -93,6 +95,8 @@ _CONFIG_FLAGS = (
     "seq_len",
     "max_bytes",
     "pretrain_steps",
+    "compression",
+    "drop_probability",
     "seed",
     "backend",
 )

@@ -48,6 +48,7 @@ class RunConfig:
     outer_lr: float | None = None  # None: DEFAULT_OUTER_LR[outer_optimizer]
     eval_batches: int = 8
     compression: str = "none"  # how DiLoCo's deltas travel (diloco_jax.compression)
+    drop_probability: float | None = None  # simulated communication drops (DiLoCo only)
     seed: int = 0
     backend: str = "auto"
 
@@ -167,6 +168,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"outer_lr must be a finite number > 0, got {cfg.outer_lr!r}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction!r}")
+    if cfg.drop_probability is not None and not 0 <= cfg.drop_probability <= 1:
+        raise ConfigError(f"drop_probability must be in [0, 1], got {cfg.drop_probability!r}")
     try:
         parse_compression(cfg.compression)
     except ValueError as e:

@@ -175,6 +175,8 @@ def run(
             inner_optimizer=inner_optimizer(cfg),
             outer_optimizer=outer_optimizer(cfg),
             compression=cfg.compression,
+            drop_probability=cfg.drop_probability,
+            drop_seed=cfg.seed,
             **common,
         )
     elif algo == "sync":

@@ -263,3 +263,55 @@ def test_uneven_steps_with_a_sampler():
     w, b, losses = faulty_sgd(PARAMS["w"], PARAMS["b"], data, [[True, True]], [1, H])
     assert_params(state, w, b)
     np.testing.assert_allclose(metrics["worker_loss"], losses[0], rtol=1e-5)
+
+
+def test_train_diloco_reports_excluded_workers_and_skips(tmp_path):
+    # Exclusion is on by default for exact deltas: NaN data on worker 1 in round 0.
+    rounds = make_data(np.random.default_rng(11), num_rounds=2, num_workers=3, inner_steps=2)
+    rounds[0]["x"][1, 0, 0, 0] = np.nan
+    params = {"w": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.float32(0.5)}
+    kw = dict(
+        num_rounds=2,
+        num_workers=3,
+        inner_steps=2,
+        backend="shard_map",
+        inner_optimizer=optax.sgd(0.05),
+        outer_optimizer=optax.sgd(0.7, momentum=0.9),
+    )
+    result = dj.train_diloco(linear_loss, params, rounds, **kw)
+    assert [h["excluded_workers"] for h in result.history] == [[1], []]
+    assert [h["skipped"] for h in result.history] == [False, False]
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.params))
+    # Every worker NaN in round 0: round 0 is skipped, params untouched by it.
+    bad = [dict(rounds[0], x=np.full_like(rounds[0]["x"], np.nan)), rounds[1]]
+    skipped = dj.train_diloco(linear_loss, params, bad, **dict(kw, num_rounds=1))
+    assert skipped.history[0]["skipped"] and skipped.history[0]["excluded_workers"] == [0, 1, 2]
+    jax.tree.map(np.testing.assert_array_equal, skipped.params, params)
+    # Opting out keeps the old behaviour: the NaN reaches the global params.
+    off = dj.train_diloco(linear_loss, params, rounds, exclude_nonfinite=False, **kw)
+    assert "skipped" not in off.history[0]
+    assert not np.isfinite(np.asarray(off.params["w"])).all()
+
+
+def test_train_diloco_drops_are_reported_and_resumable(tmp_path):
+    rounds = make_data(np.random.default_rng(12), num_rounds=4, num_workers=4, inner_steps=2)
+    params = {"w": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.float32(0.5)}
+    kw = dict(
+        num_rounds=4,
+        num_workers=4,
+        inner_steps=2,
+        backend="vmap",
+        drop_probability=0.5,
+        drop_seed=3,
+    )
+    full = dj.train_diloco(linear_loss, params, rounds, **kw)
+    dropped = [h["dropped_workers"] for h in full.history]
+    assert any(dropped) and dropped != [[0, 1, 2, 3]] * 4
+    dj.train_diloco(linear_loss, params, rounds, checkpoint_dir=tmp_path, **dict(kw, num_rounds=2))
+    resumed = dj.train_diloco(linear_loss, params, rounds, checkpoint_dir=tmp_path, **kw)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
+    assert resumed.history == full.history
+    with pytest.raises(ValueError, match="drop_seed"):
+        dj.train_diloco(linear_loss, params, rounds, **dict(kw, drop_seed=-1))
+    with pytest.raises(ValueError, match="compression"):
+        dj.train_diloco(linear_loss, params, rounds, **dict(kw, compression="int8"))
