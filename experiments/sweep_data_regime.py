@@ -1,4 +1,4 @@
-"""Paper Fig. 5 at small scale: i.i.d. shards against non-i.i.d. (disjoint documents)."""
+"""The paper's ablation at small scale: i.i.d. shards against non-i.i.d. (disjoint documents)."""
 
 from sweep import run_sweep
 

@@ -1,4 +1,4 @@
-"""Paper Fig. 3 / Table 4 at small scale: the number of inner steps H at a fixed step budget."""
+"""The paper's ablation at small scale: the number of inner steps H at a fixed step budget."""
 
 from sweep import run_sweep
 

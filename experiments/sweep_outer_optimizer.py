@@ -1,4 +1,4 @@
-"""Paper Fig. 6 at small scale: the outer optimizer (each at its default learning rate)."""
+"""The paper's ablation at small scale: the outer optimizer (each at its default learning rate)."""
 
 from sweep import run_sweep
 

@@ -1,4 +1,4 @@
-"""Paper Fig. 4 at small scale: the number of DiLoCo workers M (same steps per worker)."""
+"""The paper's ablation at small scale: the number of DiLoCo workers M (same steps per worker)."""
 
 from sweep import run_sweep
 
