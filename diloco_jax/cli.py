@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = lm.load_corpus(run.cfg)
     except ConfigError as e:
         _fail(str(e))
+    print(lm.describe(run.cfg, corpus))
     if run.command == "train":
         out, shared = _process_out(run.out)
         train_command(run.cfg, corpus, run.algo, out, run.progress, run.checkpoint_every, shared)

@@ -248,6 +248,18 @@ def pretrain(
     return result.params, result.history
 
 
+def describe(cfg: RunConfig, corpus: Corpus) -> str:
+    """One line for the console: model size and data."""
+    model_cfg = model_lib.get_config(cfg.model)
+    shapes = jax.eval_shape(model_lib.init_params, model_cfg, jax.random.key(0))
+    info = corpus.info
+    return (
+        f"model {cfg.model}: {model_lib.count_params(shapes):,} parameters; data {info['spec']}: "
+        f"{info['num_documents']:,} documents, {info['train_tokens']:,} train / "
+        f"{info['val_tokens']:,} eval tokens ({cfg.sharding})"
+    )
+
+
 def config_record(cfg: RunConfig, corpus: Corpus, **extra: Any) -> dict[str, Any]:
     """What a run folder's config.json holds: the config, the data and the environment."""
     model_cfg = model_lib.get_config(cfg.model)

@@ -58,7 +58,9 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert main_run[-1]["bytes_communicated"] == 2 * 4 * config["num_params"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval_ppl"] == pytest.approx(math.exp(summary["final_eval_loss"]))
-    assert "diloco: eval loss" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "diloco: eval loss" in printed
+    assert f"model micro: {config['num_params']:,} parameters" in printed
 
 
 def test_compare_writes_summary_table_and_plots(tmp_path):
