@@ -95,6 +95,9 @@ class Backend:
         [k, ...], inside the mapped context (see the module docstring).
         """
 
+        if self.name == "vmap":
+            return _vmap_reduce(fn, reduce)
+
         def body(shared, local):
             to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, local)
             return reduce(to_reduce), kept
@@ -227,6 +230,18 @@ def _varying_axes(x: jax.Array) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _vmap_reduce(fn, reduce):
+    def run(shared, mine):
+        # The workers under one plain vmap (the same program as hand-written vmap code: a
+        # size-1 device axis around them would cost extra copies every inner step); only the
+        # reducer sees WORKER_AXIS, bound as a size-1 device axis whose collectives vanish.
+        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
+        one_device = jax.tree.map(lambda x: x[None], to_reduce)
+        return jax.vmap(reduce, axis_name=WORKER_AXIS, out_axes=None)(one_device), kept
+
+    return run
 
 
 def _vmap_devices(body):

@@ -1,0 +1,154 @@
+"""Steady-state training throughput and MFU of the LM presets.
+
+For each preset it times, after compiling and one warm-up call:
+- "diloco M=4": `jax.jit(diloco_round, donate_argnums=0)` with H inner steps, vmap backend;
+- "sync M=4": `jax.jit(sync_step, donate_argnums=0)`, 4 workers averaging gradients;
+- "sync M=1": the same step with one worker.
+Data is drawn in the graph by a `Sampler` (as the LM CLI does), so no host input is timed.
+
+Reported: tokens/s per worker, achieved FLOP/s of the device (all workers share it, vmap) from
+`model.flops_per_token` (PaLM's 6N + 12 L H K T training estimate), and MFU = achieved /
+peak FLOP/s, with peak looked up by `jax.devices()[0].device_kind` in `common.PEAK_FLOPS`
+("n/a" for CPUs and unlisted devices; `--peak-tflops` overrides). Absolute figures depend on
+the machine's load; the environment (incl. load average) is saved with the results.
+
+  python benchmarks/throughput.py [--quick] [--presets micro,mini,tiny,small] [--dtype bfloat16]
+"""
+
+import argparse
+import functools
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import common
+import jax
+
+import diloco_jax as dj
+
+NUM_WORKERS = 4
+BATCH_SIZE = 16  # sequences per worker per step (RunConfig's default)
+# preset -> inner steps H per round (a timed DiLoCo sample is one round; a sync sample is H
+# steps, so both process the same tokens per worker)
+INNER_STEPS = {"micro": 20, "mini": 10, "tiny": 4, "small": 2, "60m": 2, "150m": 2, "400m": 2}
+CPU_PRESETS = ("micro", "mini", "tiny")
+ACCELERATOR_PRESETS = ("micro", "mini", "tiny", "small")
+
+
+def diloco_runner(w: common.Workload, inner_steps: int) -> Callable[[], Any]:
+    inner, outer = dj.default_inner_optimizer(), dj.default_outer_optimizer()
+    fn = functools.partial(
+        dj.diloco_round, w.loss_fn, inner_optimizer=inner, outer_optimizer=outer,
+        backend="vmap", num_workers=NUM_WORKERS, inner_steps=inner_steps,
+    )  # fmt: skip
+    step = jax.jit(fn, donate_argnums=0)
+    sampler = w.sampler(NUM_WORKERS)
+    holder = [dj.init_state(w.params, NUM_WORKERS, inner, outer)]
+
+    def run():
+        holder[0], metrics = step(holder[0], sampler)
+        return metrics
+
+    return run
+
+
+def sync_runner(w: common.Workload, num_workers: int, steps: int) -> Callable[[], Any]:
+    opt = dj.default_inner_optimizer()
+    fn = functools.partial(
+        dj.sync_step, w.loss_fn, optimizer=opt, backend="vmap", num_workers=num_workers
+    )
+    step = jax.jit(fn, donate_argnums=0)
+    sampler = w.sampler(num_workers)
+    holder = [dj.init_sync_state(w.params, opt)]
+
+    def run():
+        for _ in range(steps):
+            holder[0], metrics = step(holder[0], sampler)
+        return metrics
+
+    return run
+
+
+def measure(
+    w: common.Workload, mode: str, num_workers: int, run: Callable, steps: int, samples: int
+) -> dict[str, Any]:
+    """Times `samples` calls of `run` (each `steps` steps per worker) after a warm-up call."""
+    common.block(run())  # compile + warm-up
+    seconds = statistics.median(common.time_once(run) for _ in range(samples))
+    tokens_per_worker = steps * w.batch_size * w.tokens_per_example
+    flops = steps * num_workers * w.batch_size * w.flops_per_example
+    return {
+        "preset": w.name,
+        "mode": mode,
+        "workers": num_workers,
+        "batch_size": w.batch_size,
+        "steps_per_sample": steps,
+        "seconds_per_sample": seconds,
+        "tokens_per_s_per_worker": tokens_per_worker / seconds,
+        "flops_per_s": flops / seconds,
+    }
+
+
+def with_mfu(row: dict[str, Any], peak: float | None) -> dict[str, Any]:
+    return {**row, "peak_flops": peak, "mfu": row["flops_per_s"] / peak if peak else None}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    headers = ["preset", "mode", "B", "steps/sample", "s/sample", "tokens/s per worker",
+               "achieved GFLOP/s", "MFU"]  # fmt: skip
+    body = [
+        [r["preset"], r["mode"], r["batch_size"], r["steps_per_sample"],
+         f"{r['seconds_per_sample']:.3f}", f"{r['tokens_per_s_per_worker']:,.0f}",
+         f"{r['flops_per_s'] / 1e9:.1f}", "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"]
+        for r in rows
+    ]  # fmt: skip
+    return common.markdown_table(headers, body)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="micro only, fewer samples")
+    parser.add_argument("--presets", default=None, help="comma-separated LM presets")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    parser.add_argument("--samples", type=int, default=None, help="timed calls per mode")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="override peak")
+    args = parser.parse_args()
+    print(common.header() + "\n")
+    device = jax.devices()[0]
+    if args.presets:
+        presets = tuple(args.presets.split(","))
+    elif args.quick:
+        presets = ("micro",)
+    else:
+        presets = CPU_PRESETS if device.platform == "cpu" else ACCELERATOR_PRESETS
+    samples = args.samples or (2 if args.quick else 3)
+    if args.peak_tflops is not None:
+        peak = args.peak_tflops * 1e12
+    else:
+        peak = common.peak_flops(device.device_kind, args.dtype)
+
+    rows = []
+    for preset in presets:
+        w = common.lm_workload(preset, args.batch_size, args.dtype)
+        H = INNER_STEPS.get(preset, 2)
+        runs = [
+            (f"diloco M={NUM_WORKERS} H={H}", NUM_WORKERS, diloco_runner(w, H)),
+            (f"sync M={NUM_WORKERS}", NUM_WORKERS, sync_runner(w, NUM_WORKERS, H)),
+            ("sync M=1", 1, sync_runner(w, 1, H)),
+        ]
+        for mode, workers, run in runs:
+            rows.append(with_mfu(measure(w, mode, workers, run, H, samples), peak))
+
+    peak_text = (
+        "n/a (no peak known for this device)" if peak is None else f"{peak / 1e12:g} TFLOP/s"
+    )
+    print(f"Throughput on {device.device_kind} ({device.platform}), dtype {args.dtype}, peak ")
+    print(f"{peak_text}; all workers share one device (vmap); medians of {samples} samples\n")
+    print(table(rows))
+    payload = {"quick": args.quick, "dtype": args.dtype, "samples": samples, "rows": rows}
+    print(f"\nwrote {common.write_results('throughput', payload)}")
+
+
+if __name__ == "__main__":
+    main()
