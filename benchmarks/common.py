@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from diloco_jax import data as data_lib
+from diloco_jax import lm
 from diloco_jax import model as model_lib
 from diloco_jax.sampler import Sampler
 
@@ -68,18 +69,6 @@ def _lm_batch(seq_len: int, rng: np.random.Generator, lead: tuple[int, ...]) -> 
     return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
 
 
-def _lm_sample(batch_size: int, seq_len: int, arrays, round_index, worker, step):
-    key = data_lib.batch_key(arrays["key"], round_index, worker, step)
-    return data_lib.sample_batch(
-        arrays["tokens"],
-        arrays["starts"][worker],
-        arrays["lengths"][worker],
-        key,
-        batch_size,
-        seq_len,
-    )
-
-
 def _lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
     """In-graph iid windows of a synthetic token stream, built the way `lm.make_sampler`
     builds them (every worker samples the whole stream with its own key)."""
@@ -91,7 +80,7 @@ def _lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
         "lengths": jnp.full((num_workers,), TOKEN_STREAM_LENGTH, jnp.int32),
         "key": jax.random.key(0),
     }
-    return Sampler(arrays, functools.partial(_lm_sample, batch_size, seq_len))
+    return Sampler(arrays, functools.partial(lm.sample_windows, batch_size, seq_len))
 
 
 def lm_workload(preset: str, batch_size: int, dtype: str = "float32") -> Workload:

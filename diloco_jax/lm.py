@@ -67,7 +67,9 @@ def load_corpus(cfg: RunConfig) -> Corpus:
     return Corpus(train_tokens, doc_starts, evals, info)
 
 
-def _sample(batch_size: int, seq_len: int, arrays, round_index, worker, step):
+def sample_windows(batch_size: int, seq_len: int, arrays, round_index, worker, step):
+    """A `Sampler` function: B random windows of L + 1 tokens from worker `worker`'s shard
+    (arrays "tokens", "starts", "lengths", "key"), keyed by (round, worker, step)."""
     key = data_lib.batch_key(arrays["key"], round_index, worker, step)
     return data_lib.sample_batch(
         arrays["tokens"],
@@ -91,7 +93,7 @@ def make_sampler(cfg: RunConfig, corpus: Corpus, num_workers: int, salt: int) ->
         "lengths": jnp.asarray(lengths),
         "key": jax.random.fold_in(jax.random.key(cfg.seed), salt),
     }
-    return Sampler(arrays, functools.partial(_sample, cfg.batch_size, cfg.seq_len))
+    return Sampler(arrays, functools.partial(sample_windows, cfg.batch_size, cfg.seq_len))
 
 
 def make_eval_fn(loss_fn: Callable, corpus: Corpus) -> Callable[[Any], dict[str, jax.Array]]:
