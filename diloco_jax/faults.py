@@ -26,10 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 
-from diloco_jax.inner import LossFn, inner_step
 from diloco_jax.workers import WORKER_AXIS
 
 WEIGHTINGS = ("uniform", "steps")
@@ -147,42 +145,3 @@ def masked_mean(local: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
         return jnp.where(total > 0, s / safe.astype(x.dtype), jnp.zeros_like(s)).astype(x.dtype)
 
     return jax.tree.map(mean, sent), total
-
-
-def masked_inner_loop(
-    loss_fn: LossFn,
-    optimizer: optax.GradientTransformation,
-    params: Any,
-    opt_state: Any,
-    batches_H: Any,
-    active_steps: jax.Array,
-    *,
-    num_steps: int | None = None,
-) -> tuple[Any, Any, jax.Array]:
-    """`inner_loop` where only the first `active_steps` (int32 scalar h_m) of H steps update.
-
-    Steps h >= h_m still run (under vmap every worker scans H steps) but their results are
-    discarded with `jnp.where` on the carry, so params and optimizer state (step counts
-    included) are as after exactly h_m steps. Returns (params, opt_state, losses_H float32
-    [H]) with losses_H[h] = 0 for h >= h_m.
-    """
-    if callable(batches_H):
-        if num_steps is None:
-            raise ValueError("num_steps is required when batches_H is a function")
-        batch_of = batches_H
-        xs = jnp.arange(num_steps, dtype=jnp.int32)
-        index_of = lambda x: x  # noqa: E731
-    else:
-        num_steps = jax.tree.leaves(batches_H)[0].shape[0]
-        xs = (jnp.arange(num_steps, dtype=jnp.int32), batches_H)
-        batch_of, index_of = (lambda x: x[1]), (lambda x: x[0])
-
-    def step(carry, x):
-        params, opt_state = carry
-        new_params, new_state, loss = inner_step(loss_fn, optimizer, params, opt_state, batch_of(x))
-        active = index_of(x) < active_steps
-        carry = select_tree(active, (new_params, new_state), (params, opt_state))
-        return carry, jnp.where(active, loss.astype(jnp.float32), 0.0)
-
-    (params, opt_state), losses_H = lax.scan(step, (params, opt_state), xs)
-    return params, opt_state, losses_H

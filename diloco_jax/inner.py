@@ -43,6 +43,7 @@ def inner_loop(
     batches_H: Any,
     *,
     num_steps: int | None = None,
+    active_steps: jax.Array | None = None,
 ) -> tuple[Any, Any, jax.Array]:
     """Runs H inner steps of one worker under `lax.scan`.
 
@@ -54,6 +55,10 @@ def inner_loop(
       batches_H: batch pytree whose leaves are [H, ...] (step h uses leaf[h]); or a function
         step -> batch (int32 scalar step in [0, H)) that draws each batch inside the scan,
         with `num_steps=H`.
+      active_steps: optional int32 scalar h_m in [1, H]: only the first h_m steps update
+        (a slow worker under vmap still scans H steps; later steps' results are discarded
+        with `jnp.where` on the carry, so optimizer counts don't advance and their losses
+        are 0).
 
     Returns:
       (params after H steps, opt_state after H steps, losses_H float32 [H]) where
@@ -66,11 +71,19 @@ def inner_loop(
         batch_of, xs = batches_H, jnp.arange(num_steps, dtype=jnp.int32)
     else:
         batch_of, xs = (lambda batch: batch), batches_H
+    if active_steps is not None:  # scan the step index along, only when it is needed
+        steps = jax.tree.leaves(xs)[0].shape[0]
+        xs = (jnp.arange(steps, dtype=jnp.int32), xs)
 
     def step(carry, x):
-        params, opt_state = carry
-        params, opt_state, loss = inner_step(loss_fn, optimizer, params, opt_state, batch_of(x))
-        return (params, opt_state), loss.astype(jnp.float32)
+        h, x = x if active_steps is not None else (None, x)
+        params, opt_state, loss = inner_step(loss_fn, optimizer, *carry, batch_of(x))
+        loss = loss.astype(jnp.float32)
+        if active_steps is None:
+            return (params, opt_state), loss
+        active = h < active_steps
+        new = jax.tree.map(lambda a, b: jnp.where(active, a, b), (params, opt_state), carry)
+        return new, jnp.where(active, loss, 0.0)
 
     (params, opt_state), losses_H = lax.scan(step, (params, opt_state), xs)
     return params, opt_state, losses_H

@@ -309,25 +309,15 @@ def _faulty_round(
         global_params, shared_data = shared
         old_inner, start, dropped, h, my_data = mine
         start = global_params if start is None else start
-        if steps is None:
-            params, inner_opt_state, losses_H = inner_loop(
-                loss_fn,
-                inner_optimizer,
-                start,
-                old_inner,
-                worker_batches(batches, shared_data, my_data),
-                num_steps=inner_steps,
-            )
-        else:
-            params, inner_opt_state, losses_H = faults.masked_inner_loop(
-                loss_fn,
-                inner_optimizer,
-                start,
-                old_inner,
-                worker_batches(batches, shared_data, my_data),
-                h,
-                num_steps=inner_steps,
-            )
+        params, inner_opt_state, losses_H = inner_loop(
+            loss_fn,
+            inner_optimizer,
+            start,
+            old_inner,
+            worker_batches(batches, shared_data, my_data),
+            num_steps=inner_steps,
+            active_steps=None if steps is None else h,
+        )
         delta = worker_delta(global_params, params)
         finite = faults.all_finite(delta) if exclude_nonfinite else jnp.bool_(True)
         included = finite & ~dropped

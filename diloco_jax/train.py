@@ -166,11 +166,6 @@ def train_diloco(
             **common,
         )
     else:
-        if faulty and compression.kind != "none":
-            raise ValueError(
-                f"compression={compression.kind!r} can't be combined with exclude_nonfinite, "
-                "drops or worker_steps yet: pass exclude_nonfinite=False"
-            )
         state = init_state(
             params,
             num_workers,
