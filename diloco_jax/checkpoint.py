@@ -117,11 +117,20 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
 
 def all_steps(directory: str | os.PathLike) -> list[int]:
-    """The finished checkpoint steps in `directory`, ascending ([] when there is none)."""
-    if not _path(directory).is_dir():
-        return []
-    with _manager(directory, create=False) as manager:
-        return sorted(manager.all_steps())
+    """The finished checkpoint steps in `directory`, ascending ([] when there is none).
+
+    Safe to call while another process trains into `directory`: a step that its writer
+    deletes (keeping the last N) between listing and reading is retried, not an error."""
+    for attempt in range(3):
+        if not _path(directory).is_dir():
+            return []
+        try:
+            with _manager(directory, create=False) as manager:
+                return sorted(manager.all_steps())
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    return []
 
 
 def discard_after(directory: str | os.PathLike, step: int) -> list[int]:

@@ -208,6 +208,17 @@ CLI = [
 ]
 
 
+def _last_round(path: Path) -> int:
+    if not path.exists():
+        return -1
+    rounds = [
+        json.loads(line).get("round", -1)
+        for line in path.read_text().splitlines()
+        if line.endswith("}")
+    ]
+    return max(rounds, default=-1)
+
+
 def _run_records(path: Path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     for r in records:
@@ -226,8 +237,10 @@ def test_cli_killed_with_sigkill_resumes_bit_identical(tmp_path):
         [*CLI, "--out", str(killed)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     run_dir = killed / "checkpoints" / "run"
+    # The run logs round r's metrics only after checkpoint r is saved, so watch the log
+    # rather than read the checkpoints while the writer is saving and pruning them.
     deadline = time.time() + 300
-    while time.time() < deadline and (dj.checkpoint.latest_step(run_dir) or 0) < 5:
+    while time.time() < deadline and _last_round(killed / "metrics.jsonl") < 6:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
