@@ -340,8 +340,10 @@ def environment() -> dict[str, Any]:
     whether diloco_jax/ had uncommitted changes), since the library changes under its users.
     Taken once, at the first call (scripts call it first thing, via `header`)."""
     device = jax.devices()[0]
+    # A copy of the tree without .git (e.g. on a rented accelerator) names its commit here.
+    commit = _git("rev-parse", "--short", "HEAD") or os.environ.get("DILOCO_JAX_COMMIT")
     return {
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_commit": commit,
         "library_modified": bool(_git("status", "--porcelain", "--", "../diloco_jax")),
         "jax": jax.__version__,
         "platform": device.platform,

@@ -1,7 +1,8 @@
 """Simulated network time: DiLoCo against synchronous data parallelism on slower networks,
 fed by step times measured here (one worker, steady state) and the real payload size.
 
-    python benchmarks/network.py [--quick] [--workers 8] [--latency-ms 1]
+    python benchmarks/network.py [--quick] [--workers 8] [--latency-ms 1] [--presets a,b]
+        [--dtype float32|bfloat16] [--batch-size 16]
 
 For each LM preset and each H, prints the wall time of 1000 steps per worker and the compute
 utilization at 100 Gbit/s, 10 Gbit/s, 1 Gbit/s and 100 Mbit/s (ring all-reduce, no overlap:
@@ -14,38 +15,26 @@ import json
 import time
 from pathlib import Path
 
+import common
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from diloco_jax import model, netsim
 from diloco_jax.comm import round_bytes
-from diloco_jax.sampler import Sampler
 from diloco_jax.train import train_sync
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def step_seconds(preset: str, batch_size: int, steps: int) -> float:
+def step_seconds(preset: str, batch_size: int, steps: int, dtype: str = "float32") -> float:
     """Median steady-state seconds per step of one worker training `preset` (in-graph data)."""
-    cfg = model.get_config(preset)
-    params = model.init_params(cfg, jax.random.key(0))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.int32))
-
-    def sample(arrays, r, m, h):
-        key = jax.random.fold_in(jax.random.fold_in(arrays["key"], r), m)
-        start = jax.random.randint(key, (batch_size,), 0, tokens.shape[0] - cfg.seq_len - 1)
-        windows = jax.vmap(lambda s: jax.lax.dynamic_slice(arrays["t"], (s,), (cfg.seq_len + 1,)))
-        w = windows(start)
-        return {"inputs": w[:, :-1], "targets": w[:, 1:]}
-
-    sampler = Sampler({"t": tokens, "key": jax.random.key(1)}, sample)
+    w = common.lm_workload(preset, batch_size, dtype)
     times = []
     train_sync(
-        model.make_loss_fn(cfg),
-        params,
-        sampler,
+        w.loss_fn,
+        w.params,
+        w.sampler(1),
         num_steps=steps,
         num_workers=1,
         optimizer=optax.adamw(1e-3),
@@ -60,14 +49,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--latency-ms", type=float, default=1.0)
+    parser.add_argument("--presets", default=None, help="comma-separated LM presets")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
-    presets = ["micro", "mini"] if args.quick else ["micro", "mini", "tiny"]
+    if args.presets:
+        presets = args.presets.split(",")
+    else:
+        presets = ["micro", "mini"] if args.quick else ["micro", "mini", "tiny"]
+    print(common.header() + "\n")
     steps = 20 if args.quick else 60
     total = 1000
     rows = []
     for preset in presets:
-        t_step = step_seconds(preset, 16, steps)
-        params = jax.eval_shape(model.init_params, model.get_config(preset), jax.random.key(0))
+        t_step = step_seconds(preset, args.batch_size, steps, args.dtype)
+        config = model.get_config(preset, dtype=args.dtype)
+        params = jax.eval_shape(model.init_params, config, jax.random.key(0))
         payload = round_bytes(params)
         runs = {"sync_data_parallel": 1} | {f"diloco_H{h}": h for h in (25, 100, 500)}
         table = netsim.network_table(
@@ -77,7 +74,8 @@ def main() -> None:
     lines = []
     for row in rows:
         lines += [
-            f"### {row['preset']}: {row['num_params']:,} params, {row['payload_bytes']:,} bytes "
+            f"### {row['preset']} ({args.dtype}, B={args.batch_size}): "
+            f"{row['num_params']:,} params, {row['payload_bytes']:,} bytes "
             f"per all-reduce, step {row['step_seconds'] * 1e3:.2f} ms, M={args.workers}, "
             f"latency {args.latency_ms:g} ms, {total} steps per worker",
             "",
@@ -96,7 +94,12 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "network.json").write_text(
         json.dumps(
-            {"rows": rows, "jax": jax.__version__, "device": jax.devices()[0].device_kind},
+            {
+                "rows": rows,
+                "dtype": args.dtype,
+                "batch_size": args.batch_size,
+                "environment": common.environment(),
+            },
             indent=2,
             default=float,
         )

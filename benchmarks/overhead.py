@@ -1,10 +1,12 @@
 """Library overhead: diloco-jax's round and sync step against hand-written JAX/optax code.
 
-(a) DiLoCo round. Library: `jax.jit(diloco_round, donate_argnums=0)` (what `train_diloco`
-dispatches once per round) and `train_diloco` itself (host loop, per round, including its
-per-call setup). Reference, written here from scratch: `jax.jit` of `jax.vmap` over workers of
-a `lax.scan` of an optax AdamW step, then the mean of the deltas and the optax Nesterov outer
-update. Same model, same device batch ([M, H, B, ...]), same M and H, one device.
+(a) DiLoCo round. Library: `jax.jit(diloco_round, donate_argnums=0)`, the same with
+`exclude_nonfinite=True` (the program `train_diloco` dispatches once per round by default: a
+worker whose delta holds a NaN or Inf is left out of the mean), and `train_diloco` itself
+(host loop, per round, including its per-call setup). Reference, written here from scratch:
+`jax.jit` of `jax.vmap` over workers of a `lax.scan` of an optax AdamW step, then the mean
+of the deltas and the optax Nesterov outer update. Same model, same device batch
+([M, H, B, ...]), same M and H, one device.
 
 (b) Sync data-parallel step. Library: `jax.jit(sync_step, donate_argnums=0)` and `train_sync`
 per step. Reference: a jitted step that vmaps `jax.grad` over workers, averages the gradients
@@ -20,7 +22,7 @@ programs: XLA's flop and byte estimates and the kernels each inner step launches
 plus what `diloco_round` / `sync_step` also return (per-step losses, their means, the delta
 norm); comparing the library with it, timed and compiled, attributes the library's extra work.
 
-  python benchmarks/overhead.py [--quick]
+  python benchmarks/overhead.py [--quick] [--reps N] [--cases cpu|accelerator]
 """
 
 import argparse
@@ -41,6 +43,7 @@ ROUND_TARGET = 1.03
 SYNC_TARGET = 1.05
 NUM_WORKERS = 4
 DIAGNOSTIC = "reference + metrics (diagnostic)"
+EXCLUDING = "library, exclude_nonfinite"
 # HLO ops that launch no kernel of their own on CPU.
 FREE_OPS = frozenset({"get-tuple-element", "tuple", "bitcast", "constant", "parameter"})
 
@@ -54,6 +57,14 @@ CASES: dict[str, tuple[int, int, int, int]] = {
 QUICK_CASES: dict[str, tuple[int, int, int, int]] = {
     "mlp": (64, 20, 2, 20),
     "micro": (8, 10, 2, 20),
+}
+# On an accelerator CPU-sized programs are all launch latency: bigger batches, longer rounds,
+# and the "small" preset (3.4M params).
+ACCELERATOR_CASES: dict[str, tuple[int, int, int, int]] = {
+    "mlp": (256, 50, 10, 100),
+    "micro": (32, 50, 10, 100),
+    "tiny": (16, 20, 5, 50),
+    "small": (16, 10, 3, 30),
 }
 QUICK_SYNC = ("mlp",)  # --quick times the sync step on the MLP only (compiles are the cost)
 
@@ -130,11 +141,13 @@ def per_worker(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.stack([x] * NUM_WORKERS), tree)
 
 
-def library_round(w: common.Workload, inner, outer) -> Callable:
-    """`diloco_round` jitted with its state donated, as train.py dispatches it."""
+def library_round(w: common.Workload, inner, outer, exclude_nonfinite: bool = False) -> Callable:
+    """`diloco_round` jitted with its state donated, as train.py dispatches it (train_diloco's
+    default also sets exclude_nonfinite: a NaN worker is left out of the mean)."""
     round_fn = functools.partial(
-        dj.diloco_round, w.loss_fn, inner_optimizer=inner, outer_optimizer=outer, backend="vmap"
-    )
+        dj.diloco_round, w.loss_fn, inner_optimizer=inner, outer_optimizer=outer, backend="vmap",
+        exclude_nonfinite=exclude_nonfinite,
+    )  # fmt: skip
     return jax.jit(round_fn, donate_argnums=0)
 
 
@@ -172,6 +185,7 @@ def round_programs(w: common.Workload, inner, outer, batches, with_metrics: bool
     programs = {
         "library": library_round(w, inner, outer).lower(*lib_args).compile(),
         "reference": reference_round(w.loss_fn, inner, outer).lower(*ref_args).compile(),
+        EXCLUDING: library_round(w, inner, outer, True).lower(*lib_args).compile(),
     }
     if with_metrics:
         lowered = reference_round(w.loss_fn, inner, outer, True).lower(*ref_args)
@@ -299,6 +313,7 @@ def measure_rounds(name: str, case: tuple[int, int, int, int], reps: int, attrib
     runs = {
         "reference": reference_round_runner(programs["reference"], *args),
         "diloco_round (jit, donated)": library_round_runner(programs["library"], *args),
+        "diloco_round, exclude_nonfinite": library_round_runner(programs[EXCLUDING], *args),
         "train_diloco (host loop)": train_diloco_runner(*args, H),
     }
     if attribute:
@@ -418,17 +433,18 @@ def ratio_table(rows: list[dict]) -> str:
 
 def work_table(work: dict[str, dict[str, Any]]) -> str:
     headers = ["program", "flops lib/ref", "bytes lib/ref", "bytes lib/(ref+metrics)",
-               "kernels lib / ref / ref+metrics"]  # fmt: skip
+               "kernels lib / ref / ref+metrics", "bytes excl/lib"]  # fmt: skip
     body = []
     for name, w in work.items():
         lib, ref = w["library"], w["reference"]
-        refm = w.get("reference + metrics")
+        refm, excl = w.get("reference + metrics"), w.get(EXCLUDING)
         body.append([
             name,
             f"{lib['flops'] / ref['flops']:.4f}",
             f"{lib['bytes accessed'] / ref['bytes accessed']:.4f}",
             f"{lib['bytes accessed'] / refm['bytes accessed']:.4f}" if refm else "-",
             f"{lib['kernels']} / {ref['kernels']} / {refm['kernels'] if refm else '-'}",
+            f"{excl['bytes accessed'] / lib['bytes accessed']:.4f}" if excl else "-",
         ])  # fmt: skip
     return common.markdown_table(headers, body)
 
@@ -437,9 +453,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="mlp + micro rounds, mlp sync")
     parser.add_argument("--reps", type=int, default=None, help="timed samples per variant")
+    parser.add_argument(
+        "--cases",
+        choices=["cpu", "accelerator"],
+        default=None,
+        help="workload sizes (default: by the platform of jax.devices()[0])",
+    )
     args = parser.parse_args()
     print(common.header() + "\n")
-    cases = QUICK_CASES if args.quick else CASES
+    sizes = args.cases or ("cpu" if jax.devices()[0].platform == "cpu" else "accelerator")
+    cases = QUICK_CASES if args.quick else {"cpu": CASES, "accelerator": ACCELERATOR_CASES}[sizes]
     sync_cases = {k: v for k, v in cases.items() if not args.quick or k in QUICK_SYNC}
     reps = args.reps or (5 if args.quick else 9)
     attribute = not args.quick  # compile the "reference + metrics" programs too

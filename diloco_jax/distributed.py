@@ -104,6 +104,9 @@ def to_host(tree: Any) -> Any:
     process's own shard; any other global array (e.g. per-worker values split over processes)
     is all-gathered, a collective: every process must call `to_host` on the same tree.
     """
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)  # one call: starts every copy before waiting on any
     return jax.tree.map(_leaf_to_host, tree)
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 WORKER_AXIS = "workers"
@@ -110,11 +110,11 @@ class Backend:
 
     def place_shared(self, tree: Any) -> Any:
         """Puts a pytree on the backend's devices, replicated."""
-        return jax.device_put(tree, self._sharding(P()))
+        return _put(tree, self._sharding(P()))
 
     def place_workers(self, tree: Any) -> Any:
         """Puts a [M, ...]-stacked pytree on the backend's devices, split along workers."""
-        return jax.device_put(tree, self._sharding(P(WORKER_AXIS)))
+        return _put(tree, self._sharding(P(WORKER_AXIS)))
 
     def place_batches(self, tree: Any, lead: int) -> Any:
         """Puts batches with leaves [M, <lead - 1 more dims>, B, ...] on the devices: split
@@ -128,12 +128,27 @@ class Backend:
                     f"dim (after the leading {lead}) divisible by it, got shape {np.shape(leaf)}"
                 )
         spec = P(WORKER_AXIS, *[None] * (lead - 1), DATA_AXIS)
-        return jax.device_put(tree, self._sharding(spec))
+        return _put(tree, self._sharding(spec))
 
-    def _sharding(self, spec: P):
-        if self.name == "vmap":
-            return self.devices[0]
-        return NamedSharding(self.mesh, spec)
+    def _sharding(self, spec: P) -> jax.sharding.Sharding:
+        return _sharding(self, spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharding(backend: Backend, spec: P) -> jax.sharding.Sharding:
+    # Cached: building a Mesh and a NamedSharding per batch costs more than the dispatch.
+    if backend.name == "vmap":
+        return SingleDeviceSharding(backend.devices[0])
+    return NamedSharding(backend.mesh, spec)
+
+
+def _put(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """`jax.device_put(tree, sharding)`, skipped when every leaf already is a jax.Array with
+    that sharding (e.g. batches a user placed once, fed to every round): the copy-free path."""
+    leaves = jax.tree.leaves(tree)
+    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+        return tree
+    return jax.device_put(tree, sharding)
 
 
 def make_backend(
