@@ -13,6 +13,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -148,6 +149,15 @@ def mlp_workload(batch_size: int) -> Workload:
 
 def block(tree: Any) -> Any:
     return jax.block_until_ready(tree)
+
+
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One line to stderr with the seconds since start: partial results survive a killed run
+    (tables are printed at the end) and show where time goes (accelerator compiles are slow)."""
+    print(f"[{time.perf_counter() - _START:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def time_once(run: Callable[[], Any]) -> float:
@@ -340,11 +350,13 @@ def environment() -> dict[str, Any]:
     whether diloco_jax/ had uncommitted changes), since the library changes under its users.
     Taken once, at the first call (scripts call it first thing, via `header`)."""
     device = jax.devices()[0]
-    # A copy of the tree without .git (e.g. on a rented accelerator) names its commit here.
-    commit = _git("rev-parse", "--short", "HEAD") or os.environ.get("DILOCO_JAX_COMMIT")
+    # A copied tree (e.g. on a rented accelerator) names its commit here: its .git, if any,
+    # may not be the one the files come from.
+    named = os.environ.get("DILOCO_JAX_COMMIT")
     return {
-        "git_commit": commit,
-        "library_modified": bool(_git("status", "--porcelain", "--", "../diloco_jax")),
+        "git_commit": named or _git("rev-parse", "--short", "HEAD"),
+        "library_modified": not named
+        and bool(_git("status", "--porcelain", "--", "../diloco_jax")),
         "jax": jax.__version__,
         "platform": device.platform,
         "device_kind": device.device_kind,

@@ -63,6 +63,7 @@ def main() -> None:
     rows = []
     for preset in presets:
         t_step = step_seconds(preset, args.batch_size, steps, args.dtype)
+        common.progress(f"{preset}: {t_step * 1e3:.3f} ms per step")
         config = model.get_config(preset, dtype=args.dtype)
         params = jax.eval_shape(model.init_params, config, jax.random.key(0))
         payload = round_bytes(params)

@@ -66,7 +66,11 @@ ACCELERATOR_CASES: dict[str, tuple[int, int, int, int]] = {
     "tiny": (16, 20, 5, 50),
     "small": (16, 10, 3, 30),
 }
-QUICK_SYNC = ("mlp",)  # --quick times the sync step on the MLP only (compiles are the cost)
+QUICK_ACCELERATOR_CASES: dict[str, tuple[int, int, int, int]] = {
+    "tiny": ACCELERATOR_CASES["tiny"],
+    "small": ACCELERATOR_CASES["small"],
+}
+QUICK_SYNC = ("mlp", "small")  # --quick times the sync step on the MLP only (compiles are the cost)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,7 +312,9 @@ def measure_rounds(name: str, case: tuple[int, int, int, int], reps: int, attrib
     w = workload(name, batch_size)
     inner, outer = dj.default_inner_optimizer(), dj.default_outer_optimizer()
     batches = w.host_batches((NUM_WORKERS, H))
+    common.progress(f"{name} round: compiling")
     programs = round_programs(w, inner, outer, batches, attribute)
+    common.progress(f"{name} round: compiled; timing")
     args = (w, inner, outer, batches, count)
     runs = {
         "reference": reference_round_runner(programs["reference"], *args),
@@ -321,7 +327,9 @@ def measure_rounds(name: str, case: tuple[int, int, int, int], reps: int, attrib
         runs[DIAGNOSTIC] = reference_round_runner(program, *args, metrics=True)
     times = common.interleaved(runs, reps)
     what = f"round M={NUM_WORKERS} H={H} B={batch_size}, {count}/sample"
-    return ratio_rows(what, name, times, count, ROUND_TARGET), compiled_work(programs, True)
+    rows = ratio_rows(what, name, times, count, ROUND_TARGET)
+    common.progress("\n" + ratio_table(rows))
+    return rows, compiled_work(programs, True)
 
 
 def measure_steps(name: str, case: tuple[int, int, int, int], reps: int, attribute: bool):
@@ -330,7 +338,9 @@ def measure_steps(name: str, case: tuple[int, int, int, int], reps: int, attribu
     w = workload(name, batch_size)
     opt = dj.default_inner_optimizer()
     batch = w.host_batches((NUM_WORKERS,))
+    common.progress(f"{name} sync step: compiling")
     programs = step_programs(w, opt, batch, attribute)
+    common.progress(f"{name} sync step: compiled; timing")
     runs = {
         "reference": reference_step_runner(programs["reference"], w, opt, batch, count),
         "sync_step (jit, donated)": library_step_runner(programs["library"], w, opt, batch, count),
@@ -341,7 +351,9 @@ def measure_steps(name: str, case: tuple[int, int, int, int], reps: int, attribu
         runs[DIAGNOSTIC] = reference_step_runner(program, w, opt, batch, count, metrics=True)
     times = common.interleaved(runs, reps)
     what = f"sync step M={NUM_WORKERS} B={batch_size}, {count}/sample"
-    return ratio_rows(what, name, times, count, SYNC_TARGET), compiled_work(programs, False)
+    rows = ratio_rows(what, name, times, count, SYNC_TARGET)
+    common.progress("\n" + ratio_table(rows))
+    return rows, compiled_work(programs, False)
 
 
 def _linear_loss(params, batch):
@@ -451,7 +463,11 @@ def work_table(work: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="mlp + micro rounds, mlp sync")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 round workloads, 1 sync workload (mlp/micro, or tiny/small)",
+    )
     parser.add_argument("--reps", type=int, default=None, help="timed samples per variant")
     parser.add_argument(
         "--cases",
@@ -462,7 +478,13 @@ def main() -> None:
     args = parser.parse_args()
     print(common.header() + "\n")
     sizes = args.cases or ("cpu" if jax.devices()[0].platform == "cpu" else "accelerator")
-    cases = QUICK_CASES if args.quick else {"cpu": CASES, "accelerator": ACCELERATOR_CASES}[sizes]
+    table = {
+        ("cpu", False): CASES,
+        ("cpu", True): QUICK_CASES,
+        ("accelerator", False): ACCELERATOR_CASES,
+        ("accelerator", True): QUICK_ACCELERATOR_CASES,
+    }
+    cases = table[sizes, args.quick]
     sync_cases = {k: v for k, v in cases.items() if not args.quick or k in QUICK_SYNC}
     reps = args.reps or (5 if args.quick else 9)
     attribute = not args.quick  # compile the "reference + metrics" programs too
@@ -478,6 +500,7 @@ def main() -> None:
     print("\nCompiled programs, library vs reference (deterministic: XLA's cost analysis, and")
     print("the kernels launched per inner step of the round's while loop / per sync step)\n")
     print(work_table(work))
+    common.progress("host loop cost")
     host = host_loop_cost(reps)
     print("\nHost loop cost (a 3-parameter model, so the device work is ~0; M=4, H=2)\n")
     print(host_table(host))

@@ -86,6 +86,8 @@ def measure(w: common.Workload, reps: int) -> dict[str, dict[int, list[dict]]]:
     for rep in range(reps):
         for mode, h in runs if rep % 2 == 0 else reversed(runs):
             results[mode][h].append(compile_round(w, mode, h, sampler))
+            e = results[mode][h][-1]
+            common.progress(f"{mode} H={h}: compile {e['compile_s']:.2f} s, {e['memory']}")
     return results
 
 

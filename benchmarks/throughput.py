@@ -138,7 +138,9 @@ def main() -> None:
             ("sync M=1", 1, sync_runner(w, 1, H)),
         ]
         for mode, workers, run in runs:
+            common.progress(f"{preset} {mode}: compiling and timing")
             rows.append(with_mfu(measure(w, mode, workers, run, H, samples), peak))
+            common.progress("\n" + table(rows[-1:]))
 
     peak_text = (
         "n/a (no peak known for this device)" if peak is None else f"{peak / 1e12:g} TFLOP/s"
