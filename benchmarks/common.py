@@ -160,11 +160,18 @@ def progress(message: str) -> None:
     print(f"[{time.perf_counter() - _START:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
+class Elapsed(float):
+    """Seconds a run measured itself (e.g. between callbacks), returned instead of arrays:
+    `time_once` takes it in place of the call's wall time."""
+
+
 def time_once(run: Callable[[], Any]) -> float:
-    """Seconds for `run()` including waiting for every array it returns."""
+    """Seconds for `run()` including waiting for every array it returns, or the `Elapsed` it
+    returns."""
     start = time.perf_counter()
-    block(run())
-    return time.perf_counter() - start
+    out = block(run())
+    stop = time.perf_counter()
+    return float(out) if isinstance(out, Elapsed) else stop - start
 
 
 def interleaved(runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:

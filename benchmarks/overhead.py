@@ -3,14 +3,15 @@
 (a) DiLoCo round. Library: `jax.jit(diloco_round, donate_argnums=0)`, the same with
 `exclude_nonfinite=True` (the program `train_diloco` dispatches once per round by default: a
 worker whose delta holds a NaN or Inf is left out of the mean), and `train_diloco` itself
-(host loop, per round, including its per-call setup). Reference, written here from scratch:
-`jax.jit` of `jax.vmap` over workers of a `lax.scan` of an optax AdamW step, then the mean
-of the deltas and the optax Nesterov outer update. Same model, same device batch
-([M, H, B, ...]), same M and H, one device.
+(host loop, per round in steady state: from the first round's history entry to the last of
+one call, so its per-call setup is left out; the host table reports that). Reference,
+written here from scratch: `jax.jit` of `jax.vmap` over workers of a `lax.scan` of an optax
+AdamW step, then the mean of the deltas and the optax Nesterov outer update. Same model, same
+device batch ([M, H, B, ...]), same M and H, one device.
 
 (b) Sync data-parallel step. Library: `jax.jit(sync_step, donate_argnums=0)` and `train_sync`
-per step. Reference: a jitted step that vmaps `jax.grad` over workers, averages the gradients
-and applies one optax AdamW update.
+per step (steady state, as above). Reference: a jitted step that vmaps `jax.grad` over
+workers, averages the gradients and applies one optax AdamW update.
 
 Timings are interleaved (A B C, C B A, ...); a sample runs several rounds/steps back to back
 and waits for the result. The headline is the median over samples of library / reference;
@@ -28,6 +29,7 @@ norm); comparing the library with it, timed and compiled, attributes the library
 import argparse
 import functools
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -210,13 +212,21 @@ def library_round_runner(program, w, inner, outer, batches, count) -> Callable:
 
 
 def train_diloco_runner(w, inner, outer, batches, count, H) -> Callable:
-    def run():
-        return dj.train_diloco(
-            w.loss_fn, w.params, [batches] * count, num_rounds=count, num_workers=NUM_WORKERS,
-            inner_steps=H, inner_optimizer=inner, outer_optimizer=outer, backend="vmap",
-        ).state  # fmt: skip
+    """`train_diloco` in steady state: one call of count + 1 rounds, timed from the first
+    round's history entry to the last (each is recorded once its round has finished, while
+    the next one runs), so the call's setup is left out (the host table has it)."""
 
-    common.block(run())  # compiles once; later calls hit train.py's jit cache
+    def run():
+        stamps = []
+        dj.train_diloco(
+            w.loss_fn, w.params, [batches] * (count + 1), num_rounds=count + 1,
+            num_workers=NUM_WORKERS, inner_steps=H, inner_optimizer=inner,
+            outer_optimizer=outer, backend="vmap",
+            callback=lambda _: stamps.append(time.perf_counter()),
+        )  # fmt: skip
+        return common.Elapsed(stamps[-1] - stamps[0])
+
+    run()  # compiles once; later calls hit train.py's jit cache
     return run
 
 
@@ -247,13 +257,18 @@ def library_step_runner(program, w, opt, batch, count) -> Callable:
 
 
 def train_sync_runner(w, opt, batch, count) -> Callable:
-    def run():
-        return dj.train_sync(
-            w.loss_fn, w.params, [batch] * count, num_steps=count, num_workers=NUM_WORKERS,
-            optimizer=opt, backend="vmap",
-        ).state  # fmt: skip
+    """`train_sync` in steady state, timed as `train_diloco_runner`."""
 
-    common.block(run())
+    def run():
+        stamps = []
+        dj.train_sync(
+            w.loss_fn, w.params, [batch] * (count + 1), num_steps=count + 1,
+            num_workers=NUM_WORKERS, optimizer=opt, backend="vmap",
+            callback=lambda _: stamps.append(time.perf_counter()),
+        )  # fmt: skip
+        return common.Elapsed(stamps[-1] - stamps[0])
+
+    run()
     return run
 
 
@@ -320,7 +335,7 @@ def measure_rounds(name: str, case: tuple[int, int, int, int], reps: int, attrib
         "reference": reference_round_runner(programs["reference"], *args),
         "diloco_round (jit, donated)": library_round_runner(programs["library"], *args),
         "diloco_round, exclude_nonfinite": library_round_runner(programs[EXCLUDING], *args),
-        "train_diloco (host loop)": train_diloco_runner(*args, H),
+        "train_diloco (host loop, steady state)": train_diloco_runner(*args, H),
     }
     if attribute:
         program = programs["reference + metrics"]
@@ -344,7 +359,7 @@ def measure_steps(name: str, case: tuple[int, int, int, int], reps: int, attribu
     runs = {
         "reference": reference_step_runner(programs["reference"], w, opt, batch, count),
         "sync_step (jit, donated)": library_step_runner(programs["library"], w, opt, batch, count),
-        "train_sync (host loop)": train_sync_runner(w, opt, batch, count),
+        "train_sync (host loop, steady state)": train_sync_runner(w, opt, batch, count),
     }
     if attribute:
         program = programs["reference + metrics"]
