@@ -61,7 +61,7 @@ QUICK_CASES: dict[str, tuple[int, int, int, int]] = {
     "micro": (8, 10, 2, 20),
 }
 # On an accelerator CPU-sized programs are all launch latency: bigger batches, longer rounds,
-# and the "small" preset (3.4M params).
+# and the "small" preset (3.2M params).
 ACCELERATOR_CASES: dict[str, tuple[int, int, int, int]] = {
     "mlp": (256, 50, 10, 100),
     "micro": (32, 50, 10, 100),
