@@ -295,6 +295,35 @@ def cost(compiled: Any) -> dict[str, float]:
     return {k: float(analysis.get(k, 0.0)) for k in ("flops", "bytes accessed")}
 
 
+def profiled(run: Callable[[], Any], directory: str | os.PathLike) -> Path:
+    """Runs `run` once under `jax.profiler.trace` (C++ events only) and returns the newest
+    `.xplane.pb` written under `directory` (readable by TensorBoard / xprof / Perfetto)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(directory), profiler_options=options):
+        block(run())
+    return max(Path(directory).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+
+
+def top_device_ops(xplane: str | os.PathLike, n: int = 12) -> list[tuple[str, float, float]]:
+    """The `n` ops with the most accelerator time in a trace: (name, ms, share of the total),
+    summed over each "/device:..." plane's "XLA Ops" line, or where a raw trace has none, its
+    per-stream kernel lines ("Stream #..."; XLA names kernels after their fusions). Empty for
+    CPU traces (XLA's CPU ops run on host threads, with no device plane)."""
+    profile = jax.profiler.ProfileData.from_file(str(xplane))
+    totals: Counter = Counter()
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        lines = list(plane.lines)
+        ops = [line for line in lines if line.name == "XLA Ops"]
+        for line in ops or [line for line in lines if line.name.startswith("Stream")]:
+            for event in line.events:
+                totals[event.name] += event.duration_ns
+    whole = sum(totals.values())
+    return [(name, ns / 1e6, ns / whole) for name, ns in totals.most_common(n)]
+
+
 # ---------------------------------------------------------------------------------------
 # Peak FLOP/s for MFU.
 

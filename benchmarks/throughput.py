@@ -13,12 +13,15 @@ peak FLOP/s, with peak looked up by `jax.devices()[0].device_kind` in `common.PE
 the machine's load; the environment (incl. load average) is saved with the results.
 
   python benchmarks/throughput.py [--quick] [--presets micro,mini,tiny,small] [--dtype bfloat16]
+      [--profile DIR]
 """
 
 import argparse
 import functools
+import re
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import common
@@ -89,6 +92,17 @@ def measure(
     }
 
 
+def report_profile(run: Callable, directory: Path) -> None:
+    """Traces one more call of `run` and prints where the accelerator's time went."""
+    xplane = common.profiled(run, directory)
+    ops = common.top_device_ops(xplane)
+    lines = [f"trace: {xplane}"]
+    if not ops:
+        lines.append("(no accelerator ops in the trace: CPU runs have no device plane)")
+    lines += [f"{ms:10.3f} ms {share:6.1%}  {name}" for name, ms, share in ops]
+    common.progress("\n".join(lines))
+
+
 def with_mfu(row: dict[str, Any], peak: float | None) -> dict[str, Any]:
     return {**row, "peak_flops": peak, "mfu": row["flops_per_s"] / peak if peak else None}
 
@@ -113,6 +127,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument("--samples", type=int, default=None, help="timed calls per mode")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override peak")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="also trace one more call of each mode into DIR/PRESET_MODE and "
+        "print its top accelerator ops",
+    )
     args = parser.parse_args()
     print(common.header() + "\n")
     device = jax.devices()[0]
@@ -141,6 +162,8 @@ def main() -> None:
             common.progress(f"{preset} {mode}: compiling and timing")
             rows.append(with_mfu(measure(w, mode, workers, run, H, samples), peak))
             common.progress("\n" + table(rows[-1:]))
+            if args.profile:
+                report_profile(run, Path(args.profile) / re.sub(r"\W+", "_", f"{preset}_{mode}"))
 
     peak_text = (
         "n/a (no peak known for this device)" if peak is None else f"{peak / 1e12:g} TFLOP/s"
