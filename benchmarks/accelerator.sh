@@ -5,7 +5,7 @@
 #   benchmarks/accelerator.sh OUT_DIR [PYTHON]      # e.g. benchmarks/accelerator.sh /tmp/b .venv/bin/python
 #
 # DILOCO_JAX_COMMIT names the library's commit in a copied tree (whose .git may be stale).
-# CAP_SCALE multiplies every cap (default 1: at most 9 min 30 s in all). The H200 figures in
+# CAP_SCALE multiplies every cap (default 1: at most 10 min in all). The H200 figures in
 # benchmarks/README.md were taken with XLA_FLAGS=--xla_gpu_autotune_level=0 (faster compiles).
 set -u
 out=${1:?usage: benchmarks/accelerator.sh OUT_DIR [PYTHON]}
@@ -42,6 +42,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clo
 bench scaling_h 90 scaling_h --reps 1
 bench network 100 network --dtype bfloat16 --batch-size 8 --presets tiny,small,60m
 bench overhead 200 overhead --quick --reps 5
-bench throughput_bf16_60m 80 throughput --dtype bfloat16 --batch-size 8 --presets 60m --samples 2
+bench throughput_bf16_60m 110 throughput --dtype bfloat16 --batch-size 8 --presets 60m \
+    --samples 2 --profile "$out/traces"
 bench throughput_bf16 100 throughput --dtype bfloat16 --batch-size 32 --presets micro,tiny,small
 echo "== done"
