@@ -110,11 +110,11 @@ class Backend:
 
     def place_shared(self, tree: Any) -> Any:
         """Puts a pytree on the backend's devices, replicated."""
-        return _put(tree, self._sharding(P()))
+        return _put(tree, _sharding(self, P()))
 
     def place_workers(self, tree: Any) -> Any:
         """Puts a [M, ...]-stacked pytree on the backend's devices, split along workers."""
-        return _put(tree, self._sharding(P(WORKER_AXIS)))
+        return _put(tree, _sharding(self, P(WORKER_AXIS)))
 
     def place_batches(self, tree: Any, lead: int) -> Any:
         """Puts batches with leaves [M, <lead - 1 more dims>, B, ...] on the devices: split
@@ -128,10 +128,7 @@ class Backend:
                     f"dim (after the leading {lead}) divisible by it, got shape {np.shape(leaf)}"
                 )
         spec = P(WORKER_AXIS, *[None] * (lead - 1), DATA_AXIS)
-        return _put(tree, self._sharding(spec))
-
-    def _sharding(self, spec: P) -> jax.sharding.Sharding:
-        return _sharding(self, spec)
+        return _put(tree, _sharding(self, spec))
 
 
 @functools.lru_cache(maxsize=256)
