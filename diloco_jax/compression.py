@@ -413,7 +413,12 @@ def encode_tree(
     return payloads, treedef.unflatten([r for _, r in pairs])
 
 
-def decode_mean(gathered: PyTree, compression: Compression | str | None, like: PyTree) -> PyTree:
+def decode_mean(
+    gathered: PyTree,
+    compression: Compression | str | None,
+    like: PyTree,
+    weights: jax.Array | None = None,
+) -> PyTree:
     """Mean over workers of their payloads, decoded.
 
     Args:
@@ -421,6 +426,9 @@ def decode_mean(gathered: PyTree, compression: Compression | str | None, like: P
         over the workers, [M, ...] (what an all_gather of :func:`encode_tree`'s payloads gives).
       compression: the compression that encoded them.
       like: arrays or ``jax.ShapeDtypeStruct``s: each leaf's shape and dtype, without M.
+      weights: optional float32 [M] >= 0: the weighted mean sum_m w_m x_m / sum_m w_m instead,
+        where a worker of weight 0 is left out (its payload is masked, never multiplied: it
+        may decode to anything); zeros where every weight is 0.
 
     Returns:
       ``like``-shaped tree: every worker's payload decoded to float32, averaged in float32
@@ -432,7 +440,14 @@ def decode_mean(gathered: PyTree, compression: Compression | str | None, like: P
     for payload, x in zip(treedef.flatten_up_to(gathered), like_leaves, strict=True):
         shape = tuple(jnp.shape(x))
         decoded = jax.vmap(lambda p, shape=shape: decode(p, c, shape, jnp.float32))(payload)
-        means.append(jnp.mean(decoded, axis=0).astype(x.dtype))
+        if weights is None:
+            mean = jnp.mean(decoded, axis=0)
+        else:
+            w = weights.astype(jnp.float32).reshape((-1,) + (1,) * len(shape))
+            total = jnp.sum(weights.astype(jnp.float32))
+            summed = jnp.sum(jnp.where(w > 0, decoded * w, 0.0), axis=0)
+            mean = jnp.where(total > 0, summed / jnp.where(total > 0, total, 1.0), 0.0)
+        means.append(mean.astype(x.dtype))
     return treedef.unflatten(means)
 
 

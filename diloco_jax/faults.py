@@ -5,7 +5,10 @@ All three reduce to one masked, weighted mean of the deltas. Each worker m sends
 (`masked_mean`) divides the all-reduced sum of the first by that of the second; a round where
 no worker is included has a zero weight sum and is skipped by the caller (θ and the outer
 state are selected unchanged). `jnp.where`, not a product, zeroes an excluded delta: 0 * NaN
-is NaN.
+is NaN. Under a lossy compression each worker instead encodes `where(included_m, Δ_m, 0)`
+and sends its payload with its weight; `masked_decode_mean` all-gathers both and takes the
+weighted mean of the decoded deltas (a left-out worker's error-feedback residual is kept:
+it sent nothing).
 
 - Non-finite deltas (`exclude_nonfinite=True`): a worker whose Δ_m has a NaN or Inf is left
   out of the mean; it restarts the next round from the new global θ and keeps its inner
@@ -28,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from diloco_jax.workers import WORKER_AXIS
+from diloco_jax.compression import Compression, decode_mean
+from diloco_jax.workers import WORKER_AXIS, all_gather_workers
 
 WEIGHTINGS = ("uniform", "steps")
 
@@ -145,3 +149,18 @@ def masked_mean(local: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
         return jnp.where(total > 0, s / safe.astype(x.dtype), jnp.zeros_like(s)).astype(x.dtype)
 
     return jax.tree.map(mean, sent), total
+
+
+def masked_decode_mean(compression: Compression, like: Any):
+    """Reducer for `Backend.map_reduce` under a lossy compression: local = (payloads, weights)
+    of this device's k workers ([k, ...] payload arrays, float32 [k]). Returns (weighted mean
+    of the decoded deltas in `like`'s dtypes — zeros when the weight sum is 0 —, float32
+    weight sum). Two all-gathers over the devices: the payloads and the weights."""
+
+    def reduce(local: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
+        payloads, weights = local
+        weights_M = all_gather_workers(weights)
+        mean = decode_mean(all_gather_workers(payloads), compression, like, weights_M)
+        return mean, jnp.sum(weights_M)
+
+    return reduce

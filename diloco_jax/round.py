@@ -182,8 +182,9 @@ def diloco_round(
       worker_steps: per-worker inner step counts (h_1, ..., h_M), each in [1, H], or None
         (all H). Worker m's steps h >= h_m leave its params and optimizer state unchanged.
       weighting: "uniform" (each included worker weighs 1) or "steps" (weighs h_m).
-      The fault options apply to the exact mean only: with a lossy `compression` they raise
-      ValueError. All at their defaults, the round is today's program, bit for bit.
+      With a lossy `compression` the fault options mask the compressed mean: a left-out
+      worker's payload is all-gathered with weight 0 and its error-feedback residual is kept.
+      All at their defaults, the round is today's program, bit for bit.
 
     Returns:
       (new state, metrics) with metrics "loss" (float32 mean inner loss), "worker_loss"
@@ -216,12 +217,7 @@ def diloco_round(
             worker_steps=worker_steps,
             weighting=weighting,
         )
-    feedback = uses_residual(compression)
-    if feedback and state.residual is None:
-        raise ValueError(
-            f"compression={compression!r} uses error feedback but state.residual is None: "
-            "build the state with init_state(..., compression=...)"
-        )
+    feedback = _checked_feedback(state, compression)
     send, reduce = outer_exchange(compression, state.params, num_workers)
     shared_data, per_worker_data = split_data(batches, num_workers, state.round)
     # Residuals travel through the workers only when they are read and rewritten.
@@ -259,6 +255,17 @@ def diloco_round(
     return new_state, metrics
 
 
+def _checked_feedback(state: DiLoCoState, compression: "str | Compression | None") -> bool:
+    """Whether rounds with `compression` carry residuals; raises if `state` has none then."""
+    feedback = uses_residual(compression)
+    if feedback and state.residual is None:
+        raise ValueError(
+            f"compression={compression!r} uses error feedback but state.residual is None: "
+            "build the state with init_state(..., compression=...)"
+        )
+    return feedback
+
+
 def _inner_steps_of(batches: Any, inner_steps: int | None) -> int:
     """H from host batches' second dim [M, H, ...], or the explicit `inner_steps`."""
     if isinstance(batches, Sampler):
@@ -286,12 +293,11 @@ def _faulty_round(
     weighting: str,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """`diloco_round` with fault options (validated p and weighting): a masked, weighted mean
-    of the deltas (`faults.masked_mean`), and a skip when no worker is included."""
-    if parse_compression(compression).kind != "none":
-        raise ValueError(
-            f"compression={compression!r} can't be combined with exclude_nonfinite, "
-            "drop_probability, worker_steps or weighting: fault handling needs the exact mean"
-        )
+    of the deltas (`faults.masked_mean`, or under a lossy compression `masked_decode_mean` of
+    the payloads), and a skip when no worker is included."""
+    c = parse_compression(compression)
+    lossy = c.kind != "none"
+    feedback = _checked_feedback(state, c)
     H = _inner_steps_of(batches, inner_steps)
     steps = faults.check_worker_steps(worker_steps, num_workers, H)
     drops = drop_probability is not None
@@ -306,11 +312,12 @@ def _faulty_round(
     else:
         dropped_M = jnp.zeros((num_workers,), bool)
     starts_M = state.local_params if drops else None
+    residual_M = state.residual if feedback else None
     shared_data, per_worker_data = split_data(batches, num_workers, state.round)
 
     def worker(shared, mine):
         global_params, shared_data = shared
-        old_inner, start, dropped, h, my_data = mine
+        old_inner, start, dropped, h, residual, my_data = mine
         start = global_params if start is None else start
         params, inner_opt_state, losses_H = inner_loop(
             loss_fn,
@@ -324,7 +331,15 @@ def _faulty_round(
         delta = worker_delta(global_params, params)
         finite = faults.all_finite(delta) if exclude_nonfinite else jnp.bool_(True)
         included = finite & ~dropped
-        if weighting == "steps":
+        if lossy:
+            # A left-out worker encodes zeros (its weight masks them) and keeps its residual.
+            sent, _ = faults.unweighted_contribution(delta, included)
+            payloads, new_residual = encode_tree(sent, c, residual)
+            weight = h.astype(jnp.float32) if weighting == "steps" else jnp.float32(1)
+            to_reduce = (payloads, jnp.where(included, weight, 0.0))
+            if feedback:
+                residual = faults.select_tree(included, new_residual, residual)
+        elif weighting == "steps":
             to_reduce = faults.masked_contribution(delta, included, h.astype(jnp.float32))
         else:
             to_reduce = faults.unweighted_contribution(delta, included)
@@ -332,13 +347,17 @@ def _faulty_round(
             # A non-finite worker's new inner state may hold NaNs: keep the one it started with.
             inner_opt_state = faults.select_tree(finite, inner_opt_state, old_inner)
         carried = params if drops else None
-        return to_reduce, (inner_opt_state, carried, ~finite, losses_H)
+        return to_reduce, (inner_opt_state, carried, ~finite, residual, losses_H)
 
-    (delta, total), (inner_opt_state, final_M, excluded_M, losses_MxH) = backend.map_reduce(
-        worker, faults.masked_mean
-    )(
-        (state.params, shared_data),
-        (state.inner_opt_state, starts_M, dropped_M, steps_M, per_worker_data),
+    if lossy:
+        reduce = faults.masked_decode_mean(c, jax.eval_shape(widen, state.params))
+    else:
+        reduce = faults.masked_mean
+    (delta, total), (inner_opt_state, final_M, excluded_M, residual_M, losses_MxH) = (
+        backend.map_reduce(worker, reduce)(
+            (state.params, shared_data),
+            (state.inner_opt_state, starts_M, dropped_M, steps_M, residual_M, per_worker_data),
+        )
     )
     skipped = total <= 0
     new_params, new_outer = outer_update(
@@ -364,7 +383,8 @@ def _faulty_round(
         "dropped_workers": dropped_M,
         "skipped": skipped,
     }
+    residual_M = residual_M if feedback else state.residual
     new_state = DiLoCoState(
-        params, outer_opt_state, inner_opt_state, state.round + 1, state.residual, local_params
+        params, outer_opt_state, inner_opt_state, state.round + 1, residual_M, local_params
     )
     return new_state, metrics

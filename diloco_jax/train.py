@@ -90,7 +90,7 @@ def train_diloco(
       exclude_nonfinite: leave a worker whose delta has a NaN or Inf out of the round's mean
         (it restarts from the new global params; if every worker is left out the round is
         skipped: params and outer state unchanged). Default: on for exact deltas, off with a
-        lossy `compression` (the two can't be combined yet).
+        lossy `compression` (turning it on there changes how the compressed mean rounds).
       drop_probability, drop_seed: drop each worker's delta from the mean with probability p
         each round (keyed by seed and round); a dropped worker carries on from its own params
         (the paper's communication-drop ablation).
@@ -118,7 +118,8 @@ def train_diloco(
       "steps" (inner steps per worker so far), "loss", "worker_loss" ([M]), "outer_grad_norm"
       and "bytes_communicated" (cumulative bytes each worker has sent: size x itemsize of every
       averaged delta leaf, float32 or wider, or of every compressed payload array it
-      contributes to the all_gather; 0 when M = 1).
+      contributes to the all_gather; 0 when M = 1; fault options add a float32 weight per
+      worker to the exchange, not counted).
     """
     _check_int("num_rounds", num_rounds, 0)
     _check_int("num_workers", num_workers, 1)

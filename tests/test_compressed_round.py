@@ -355,3 +355,94 @@ def test_train_diloco_with_compression_reports_payload_bytes_and_carries_residua
     np.testing.assert_allclose(int4.params["w"], exact.params["w"], atol=0.05)
     with pytest.raises(ValueError, match="compression"):
         dj.train_diloco(linear_loss, params, rounds, compression="int3", **kw)
+
+
+# ----------------------------------------------------------------------------- with faults
+
+
+def _faulty_run(backend, spec, batch, num_workers=M, **options):
+    """One round from θ = 0 with fault options under `spec`: (state, metrics)."""
+    drops = options.get("drop_probability")
+    state = dj.init_state(
+        _params(), num_workers, INNER, OUTER, compression=spec, drop_probability=drops
+    )
+    round_fn = jax.jit(
+        functools.partial(
+            dj.diloco_round, linear_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
+            backend=dj.make_backend(backend, num_workers), compression=spec, **options,
+        )
+    )  # fmt: skip
+    return round_fn(state, batch)
+
+
+def _nan_batch(worker):
+    batch = _batch()
+    batch["x"][worker, 0, 0, 0] = np.nan
+    return batch
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_worker_is_left_out_of_the_compressed_mean(backend):
+    batch = _nan_batch(2)
+    deltas = _np(_worker_deltas(_params(), batch))
+    assert not np.isfinite(deltas["w"][2]).all()
+    state, metrics = _faulty_run(backend, "int8,ef=1", batch, exclude_nonfinite=True)
+    kept = [m for m in range(M) if m != 2]
+    for name, d in deltas.items():
+        decoded = np.stack([_np_int8(d[m]) for m in kept]).astype(np.float64)
+        got = -np.asarray(state.params[name], np.float64)
+        np.testing.assert_allclose(
+            got, decoded.mean(axis=0), rtol=0, atol=1e-6 * np.abs(d[kept]).max()
+        )
+        # Included workers keep what int8 dropped; the excluded one sent nothing: residual 0.
+        residual = np.asarray(state.residual[name], np.float64)
+        assert not np.any(residual[2])
+        np.testing.assert_allclose(
+            residual[kept], d[kept] - decoded, rtol=0, atol=2**-22 * np.abs(d[kept]).max()
+        )
+    assert np.asarray(metrics["excluded_workers"]).tolist() == [m == 2 for m in range(M)]
+    assert not bool(metrics["skipped"])
+
+
+def test_drops_and_step_weights_under_compression():
+    # Workers 0-3 take both inner steps, 4-7 one; drops keyed by (seed, round 0); each kept
+    # worker's decoded delta weighs h_m.
+    steps = [2, 2, 2, 2, 1, 1, 1, 1]
+    batch = _batch()
+    full = _np(_worker_deltas(_params(), batch))
+    one = _np(_worker_deltas(_params(), {k: v[:, :1] for k, v in batch.items()}))
+    dropped = np.asarray(dj.faults.drop_mask(5, jnp.int32(0), M, 0.4))
+    assert 0 < dropped.sum() < M - 1 and not dropped.all()
+    state, metrics = _faulty_run(
+        "shard_map", "int8", batch, drop_probability=0.4, drop_seed=5, worker_steps=steps,
+        weighting="steps",
+    )  # fmt: skip
+    kept = [m for m in range(M) if not dropped[m]]
+    for name in full:
+        d = np.where(
+            np.array(steps)[:, None] == 2, full[name].reshape(M, -1), one[name].reshape(M, -1)
+        )
+        decoded = np.stack([_np_int8(d[m]) for m in kept]).astype(np.float64)
+        weights = np.array([steps[m] for m in kept], np.float64)
+        want = (weights[:, None] * decoded).sum(0) / weights.sum()
+        got = -np.asarray(state.params[name], np.float64).reshape(-1)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(d).max())
+    assert np.asarray(metrics["dropped_workers"]).tolist() == dropped.tolist()
+
+
+def test_compiled_bytes_of_a_compressed_round_with_exclusion():
+    params = {"w": jnp.zeros(BIG, jnp.float32)}
+    state = dj.init_state(params, M, INNER, OUTER, compression="int8")
+    batch = {
+        "x": jax.ShapeDtypeStruct((M, 1, 1, BIG), jnp.float32),
+        "y": jax.ShapeDtypeStruct((M, 1, 1), jnp.float32),
+    }
+    round_fn = functools.partial(
+        dj.diloco_round, _w_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
+        backend=dj.make_backend("shard_map", M), compression="int8", exclude_nonfinite=True,
+    )  # fmt: skip
+    found = hlo.collectives(jax.jit(round_fn).lower(state, batch).compile())
+    assert not any(c.in_loop for c in found)
+    gathered = sum(c.operand_bytes for c in found if c.op == "all-gather")
+    # The payloads, plus each worker's float32 weight in the mean.
+    assert gathered == comm.round_bytes(params, "int8") + 4

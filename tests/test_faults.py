@@ -216,7 +216,8 @@ def test_masked_steps_do_not_advance_the_inner_optimizer():
         (dict(worker_steps=(0, 2)), "worker_steps"),
         (dict(worker_steps=(1, 3)), "worker_steps"),
         (dict(weighting="median"), "weighting"),
-        (dict(exclude_nonfinite=True, compression="int8"), "compression"),
+        (dict(exclude_nonfinite=True, compression="int9"), "compression"),
+        (dict(exclude_nonfinite=True, compression="int4,ef=1"), "residual"),
     ],
 )
 def test_invalid_options_raise(options, name):
@@ -291,6 +292,15 @@ def test_train_diloco_reports_excluded_workers_and_skips(tmp_path):
     off = dj.train_diloco(linear_loss, params, rounds, exclude_nonfinite=False, **kw)
     assert "skipped" not in off.history[0]
     assert not np.isfinite(np.asarray(off.params["w"])).all()
+    # Under a lossy compression exclusion is opt-in: off, the NaN spreads through the codes;
+    # on, the same worker is left out and the run stays finite, residuals included.
+    lossy = dict(kw, compression="int8,ef=1")
+    spread = dj.train_diloco(linear_loss, params, rounds, **lossy)
+    assert not np.isfinite(np.asarray(spread.params["w"])).all()
+    kept = dj.train_diloco(linear_loss, params, rounds, exclude_nonfinite=True, **lossy)
+    assert [h["excluded_workers"] for h in kept.history] == [[1], []]
+    finite = jax.tree.leaves((kept.params, kept.state.residual))
+    assert all(np.isfinite(np.asarray(x)).all() for x in finite)
 
 
 def test_train_diloco_drops_are_reported_and_resumable(tmp_path):
@@ -313,5 +323,6 @@ def test_train_diloco_drops_are_reported_and_resumable(tmp_path):
     assert resumed.history == full.history
     with pytest.raises(ValueError, match="drop_seed"):
         dj.train_diloco(linear_loss, params, rounds, **dict(kw, drop_seed=-1))
-    with pytest.raises(ValueError, match="compression"):
-        dj.train_diloco(linear_loss, params, rounds, **dict(kw, compression="int8"))
+    # Under compression the same workers are dropped (keyed by seed and round only).
+    compressed = dj.train_diloco(linear_loss, params, rounds, **dict(kw, compression="int8"))
+    assert [h["dropped_workers"] for h in compressed.history] == dropped
