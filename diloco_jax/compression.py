@@ -436,6 +436,10 @@ def decode_mean(
     """
     c = parse_compression(compression)
     like_leaves, treedef = jax.tree.flatten(like)
+    if weights is not None:
+        weights = weights.astype(jnp.float32)
+        total = jnp.sum(weights)
+        safe_total = jnp.where(total > 0, total, 1.0)
     means = []
     for payload, x in zip(treedef.flatten_up_to(gathered), like_leaves, strict=True):
         shape = tuple(jnp.shape(x))
@@ -443,10 +447,9 @@ def decode_mean(
         if weights is None:
             mean = jnp.mean(decoded, axis=0)
         else:
-            w = weights.astype(jnp.float32).reshape((-1,) + (1,) * len(shape))
-            total = jnp.sum(weights.astype(jnp.float32))
+            w = weights.reshape((-1,) + (1,) * len(shape))
             summed = jnp.sum(jnp.where(w > 0, decoded * w, 0.0), axis=0)
-            mean = jnp.where(total > 0, summed / jnp.where(total > 0, total, 1.0), 0.0)
+            mean = jnp.where(total > 0, summed / safe_total, 0.0)
         means.append(mean.astype(x.dtype))
     return treedef.unflatten(means)
 
