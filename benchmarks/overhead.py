@@ -211,23 +211,30 @@ def library_round_runner(program, w, inner, outer, batches, count) -> Callable:
     return looped(program, carry, batches, count, lambda out: out[:1])
 
 
-def train_diloco_runner(w, inner, outer, batches, count, H) -> Callable:
-    """`train_diloco` in steady state: one call of count + 1 rounds, timed from the first
-    round's history entry to the last (each is recorded once its round has finished, while
-    the next one runs), so the call's setup is left out (the host table has it)."""
+def steady_state(train: Callable[[int, Callable], Any], count: int) -> Callable:
+    """A runner timing `train(n, callback)` (a `train_diloco` / `train_sync` call of n rounds
+    or steps) in steady state: one call of count + 1, timed from the first history entry to
+    the last (each is recorded once its round has finished, while the next one runs), so the
+    call's setup is left out (the host table has it)."""
 
     def run():
         stamps = []
-        dj.train_diloco(
-            w.loss_fn, w.params, [batches] * (count + 1), num_rounds=count + 1,
-            num_workers=NUM_WORKERS, inner_steps=H, inner_optimizer=inner,
-            outer_optimizer=outer, backend="vmap",
-            callback=lambda _: stamps.append(time.perf_counter()),
-        )  # fmt: skip
+        train(count + 1, lambda _: stamps.append(time.perf_counter()))
         return common.Elapsed(stamps[-1] - stamps[0])
 
     run()  # compiles once; later calls hit train.py's jit cache
     return run
+
+
+def train_diloco_runner(w, inner, outer, batches, count, H) -> Callable:
+    return steady_state(
+        lambda n, callback: dj.train_diloco(
+            w.loss_fn, w.params, [batches] * n, num_rounds=n, num_workers=NUM_WORKERS,
+            inner_steps=H, inner_optimizer=inner, outer_optimizer=outer, backend="vmap",
+            callback=callback,
+        ),
+        count,
+    )  # fmt: skip
 
 
 def step_programs(w: common.Workload, opt, batch, with_metrics: bool) -> dict[str, Any]:
@@ -257,19 +264,13 @@ def library_step_runner(program, w, opt, batch, count) -> Callable:
 
 
 def train_sync_runner(w, opt, batch, count) -> Callable:
-    """`train_sync` in steady state, timed as `train_diloco_runner`."""
-
-    def run():
-        stamps = []
-        dj.train_sync(
-            w.loss_fn, w.params, [batch] * (count + 1), num_steps=count + 1,
-            num_workers=NUM_WORKERS, optimizer=opt, backend="vmap",
-            callback=lambda _: stamps.append(time.perf_counter()),
-        )  # fmt: skip
-        return common.Elapsed(stamps[-1] - stamps[0])
-
-    run()
-    return run
+    return steady_state(
+        lambda n, callback: dj.train_sync(
+            w.loss_fn, w.params, [batch] * n, num_steps=n, num_workers=NUM_WORKERS,
+            optimizer=opt, backend="vmap", callback=callback,
+        ),
+        count,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -378,7 +379,8 @@ def _linear_loss(params, batch):
 def host_loop_cost(reps: int, iterations: int = 200) -> list[dict[str, Any]]:
     """Host time per round/step of `train_diloco` / `train_sync` beyond the dispatches: both
     loops vs a bare loop of jitted calls, on a 3-parameter model whose compute is ~nothing,
-    plus each function's fixed cost per call (0 rounds: init, placement, jit-cache lookup)."""
+    plus each function's fixed cost per call (0 rounds: init, placement, jit-cache lookup),
+    also for the "small" LM preset (3.2M params) and its `init_state` alone."""
     params, opt = {"w": jnp.zeros(3)}, optax.sgd(0.1)
     step_batch = {"x": jnp.ones((NUM_WORKERS, 2, 3)), "y": jnp.ones((NUM_WORKERS, 2))}
     round_batch = jax.tree.map(lambda x: jnp.stack([x] * 2, axis=1), step_batch)  # H = 2
@@ -424,6 +426,16 @@ def host_loop_cost(reps: int, iterations: int = 200) -> list[dict[str, Any]]:
         ),
         "train_sync, 0 steps": lambda: dj.train_sync(loss_fn, params, [], num_steps=0, **syn).state,
     }
+    # Per-call setup grows with the model: init_state's eager ops over M stacked copies.
+    small = common.lm_workload("small", 16)
+    inner, outer = dj.default_inner_optimizer(), dj.default_outer_optimizer()
+    runs["init_state (small preset, M=4), 0 rounds"] = lambda: dj.init_state(
+        small.params, NUM_WORKERS, inner, outer
+    )
+    runs["train_diloco (small preset, M=4), 0 rounds"] = lambda: dj.train_diloco(
+        small.loss_fn, small.params, [], num_rounds=0, num_workers=NUM_WORKERS, inner_steps=2,
+        inner_optimizer=inner, outer_optimizer=outer, backend="vmap",
+    ).state  # fmt: skip
     for run in runs.values():
         common.block(run())  # compile
     times = common.interleaved(runs, reps)
@@ -517,7 +529,10 @@ def main() -> None:
     print(work_table(work))
     common.progress("host loop cost")
     host = host_loop_cost(reps)
-    print("\nHost loop cost (a 3-parameter model, so the device work is ~0; M=4, H=2)\n")
+    print(
+        "\nHost loop cost (a 3-parameter model, so the device work is ~0; M=4, H=2; per-call\n"
+        "rows also for the small LM preset)\n"
+    )
     print(host_table(host))
     payload = {"quick": args.quick, "reps": reps, "rows": rows, "compiled_work": work,
                "host_loop": host}  # fmt: skip
