@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from diloco_jax import data as data_lib
-from diloco_jax import lm
-from diloco_jax import model as model_lib
+from diloco_jax.lm import data as data_lib
+from diloco_jax.lm import experiment
+from diloco_jax.lm import model as model_lib
 from diloco_jax.sampler import Sampler
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -71,7 +71,7 @@ def _lm_batch(seq_len: int, rng: np.random.Generator, lead: tuple[int, ...]) -> 
 
 
 def _lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
-    """In-graph iid windows of a synthetic token stream, built the way `lm.make_sampler`
+    """In-graph iid windows of a synthetic token stream, built the way `experiment.make_sampler`
     builds them (every worker samples the whole stream with its own key)."""
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, data_lib.VOCAB_SIZE, size=TOKEN_STREAM_LENGTH, dtype=np.int32)
@@ -81,11 +81,11 @@ def _lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
         "lengths": jnp.full((num_workers,), TOKEN_STREAM_LENGTH, jnp.int32),
         "key": jax.random.key(0),
     }
-    return Sampler(arrays, functools.partial(lm.sample_windows, batch_size, seq_len))
+    return Sampler(arrays, functools.partial(experiment.sample_windows, batch_size, seq_len))
 
 
 def lm_workload(preset: str, batch_size: int, dtype: str = "float32") -> Workload:
-    """The decoder LM preset `preset` of `diloco_jax.model`, batch_size sequences a step."""
+    """The decoder LM preset `preset` of `diloco_jax.lm.model`, batch_size sequences a step."""
     config = model_lib.get_config(preset, dtype=dtype)
     seq_len = config.seq_len
     return Workload(

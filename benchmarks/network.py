@@ -20,8 +20,9 @@ import jax
 import numpy as np
 import optax
 
-from diloco_jax import model, netsim
+from diloco_jax import netsim
 from diloco_jax.comm import round_bytes
+from diloco_jax.lm import model
 from diloco_jax.train import train_sync
 
 RESULTS = Path(__file__).parent / "results"

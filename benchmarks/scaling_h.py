@@ -5,7 +5,7 @@ LM preset with M workers (vmap backend, one device) and reports the compiled pro
 (`compiled.memory_analysis()`: temp, argument, output, alias, generated code, peak where the
 backend reports them) and the time to trace + lower and to compile. Two ways to feed data:
 
-- "sampler": a `Sampler` (built like `lm.make_sampler`) draws each inner step's batch inside
+- "sampler": a `Sampler` (built like `experiment.make_sampler`) draws each inner step's batch inside
   the round's scan; the round's arguments are the state and the token stream, whatever H is.
 - "host": the round takes host-built batches, leaves [M, H, B, L]; arguments grow with H.
 

@@ -1,5 +1,5 @@
 import sys
 
-from diloco_jax.cli import main
+from diloco_jax.lm.cli import main
 
 sys.exit(main())

@@ -16,8 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from diloco_jax import lm  # noqa: E402
-from diloco_jax.config import make_config  # noqa: E402
+from diloco_jax.lm import experiment  # noqa: E402
+from diloco_jax.lm.config import make_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -34,19 +34,19 @@ def run_sweep(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = make_config(args.preset)
-    corpus = lm.load_corpus(
+    corpus = experiment.load_corpus(
         dataclasses.replace(
             base, workers=max(v.get("workers", base.workers) for v in variants.values())
         )
     )
-    params, _ = lm.pretrain(base, corpus)
+    params, _ = experiment.pretrain(base, corpus)
     summaries, histories = {}, {}
     runs = [(label, "diloco", make_config(args.preset, **ov)) for label, ov in variants.items()]
     if baselines:
         runs += [("sync_1worker", "sync", base), ("sync_data_parallel", "sync", base)]
     for label, algo, cfg in runs:
         workers = 1 if label == "sync_1worker" else cfg.workers
-        summaries[label], histories[label] = lm.run(
+        summaries[label], histories[label] = experiment.run(
             cfg, corpus, algo, workers, name=label, params=params
         )
         print(f"{label}: eval loss {summaries[label]['final_eval_loss']:.4f}")

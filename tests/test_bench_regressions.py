@@ -22,8 +22,8 @@ import pytest
 from jax import lax
 
 import diloco_jax as dj
-from diloco_jax import data as data_lib
-from diloco_jax import model as model_lib
+from diloco_jax.lm import data as data_lib
+from diloco_jax.lm import model as model_lib
 
 PRESET = "micro"
 M = 2  # workers
@@ -41,7 +41,7 @@ def _sample(batch_size, seq_len, arrays, round_index, worker, step):
 
 
 def _sampler(seq_len: int) -> dj.Sampler:
-    """In-graph iid windows of a random token stream, as `lm.make_sampler` builds them."""
+    """In-graph iid windows of a random token stream, as `experiment.make_sampler` builds them."""
     tokens = np.random.default_rng(0).integers(1, 256, size=STREAM, dtype=np.int32)
     arrays = {
         "tokens": jnp.asarray(tokens),

@@ -8,7 +8,7 @@ import sys
 import matplotlib.image
 import pytest
 
-from diloco_jax.cli import main
+from diloco_jax.lm.cli import main
 
 TEXT = "".join(
     f"Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(400)

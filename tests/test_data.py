@@ -1,4 +1,4 @@
-"""Tests for diloco_jax.data: tokenizer, sources, splits, shards, samplers."""
+"""Tests for diloco_jax.lm.data: tokenizer, sources, splits, shards, samplers."""
 
 import functools
 import importlib.util
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax import data
+from diloco_jax.lm import data
 
 
 def _docs(*texts):

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from diloco_jax import cli
-from diloco_jax.config import ConfigError, RunConfig, make_config, validate
+from diloco_jax.lm import cli
+from diloco_jax.lm.config import ConfigError, RunConfig, make_config, validate
 
 FLAGS = [
     "--preset",

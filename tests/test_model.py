@@ -1,4 +1,4 @@
-"""Tests for diloco_jax.model: shapes, parameter counts, causality, loss, training, dtypes."""
+"""Tests for diloco_jax.lm.model: shapes, parameter counts, causality, loss, training, dtypes."""
 
 import dataclasses
 import functools
@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from diloco_jax import model
+from diloco_jax.lm import model
 
 MICRO = model.PRESETS["micro"]
 # Learned positions, and 2 heads x 8 = 16 != d_model 32: exercises the other code paths.

@@ -6,10 +6,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from diloco_jax import lm, netsim
-from diloco_jax.config import RunConfig
-from diloco_jax.plots import plot_eval_vs_bytes, plot_eval_vs_tokens
-from diloco_jax.runlog import RunLog, write_json
+from diloco_jax import netsim
+from diloco_jax.lm import experiment
+from diloco_jax.lm.config import RunConfig
+from diloco_jax.lm.plots import plot_eval_vs_bytes, plot_eval_vs_tokens
+from diloco_jax.lm.runlog import RunLog, write_json
 
 Record = dict[str, Any]
 
@@ -24,24 +25,24 @@ def runs_of(cfg: RunConfig) -> dict[str, tuple[str, int]]:
     }
 
 
-def compare_command(cfg: RunConfig, corpus: lm.Corpus, out: Path, progress: bool = True):
+def compare_command(cfg: RunConfig, corpus: experiment.Corpus, out: Path, progress: bool = True):
     """Runs the three runs into `out`: config.json, metrics.jsonl (all runs, a "run" field
     each), summary.json, summary.md, eval_loss_vs_tokens.png, eval_loss_vs_bytes.png."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", lm.config_record(cfg, corpus, runs=runs_of(cfg)))
+    write_json(out / "config.json", experiment.config_record(cfg, corpus, runs=runs_of(cfg)))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     summaries, histories = {}, {}
     with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
-        params, _ = lm.pretrain(cfg, corpus, on_record=log)
+        params, _ = experiment.pretrain(cfg, corpus, on_record=log)
     for name, (algo, workers) in runs_of(cfg).items():
         with RunLog(metrics, cfg.total_steps, f"{name} M={workers}", progress) as log:
-            summaries[name], histories[name] = lm.run(
+            summaries[name], histories[name] = experiment.run(
                 cfg, corpus, algo, workers, name=name, params=params, on_record=log
             )
     network = simulated_network(cfg, histories["sync_1worker"], summaries)
     summary = {
-        "config": json.loads(json.dumps(lm.config_record(cfg, corpus))),
+        "config": json.loads(json.dumps(experiment.config_record(cfg, corpus))),
         "runs": summaries,
         "network": network,
     }

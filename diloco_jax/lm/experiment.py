@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import data as data_lib
-from diloco_jax import model as model_lib
-from diloco_jax.config import (
+from diloco_jax.lm import data as data_lib
+from diloco_jax.lm import model as model_lib
+from diloco_jax.lm.config import (
     ConfigError,
     RunConfig,
     inner_optimizer,

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 class RunConfig:
     """One LM experiment. Steps per worker = inner_steps x rounds for every algorithm."""
 
-    model: str = "tiny"  # a diloco_jax.model preset
+    model: str = "tiny"  # a diloco_jax.lm.model preset
     data: str = "stdlib"  # "stdlib" | "text:PATH" | "hf:NAME[:CONFIG[:SPLIT]]"
     max_bytes: int | None = 4_000_000  # read at most this many bytes of the source
     val_fraction: float = 0.05  # documents held out for evaluation
@@ -131,7 +131,7 @@ def _check_types(cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Raises ConfigError naming the first bad field."""
-    from diloco_jax.model import PRESETS as MODELS
+    from diloco_jax.lm.model import PRESETS as MODELS
     from diloco_jax.workers import BACKENDS
 
     _check_types(cfg)

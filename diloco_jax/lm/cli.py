@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from diloco_jax.config import ALGOS, OUTER_OPTIMIZERS, PRESETS, SHARDINGS, ConfigError
+from diloco_jax.lm.config import ALGOS, OUTER_OPTIMIZERS, PRESETS, SHARDINGS, ConfigError
 
 PROG = "diloco-jax"
 
@@ -129,7 +129,7 @@ class Invocation:
 def parse(argv: list[str] | None = None) -> Invocation:
     """Parses and validates a command line without touching the disk or the accelerator.
     Raises ConfigError for a bad value; argparse errors exit with code 2 (one line)."""
-    from diloco_jax import config
+    from diloco_jax.lm import config
 
     args = build_parser().parse_args(argv)
     overrides = {k: getattr(args, k) for k in _CONFIG_FLAGS if k != "preset"}
@@ -176,17 +176,17 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.initialize(*(run.distributed or ()))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        from diloco_jax import lm
+        from diloco_jax.lm import experiment
 
-        corpus = lm.load_corpus(run.cfg)
+        corpus = experiment.load_corpus(run.cfg)
     except ConfigError as e:
         _fail(str(e))
-    print(lm.describe(run.cfg, corpus))
+    print(experiment.describe(run.cfg, corpus))
     if run.command == "train":
         out, shared = _process_out(run.out)
         train_command(run.cfg, corpus, run.algo, out, run.progress, run.checkpoint_every, shared)
     else:
-        from diloco_jax.compare import compare_command
+        from diloco_jax.lm.compare import compare_command
 
         compare_command(run.cfg, corpus, run.out, progress=run.progress)
     return 0
@@ -222,21 +222,21 @@ def train_command(
     the end, so it ends up as an uninterrupted run's. `checkpoint_root` (default `out`) holds
     the checkpoints folder instead: the shared OUT of every process of a multi-process run.
     """
-    from diloco_jax import lm
-    from diloco_jax.runlog import RunLog, write_json, write_jsonl
+    from diloco_jax.lm import experiment
+    from diloco_jax.lm.runlog import RunLog, write_json, write_jsonl
 
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", lm.config_record(cfg, corpus, algo=algo))
+    write_json(out / "config.json", experiment.config_record(cfg, corpus, algo=algo))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     root = out if checkpoint_root is None else checkpoint_root
     ckpt = (lambda name: str(root / "checkpoints" / name)) if checkpoint_every else (lambda _: None)
     with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
-        params, pre_history = lm.pretrain(
+        params, pre_history = experiment.pretrain(
             cfg, corpus, on_record=log, checkpoint_dir=ckpt("pretrain")
         )
     with RunLog(metrics, cfg.total_steps, f"{algo} M={cfg.workers}", progress) as log:
-        summary, history = lm.run(
+        summary, history = experiment.run(
             cfg,
             corpus,
             algo,
