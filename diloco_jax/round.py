@@ -1,15 +1,23 @@
-"""DiLoCo state and one communication round: inner loops on every worker, mean of the deltas,
-outer update. One round is one traced function (jit it once; H steps never dispatch alone).
+"""DiLoCo state and one communication round: the one round body every variant runs.
 
-The mean of the deltas is exact (one all-reduce of the deltas) or, with a lossy `compression`,
-taken over compressed deltas: every worker encodes its delta into integer codes (+ float32
-scales / int32 indices), the payloads are all-gathered and every device decodes all M of them
-and averages in float32. So only the payloads cross the wire, and every worker ends the round
-with the same θ.
+A round is the workers' inner steps interleaved with the syncs of its schedule. Each option
+is a part plugged into that body, never a copy of it:
+
+- schedule (`diloco_jax.schedule`): which leaves sync after which inner step, and how the
+  synced values merge into each worker's params (standard DiLoCo: every leaf after step H;
+  Streaming DiLoCo: P fragments on a staggered schedule with overlap and merge alpha);
+- weights (`diloco_jax.faults`): each worker's weight at each sync (1; 0 for a non-finite or
+  dropped worker; h_m under step weighting) and what a left-out worker does next;
+- exchange (`diloco_jax.exchange`): how the weighted deltas are averaged (an exact all-reduce
+  or compressed payloads) around the backend's collectives;
+- outer rule (`diloco_jax.outer`): the optax outer update of the synced leaves with their own
+  outer state (a sync where no worker is included leaves both unchanged).
+
+One round is one traced function (jit it once; H steps never dispatch alone).
 """
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -17,33 +25,31 @@ import jax.numpy as jnp
 import optax
 
 from diloco_jax import faults
-from diloco_jax.compression import (
-    Compression,
-    decode_mean,
-    encode_tree,
-    init_residual,
-    parse_compression,
-)
+from diloco_jax.compression import Compression, init_residual, parse_compression
+from diloco_jax.exchange import make_exchange
 from diloco_jax.inner import LossFn, inner_loop
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
-from diloco_jax.workers import Backend, all_gather_workers, exact_mean, make_backend
+from diloco_jax.schedule import Schedule, Sync, fragment_of, leaf_indices, make_schedule, part
+from diloco_jax.workers import Backend, make_backend
 
 
 class DiLoCoState(NamedTuple):
-    """Everything a DiLoCo run carries between rounds.
+    """Everything a DiLoCo run carries between rounds (fields an option doesn't use are None).
 
-    params: global θ, the caller's structure, shapes and dtypes.
-    outer_opt_state: outer optimizer state over θ in `delta_dtype` (float32 or wider).
+    params: global θ, the caller's structure, shapes and dtypes (with fragments: each
+      fragment's values as of its last sync).
+    outer_opt_state: outer optimizer state in `delta_dtype` (float32 or wider): over θ; with
+      fragments, a tuple of P states, fragment p's over the list of its leaves.
     inner_opt_state: each worker's inner optimizer state, leaves stacked [M, ...].
     round: int32 scalar, rounds completed.
     residual: error-feedback residuals, float32 leaves stacked [M, ...] like params (what each
       worker's compression dropped so far, added to its next delta); None unless the run
       compresses with error feedback.
-    local_params: the params each worker starts its next round from, leaves stacked [M, ...]
-      in the params' dtypes: the new global θ, or for a worker that was dropped (and whose
-      delta was finite) its own params (see `diloco_jax.faults`). None unless the run
-      simulates drops (`init_state(..., drop_probability=...)`).
+    local_params: each worker's own params, leaves stacked [M, ...] in the params' dtypes,
+      where it continues from: with fragments always (Streaming DiLoCo never resets them);
+      else under simulated drops (a dropped worker whose delta was finite carries on from its
+      own params, the others from θ). None otherwise.
     """
 
     params: Any
@@ -88,20 +94,32 @@ def init_state(
     compression: "str | Compression | None" = None,
     *,
     drop_probability: float | None = None,
+    fragments: Any = None,
 ) -> DiLoCoState:
-    """Round-0 state: θ copied (never aliased), M identical inner states, fresh outer state,
-    zero float32 residuals [M, ...] when `compression` uses error feedback (else None), and
-    `local_params` = θ stacked [M, ...] when `drop_probability` is not None (else None)."""
+    """Round-0 state: θ copied (never aliased), M identical inner states, fresh outer state
+    (one per fragment when `fragments` is set: an int P or a pytree of fragment indices, as
+    `diloco_round` takes it), zero float32 residuals [M, ...] when `compression` uses error
+    feedback (else None), and `local_params` = θ stacked [M, ...] when `fragments` or
+    `drop_probability` is not None (else None)."""
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     residual = None
     if uses_residual(compression):
         residual = stack_workers(init_residual(params), num_workers)
     local_params = None
-    if faults.check_drop_probability(drop_probability) is not None:
+    drops = faults.check_drop_probability(drop_probability) is not None
+    if fragments is not None or drops:
         local_params = stack_workers(params, num_workers)
+    if fragments is None:
+        outer_opt_state = outer_init(outer_optimizer, params)
+    else:
+        frags, leaves = fragment_of(params, fragments), jax.tree.leaves(params)
+        outer_opt_state = tuple(
+            outer_init(outer_optimizer, [x for x, f in zip(leaves, frags, strict=True) if f == p])
+            for p in range(max(frags) + 1)
+        )
     return DiLoCoState(
         params=params,
-        outer_opt_state=outer_init(outer_optimizer, params),
+        outer_opt_state=outer_opt_state,
         inner_opt_state=stack_workers(inner_optimizer.init(params), num_workers),
         round=jnp.zeros((), jnp.int32),
         residual=residual,
@@ -109,35 +127,13 @@ def init_state(
     )
 
 
-def _send_exact(delta: Any, residual: Any) -> tuple[Any, Any]:
-    return delta, residual
+class _Faults(NamedTuple):
+    """The weight rule of a round with fault options (validated)."""
 
-
-def outer_exchange(
-    compression: "str | Compression | None", params: Any, num_workers: int
-) -> tuple[Callable[[Any, Any], tuple[Any, Any]], Callable[[Any], Any]]:
-    """How a round's deltas are averaged: `(send, reduce)` for `Backend.map_reduce`.
-
-    `send(delta, residual) -> (to_reduce, residual)` runs per worker: the exact path sends the
-    delta itself; a lossy one sends `encode_tree`'s payloads (integer codes, float32 scales,
-    int32 indices) and returns the new residual (error feedback) or the given one unchanged.
-    `reduce(local)` runs per device on its workers' `to_reduce` stacked [k, ...] and returns
-    the mean delta (delta dtype): `exact_mean` (one all-reduce of the deltas), or an all_gather
-    of the payloads then `decode_mean` over all M of them.
-    """
-    c = parse_compression(compression)
-    if c.kind == "none":
-        return _send_exact, functools.partial(exact_mean, num_workers=num_workers)
-    deltas = jax.eval_shape(widen, params)
-
-    def send(delta: Any, residual: Any) -> tuple[Any, Any]:
-        payloads, new_residual = encode_tree(delta, c, residual)
-        return payloads, new_residual if c.error_feedback else residual
-
-    def reduce(local: Any) -> Any:
-        return decode_mean(all_gather_workers(local), c, deltas)
-
-    return send, reduce
+    exclude_nonfinite: bool
+    drop_probability: float | None
+    worker_steps: tuple[int, ...] | None
+    weighting: str
 
 
 def diloco_round(
@@ -156,106 +152,303 @@ def diloco_round(
     drop_seed: int = 0,
     worker_steps: "Sequence[int] | None" = None,
     weighting: str = "uniform",
+    fragments: Any = None,
+    overlap_steps: int = 0,
+    merge_alpha: float = 0.0,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
 
     Args:
       loss_fn: (params, batch) -> float scalar.
-      state: from `init_state` or a previous round.
+      state: from `init_state` (with the same `compression`, `fragments` and, for drops,
+        `drop_probability`) or a previous round.
       batches: batch pytree with leaves [M, H, ...] (worker m's step h uses leaf[m, h]); or a
         `Sampler` drawing each step's batch in the graph, with `num_workers` and `inner_steps`.
       inner_optimizer, outer_optimizer: optax transformations (state built with the same ones).
       backend: "vmap" | "shard_map" | "pmap" | "auto", or a `Backend` from `make_backend`.
       compression: how the deltas are exchanged (a spec for `parse_compression`, e.g. "int8",
-        "int4,ef=1", "topk:0.01"). None / "none": the exact mean, bit-identical to no
-        compression. With error feedback, `state` must come from `init_state(...,
-        compression=...)`: each worker adds its residual to its delta before encoding and keeps
-        what the encoding dropped. Without it, `state.residual` is carried unchanged.
-      exclude_nonfinite: leave a worker whose delta has a NaN or Inf out of the mean; it
-        restarts next round from the new θ and keeps its inner optimizer state from before
-        this round (see `diloco_jax.faults`).
-      drop_probability: p in [0, 1] or None (off): each worker's delta is dropped from the
-        mean with probability p, drawn from (`drop_seed`, `state.round`); a dropped worker
-        carries on from its own params next round. Needs `init_state(...,
-        drop_probability=...)` (for `state.local_params`).
+        "int4,ef=1", "topk:0.01"). None / "none": the exact mean. With error feedback each
+        worker adds its residual to its delta before encoding and keeps what the encoding
+        dropped. Without it, `state.residual` is carried unchanged.
+      exclude_nonfinite: leave a worker whose delta has a NaN or Inf out of a sync's mean; it
+        restarts from the current global params with its inner optimizer state from the
+        start of the round (see `diloco_jax.faults`).
+      drop_probability: p in [0, 1] or None (off): each worker's delta is dropped from each
+        sync's mean with probability p, drawn from (`drop_seed`, `state.round`, the sync); a
+        dropped worker carries on from its own params.
       drop_seed: int seed of the drop draws.
       worker_steps: per-worker inner step counts (h_1, ..., h_M), each in [1, H], or None
         (all H). Worker m's steps h >= h_m leave its params and optimizer state unchanged.
       weighting: "uniform" (each included worker weighs 1) or "steps" (weighs h_m).
-      With a lossy `compression` the fault options mask the compressed mean: a left-out
-      worker's payload is all-gathered with weight 0 and its error-feedback residual is kept.
-      All at their defaults, the round is today's program, bit for bit.
+      fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
+        P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
+        schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
+        `merge_alpha`. None: one sync of every leaf after step H.
+      Every combination of these options runs; at their defaults the round is plain DiLoCo.
 
     Returns:
-      (new state, metrics) with metrics "loss" (float32 mean inner loss), "worker_loss"
-      (float32 [M], each worker's mean over its H steps, each taken before that step's
-      update) and "outer_grad_norm" (global L2 norm of the averaged delta Δ). With any fault
-      option on, "loss" is the mean over every step taken, "worker_loss" over each worker's
-      h_m steps, and metrics also hold "excluded_workers" (bool [M], non-finite delta),
-      "dropped_workers" (bool [M]) and "skipped" (bool scalar: no worker was included, so θ
-      and the outer optimizer state are unchanged, "outer_grad_norm" is 0; `round` still
-      advances).
+      (new state, metrics) with metrics "loss" (float32 mean inner loss over the steps
+      taken), "worker_loss" (float32 [M], each worker's mean over its steps, each loss taken
+      before that step's update) and "outer_grad_norm" (global L2 norm of the averaged deltas
+      of every sync). With any fault option on, metrics also hold "excluded_workers" (bool
+      [M], a non-finite delta at some sync), "dropped_workers" (bool [M], dropped at some
+      sync) and "skipped" (bool scalar: some sync included no worker, so those leaves and
+      their outer state are unchanged and their delta counts as 0; `round` still advances).
     """
     num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
-    p = faults.check_drop_probability(drop_probability)
-    weighting = faults.check_weighting(weighting)
-    if exclude_nonfinite or p is not None or worker_steps is not None or weighting != "uniform":
-        return _faulty_round(
-            loss_fn,
-            state,
-            batches,
-            inner_optimizer=inner_optimizer,
-            outer_optimizer=outer_optimizer,
-            backend=backend,
-            num_workers=num_workers,
-            inner_steps=inner_steps,
-            compression=compression,
-            exclude_nonfinite=exclude_nonfinite,
-            drop_probability=p,
-            drop_seed=drop_seed,
-            worker_steps=worker_steps,
-            weighting=weighting,
-        )
+    num_steps = _inner_steps_of(batches, inner_steps)
+    schedule = make_schedule(state.params, num_steps, fragments, overlap_steps, merge_alpha)
+    compression = parse_compression(compression)
     feedback = _checked_feedback(state, compression)
-    send, reduce = outer_exchange(compression, state.params, num_workers)
-    shared_data, per_worker_data = split_data(batches, num_workers, state.round)
-    # Residuals travel through the workers only when they are read and rewritten.
-    residual_M = state.residual if feedback else None
+    rule = _Faults(
+        bool(exclude_nonfinite),
+        faults.check_drop_probability(drop_probability),
+        faults.check_worker_steps(worker_steps, num_workers, num_steps),
+        faults.check_weighting(weighting),
+    )
+    weighted = rule != _Faults(False, None, None, "uniform")
+    drops = rule.drop_probability is not None
+    _check_state(state, schedule, drops)
+    carried = drops or schedule.fragmented
 
-    def worker(shared, mine):
-        global_params, shared_data = shared
-        inner_opt_state, residual, my_data = mine
-        params, inner_opt_state, losses_H = inner_loop(
-            loss_fn,
-            inner_optimizer,
-            global_params,
-            inner_opt_state,
-            worker_batches(batches, shared_data, my_data),
-            num_steps=inner_steps,
+    leaves, treedef = jax.tree.flatten(state.params)
+    exchanges = [
+        make_exchange(
+            compression,
+            jax.eval_shape(widen, part(sync, leaves, treedef)),
+            num_workers,
+            weighted,
         )
-        to_reduce, residual = send(worker_delta(global_params, params), residual)
-        return to_reduce, (inner_opt_state, residual, losses_H)
-
-    delta, (inner_opt_state, residual_M, losses_MxH) = backend.map_reduce(worker, reduce)(
-        (state.params, shared_data), (state.inner_opt_state, residual_M, per_worker_data)
+        for sync in schedule.syncs
+    ]
+    steps_M = dropped_MxP = None
+    if weighted:
+        steps_M = jnp.asarray(rule.worker_steps or (num_steps,) * num_workers, jnp.int32)
+    if drops:
+        dropped_MxP = faults.drop_masks(
+            drop_seed, state.round, num_workers, rule.drop_probability, len(schedule.syncs)
+        ).T
+    outer_states = state.outer_opt_state if schedule.fragmented else (state.outer_opt_state,)
+    shared_data, per_worker_data = split_data(batches, num_workers, state.round)
+    body = functools.partial(
+        _round_body,
+        loss_fn=loss_fn,
+        inner_optimizer=inner_optimizer,
+        outer_optimizer=outer_optimizer,
+        batches=batches,
+        num_steps=num_steps,
+        schedule=schedule,
+        exchanges=exchanges,
+        rule=rule if weighted else None,
+        carried=carried,
+        treedef=treedef,
     )
-    params, outer_opt_state = outer_update(
-        outer_optimizer, state.params, state.outer_opt_state, delta
+    # Fragmented rounds keep the program they ran before the round bodies were folded into
+    # this one (on vmap, the workers under a size-1 device axis), so those runs stay bit for
+    # bit; un-nesting it is faster on CPU but rounds differently.
+    same, mine = backend.map_workers(body, nested=schedule.fragmented)(
+        (state.params, outer_states, shared_data),
+        (
+            state.local_params if carried else None,
+            state.inner_opt_state,
+            state.residual if feedback else None,
+            dropped_MxP,
+            steps_M,
+            per_worker_data,
+        ),
     )
-    metrics = {
-        "loss": jnp.mean(losses_MxH),
-        "worker_loss": jnp.mean(losses_MxH, axis=1),
-        "outer_grad_norm": optax.tree.norm(delta).astype(jnp.float32),
-    }
-    residual_M = residual_M if feedback else state.residual
+    params, outer_states, grad_norm, skipped = same
+    local_params, inner_opt_state, residual, losses_MxH, excluded_M, dropped_M = mine
+    if rule.worker_steps is None:
+        loss, worker_loss = jnp.mean(losses_MxH), jnp.mean(losses_MxH, axis=1)
+    else:  # skipped steps hold loss 0: divide by the steps taken
+        steps_f = steps_M.astype(jnp.float32)
+        loss = jnp.sum(losses_MxH) / jnp.sum(steps_f)
+        worker_loss = jnp.sum(losses_MxH, axis=1) / steps_f
+    metrics = {"loss": loss, "worker_loss": worker_loss, "outer_grad_norm": grad_norm}
+    if weighted:
+        metrics |= {
+            "excluded_workers": excluded_M,
+            "dropped_workers": dropped_M,
+            "skipped": skipped,
+        }
     new_state = DiLoCoState(
-        params, outer_opt_state, inner_opt_state, state.round + 1, residual_M, state.local_params
+        params,
+        outer_states if schedule.fragmented else outer_states[0],
+        inner_opt_state,
+        state.round + 1,
+        residual if feedback else state.residual,
+        local_params if carried else state.local_params,
     )
     return new_state, metrics
 
 
-def _checked_feedback(state: DiLoCoState, compression: "str | Compression | None") -> bool:
+def _round_body(
+    shared,
+    local,
+    collectives,
+    *,
+    loss_fn,
+    inner_optimizer,
+    outer_optimizer,
+    batches,
+    num_steps,
+    schedule: Schedule,
+    exchanges,
+    rule: _Faults | None,
+    carried: bool,
+    treedef,
+):
+    """The round on one device's k workers (leaves [k, ...]): inner-step segments between
+    the schedule's boundaries; at each sync the deltas, weights, exchange, outer update and
+    merge. Returns ((θ, outer states, delta norm, skipped), per-worker outputs)."""
+    global_params, outer_states, shared_data = shared
+    params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k = local
+    global_leaves = treedef.flatten_up_to(global_params)
+    outer_states = list(outer_states)
+    opt_start_k = opt_k
+    num_local = jax.tree.leaves(data_k)[0].shape[0]
+    res_leaves = None if residual_k is None else treedef.flatten_up_to(residual_k)
+    false_k = jnp.zeros((num_local,), bool)
+    excluded_k, dropped_any_k, skipped = false_k, false_k, jnp.bool_(False)
+    losses, snapshots, means = [], {}, []
+
+    def segment(params, opt_state, steps, my_data, start, stop):
+        data = worker_batches(batches, shared_data, my_data)
+        if isinstance(batches, Sampler):
+            data = data if start == 0 else functools.partial(_offset, data, start)
+        elif (start, stop) != (0, num_steps):
+            data = jax.tree.map(lambda x: x[start:stop], data)
+        active = None if rule is None or rule.worker_steps is None else steps - start
+        return inner_loop(
+            loss_fn,
+            inner_optimizer,
+            params,
+            opt_state,
+            data,
+            num_steps=stop - start,
+            active_steps=active,
+        )
+
+    bounds = schedule.boundaries(num_steps)
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        if params_k is None:  # every worker starts the round from θ
+            start_params, in_axis = collectives.vary(global_params), None
+        else:
+            start_params, in_axis = params_k, 0
+        run = functools.partial(segment, start=start, stop=stop)
+        params_k, opt_k, loss_kxS = jax.vmap(run, in_axes=(in_axis, 0, 0, 0))(
+            start_params, opt_k, steps_k, data_k
+        )
+        losses.append(loss_kxS)
+        for sync in schedule.syncs:
+            if sync.snapshot == stop:
+                snapshots[sync.index] = jax.tree.leaves(params_k)
+            if sync.at != stop:
+                continue
+            local_leaves = treedef.flatten_up_to(params_k)
+            indices = leaf_indices(sync, len(global_leaves))
+            old = part(sync, global_leaves, treedef)
+            snapshot_k = part(sync, snapshots.pop(sync.index), treedef)
+            delta_k = jax.vmap(worker_delta, in_axes=(None, 0))(old, snapshot_k)
+            included_k = weight_k = finite_k = dropped_now_k = None
+            if rule is not None:
+                finite_k = jnp.ones((num_local,), bool)
+                if rule.exclude_nonfinite:
+                    finite_k = jax.vmap(faults.all_finite)(delta_k)
+                dropped_now_k = false_k if dropped_kxP is None else dropped_kxP[:, sync.index]
+                included_k = finite_k & ~dropped_now_k
+                if rule.weighting == "steps":
+                    weight_k = steps_k.astype(jnp.float32)
+            res_k = None if res_leaves is None else part(sync, res_leaves, treedef)
+            exchange = exchanges[len(means)]
+            to_reduce_k, res_k = jax.vmap(exchange.send)(delta_k, res_k, included_k, weight_k)
+            mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+            means.append(mean)
+            new, new_outer = outer_update(outer_optimizer, old, outer_states[sync.index], mean)
+            if weight_sum is not None:
+                none_included = weight_sum <= 0
+                skipped = skipped | none_included
+                new = faults.select_tree(none_included, old, new)
+                new_outer = faults.select_tree(none_included, outer_states[sync.index], new_outer)
+            outer_states[sync.index] = new_outer
+            for i, value in zip(indices, jax.tree.leaves(new), strict=True):
+                global_leaves[i] = value
+            if res_leaves is not None:
+                for i, value in zip(indices, jax.tree.leaves(res_k), strict=True):
+                    res_leaves[i] = value
+            if rule is not None:
+                excluded_k = excluded_k | ~finite_k
+                dropped_any_k = dropped_any_k | dropped_now_k
+            if carried:
+                params_k = _merged(
+                    local_leaves, global_leaves, indices, schedule.merge_alpha, finite_k,
+                    dropped_now_k, treedef, collectives.vary,
+                )  # fmt: skip
+            if rule is not None and rule.exclude_nonfinite:
+                # A non-finite worker's new inner state may hold NaNs: back to the round's start.
+                opt_k = jax.vmap(faults.select_tree)(finite_k, opt_k, opt_start_k)
+    grad_norm = optax.tree.norm(means[0] if len(means) == 1 else means).astype(jnp.float32)
+    residual_k = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
+    losses_kxH = losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
+    same = (jax.tree.unflatten(treedef, global_leaves), tuple(outer_states), grad_norm, skipped)
+    faulted = (None, None) if rule is None else (excluded_k, dropped_any_k)
+    return same, (params_k if carried else None, opt_k, residual_k, losses_kxH, *faulted)
+
+
+def _offset(batch_of, start, h):
+    return batch_of(h + start)
+
+
+def _merged(local_leaves, global_leaves, indices, alpha, finite_k, dropped_k, treedef, vary):
+    """Each worker's params after a sync of the leaves `indices`: the synced leaves become
+    θ' + alpha (θ_m - θ') (θ' for alpha 0), except that a dropped worker keeps its own; a
+    non-finite worker (finite_k False) restarts every leaf from the current global values.
+    finite_k / dropped_k are None without fault options. `vary` types θ' copies as
+    per-worker: inner steps from a value typed shared would sum their gradients over workers."""
+    leaves = list(local_leaves)
+    for i in indices:
+        at_sync, new = leaves[i], global_leaves[i]
+        if alpha:
+            merged = (new[None] + alpha * (at_sync - new[None])).astype(at_sync.dtype)
+        else:
+            merged = vary(jnp.broadcast_to(new[None].astype(at_sync.dtype), at_sync.shape))
+        if dropped_k is not None:
+            merged = _where_k(dropped_k, at_sync, merged)
+        leaves[i] = merged
+    if finite_k is not None:
+        leaves = [
+            _where_k(finite_k, x, g[None].astype(x.dtype))
+            for x, g in zip(leaves, global_leaves, strict=True)
+        ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _where_k(mask_k, on_true_k, on_false):
+    """Per worker: `on_true_k` ([k, ...]) where mask_k ([k]) holds, else `on_false`."""
+    mask = mask_k.reshape(mask_k.shape + (1,) * (on_true_k.ndim - 1))
+    return jnp.where(mask, on_true_k, on_false)
+
+
+def _check_state(state: DiLoCoState, schedule: Schedule, drops: bool) -> None:
+    """Raises ValueError when `state` lacks what the round's options need."""
+    if drops and state.local_params is None:
+        raise ValueError(
+            "drop_probability is set but state.local_params is None: build the state with "
+            "init_state(..., drop_probability=...)"
+        )
+    if schedule.fragmented:
+        num = len(schedule.syncs)
+        outer = state.outer_opt_state
+        if state.local_params is None or not (isinstance(outer, tuple) and len(outer) == num):
+            raise ValueError(
+                f"fragments={num} needs a state with one outer state per fragment and "
+                "local_params: build it with init_state(..., fragments=...)"
+            )
+
+
+def _checked_feedback(state: DiLoCoState, compression: Compression) -> bool:
     """Whether rounds with `compression` carry residuals; raises if `state` has none then."""
     feedback = uses_residual(compression)
     if feedback and state.residual is None:
@@ -275,116 +468,4 @@ def _inner_steps_of(batches: Any, inner_steps: int | None) -> int:
     return jax.tree.leaves(batches)[0].shape[1]
 
 
-def _faulty_round(
-    loss_fn: LossFn,
-    state: DiLoCoState,
-    batches: Any,
-    *,
-    inner_optimizer: optax.GradientTransformation,
-    outer_optimizer: optax.GradientTransformation,
-    backend: Backend,
-    num_workers: int,
-    inner_steps: int | None,
-    compression: "str | Compression | None",
-    exclude_nonfinite: bool,
-    drop_probability: float | None,
-    drop_seed: int,
-    worker_steps: "Sequence[int] | None",
-    weighting: str,
-) -> tuple[DiLoCoState, dict[str, jax.Array]]:
-    """`diloco_round` with fault options (validated p and weighting): a masked, weighted mean
-    of the deltas (`faults.masked_mean`, or under a lossy compression `masked_decode_mean` of
-    the payloads), and a skip when no worker is included."""
-    c = parse_compression(compression)
-    lossy = c.kind != "none"
-    feedback = _checked_feedback(state, c)
-    H = _inner_steps_of(batches, inner_steps)
-    steps = faults.check_worker_steps(worker_steps, num_workers, H)
-    drops = drop_probability is not None
-    if drops and state.local_params is None:
-        raise ValueError(
-            "drop_probability is set but state.local_params is None: build the state with "
-            "init_state(..., drop_probability=...)"
-        )
-    steps_M = jnp.asarray(steps if steps is not None else (H,) * num_workers, jnp.int32)
-    if drops:
-        dropped_M = faults.drop_mask(drop_seed, state.round, num_workers, drop_probability)
-    else:
-        dropped_M = jnp.zeros((num_workers,), bool)
-    starts_M = state.local_params if drops else None
-    residual_M = state.residual if feedback else None
-    shared_data, per_worker_data = split_data(batches, num_workers, state.round)
-
-    def worker(shared, mine):
-        global_params, shared_data = shared
-        old_inner, start, dropped, h, residual, my_data = mine
-        start = global_params if start is None else start
-        params, inner_opt_state, losses_H = inner_loop(
-            loss_fn,
-            inner_optimizer,
-            start,
-            old_inner,
-            worker_batches(batches, shared_data, my_data),
-            num_steps=inner_steps,
-            active_steps=None if steps is None else h,
-        )
-        delta = worker_delta(global_params, params)
-        finite = faults.all_finite(delta) if exclude_nonfinite else jnp.bool_(True)
-        included = finite & ~dropped
-        if lossy:
-            # A left-out worker encodes zeros (its weight masks them) and keeps its residual.
-            sent, _ = faults.unweighted_contribution(delta, included)
-            payloads, new_residual = encode_tree(sent, c, residual)
-            weight = h.astype(jnp.float32) if weighting == "steps" else jnp.float32(1)
-            to_reduce = (payloads, jnp.where(included, weight, 0.0))
-            if feedback:
-                residual = faults.select_tree(included, new_residual, residual)
-        elif weighting == "steps":
-            to_reduce = faults.masked_contribution(delta, included, h.astype(jnp.float32))
-        else:
-            to_reduce = faults.unweighted_contribution(delta, included)
-        if exclude_nonfinite:
-            # A non-finite worker's new inner state may hold NaNs: keep the one it started with.
-            inner_opt_state = faults.select_tree(finite, inner_opt_state, old_inner)
-        carried = params if drops else None
-        return to_reduce, (inner_opt_state, carried, ~finite, residual, losses_H)
-
-    if lossy:
-        reduce = faults.masked_decode_mean(c, jax.eval_shape(widen, state.params))
-    else:
-        reduce = faults.masked_mean
-    (delta, total), (inner_opt_state, final_M, excluded_M, residual_M, losses_MxH) = (
-        backend.map_reduce(worker, reduce)(
-            (state.params, shared_data),
-            (state.inner_opt_state, starts_M, dropped_M, steps_M, residual_M, per_worker_data),
-        )
-    )
-    skipped = total <= 0
-    new_params, new_outer = outer_update(
-        outer_optimizer, state.params, state.outer_opt_state, delta
-    )
-    params = faults.select_tree(skipped, state.params, new_params)
-    outer_opt_state = faults.select_tree(skipped, state.outer_opt_state, new_outer)
-    local_params = state.local_params
-    if drops:
-        # Dropped workers with finite params carry on from them; the rest restart from θ.
-        local_params = faults.select_workers(dropped_M & ~excluded_M, final_M, params)
-    if steps is None:
-        loss, worker_loss = jnp.mean(losses_MxH), jnp.mean(losses_MxH, axis=1)
-    else:  # skipped steps hold loss 0: divide by the steps taken
-        steps_f = steps_M.astype(jnp.float32)
-        loss = jnp.sum(losses_MxH) / jnp.sum(steps_f)
-        worker_loss = jnp.sum(losses_MxH, axis=1) / steps_f
-    metrics = {
-        "loss": loss,
-        "worker_loss": worker_loss,
-        "outer_grad_norm": optax.tree.norm(delta).astype(jnp.float32),
-        "excluded_workers": excluded_M,
-        "dropped_workers": dropped_M,
-        "skipped": skipped,
-    }
-    residual_M = residual_M if feedback else state.residual
-    new_state = DiLoCoState(
-        params, outer_opt_state, inner_opt_state, state.round + 1, residual_M, local_params
-    )
-    return new_state, metrics
+__all__ = ["DiLoCoState", "Sync", "diloco_round", "init_state"]

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint, faults, streaming
+from diloco_jax import checkpoint, faults, schedule
 from diloco_jax.comm import payload_bytes, round_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.distributed import is_multiprocess, to_host
@@ -96,7 +96,7 @@ def train_diloco(
         (the paper's communication-drop ablation).
       worker_steps, weighting: per-worker inner step counts h_m <= H (slow workers do fewer
         steps, masked inside the scan) and "uniform" or "steps" (h_m-weighted) averaging.
-      fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.streaming`):
+      fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
         P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
         schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
         `merge_alpha`. P = 1, tau = 0, alpha = 0 is standard DiLoCo.
@@ -141,41 +141,33 @@ def train_diloco(
         weighting=faults.check_weighting(weighting),
     )
     faulty = fault_options != _NO_FAULTS
-    common = dict(
+    schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
+    streaming_options = {}
+    if fragments is not None:
+        streaming_options = dict(
+            fragments=fragments, overlap_steps=overlap_steps, merge_alpha=float(merge_alpha)
+        )
+    state = init_state(
+        params,
+        num_workers,
+        inner_optimizer,
+        outer_optimizer,
+        compression,
+        drop_probability=fault_options["drop_probability"],
+        fragments=fragments,
+    )
+    step = _jitted(
+        diloco_round,
+        loss_fn,
+        backend,
         inner_optimizer=inner_optimizer,
         outer_optimizer=outer_optimizer,
         num_workers=num_workers,
         inner_steps=inner_steps,
         compression=compression,
+        **fault_options,
+        **streaming_options,
     )
-    if fragments is not None:
-        if faulty and fault_options != dict(_NO_FAULTS, exclude_nonfinite=True):
-            raise ValueError("fragments can't be combined with drops or worker_steps yet")
-        frags = streaming.fragment_of(params, fragments)
-        streaming.check_schedule(max(frags) + 1, inner_steps, overlap_steps, merge_alpha)
-        faulty = False  # streaming rounds report no fault metrics
-        state = streaming.init_streaming_state(
-            params, num_workers, inner_optimizer, outer_optimizer, frags, compression
-        )
-        step = _jitted(
-            streaming.streaming_round,
-            loss_fn,
-            backend,
-            frags=frags,
-            overlap_steps=overlap_steps,
-            merge_alpha=float(merge_alpha),
-            **common,
-        )
-    else:
-        state = init_state(
-            params,
-            num_workers,
-            inner_optimizer,
-            outer_optimizer,
-            compression,
-            drop_probability=fault_options["drop_probability"],
-        )
-        step = _jitted(diloco_round, loss_fn, backend, **common, **fault_options)
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, compression) if num_workers > 1 else 0
 

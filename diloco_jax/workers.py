@@ -1,9 +1,12 @@
-"""Worker backends: run a per-worker function over M workers and reduce a result across them.
+"""Worker backends: run M workers on devices and reduce values across them.
 
-Every backend exposes the same primitive, `map_reduce(fn, reduce)`: `fn(shared, mine) ->
-(to_reduce, kept)` runs once per worker, with `shared` the same for all workers and `mine` that
-worker's slice of a [M, ...]-stacked pytree; the result is (`reduce` of the workers'
-`to_reduce`, `kept` stacked [M, ...]).
+Every backend exposes the same primitive, `map_workers(body)`: `body(shared, local,
+collectives)` runs once per device on its k workers' slices of a [M, ...]-stacked pytree
+(stacked [k, ...]), and reaches the other devices only through `collectives.reduce(reduce,
+local)` (any number of times: the DiLoCo round syncs once per fragment). `map_reduce(fn,
+reduce)` is the one-reduction case: `fn(shared, mine) -> (to_reduce, kept)` runs once per
+worker, with `shared` the same for all workers and `mine` that worker's slice; the result is
+(`reduce` of the workers' `to_reduce`, `kept` stacked [M, ...]).
 
 `reduce(local)` runs once per device on `local`, the `to_reduce` of the k workers that device
 holds, stacked [k, ...] (worker order = global worker order). It reaches the other devices with
@@ -25,7 +28,7 @@ must not use collectives over `WORKER_AXIS`: it names the devices, not the worke
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,24 +69,24 @@ class Backend:
         grid = np.array(self.devices).reshape(-1, self.data_parallel)
         return Mesh(grid, (WORKER_AXIS, DATA_AXIS), axis_types=(AxisType.Auto,) * 2)
 
-    def map_devices(
-        self, body: Callable[[Any, Any], tuple[Any, Any]], vary_shared: bool = True
-    ) -> Callable:
-        """Lifts a per-device `body(shared, local) -> (same_everywhere, local_out)`.
+    def map_workers(self, body: Callable[..., tuple[Any, Any]], nested: bool = False) -> Callable:
+        """Lifts a per-device `body(shared, local, collectives) -> (same_everywhere, local_out)`.
 
         `local` holds this device's k workers' slices of a [M, ...]-stacked pytree, stacked
-        [k, ...]; `body` may use collectives over WORKER_AXIS (the devices) any number of
-        times, and its first output must be the same on every device. Returns
-        `run(shared, mine_M) -> (same_everywhere, local_out_M)` with leaves [M, ...].
-        `vary_shared` types `shared` as varying over the workers under shard_map (needed when
-        workers start scans from it); pass False when `body` returns values computed from
-        `shared` as the same everywhere.
+        [k, ...] (k = M on "vmap"); `shared` is the same on every device. `body` reaches the
+        other devices only through `collectives` (a `Collectives`): `collectives.reduce(fn,
+        local)` runs a reducer (see the module docstring) and `collectives.vary(x)` types a
+        shared value as per-worker before workers start scans from it. Its first output must
+        be the same on every device. Returns `run(shared, mine_M) -> (same_everywhere,
+        local_out_M)` with leaves [M, ...]. `nested` (vmap only) runs the whole body under a
+        size-1 named device axis instead of binding it around the reducers alone: the same
+        values, a slower program with other rounding, kept for the rounds that ran so before.
         """
         if self.name == "vmap":
-            return _vmap_devices(body)
+            return functools.partial(_run_nested if nested else _run_one_device, body)
         if self.name == "shard_map":
-            return _shard_map_devices(body, self.mesh, self.data_parallel > 1, vary_shared)
-        return _pmap_devices(body, self.devices, self.num_workers)
+            return _shard_map_workers(body, self.mesh, self.data_parallel > 1)
+        return _pmap_workers(body, self.devices, self.num_workers)
 
     def map_reduce(
         self, fn: Callable[[Any, Any], tuple[Any, Any]], reduce: Callable[[Any], Any]
@@ -95,14 +98,12 @@ class Backend:
         [k, ...], inside the mapped context (see the module docstring).
         """
 
-        if self.name == "vmap":
-            return _vmap_reduce(fn, reduce)
-
-        def body(shared, local):
+        def body(shared, local, collectives):
+            shared = collectives.vary(shared)
             to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, local)
-            return reduce(to_reduce), kept
+            return collectives.reduce(reduce, to_reduce), kept
 
-        return self.map_devices(body)
+        return self.map_workers(body)
 
     def map_mean(self, fn: Callable[[Any, Any], tuple[Any, Any]]) -> Callable:
         """`map_reduce` with the exact mean over all M workers, in each leaf's dtype."""
@@ -244,44 +245,63 @@ def _varying_axes(x: jax.Array) -> frozenset:
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
-def _vmap_reduce(fn, reduce):
-    def run(shared, mine):
-        # The workers under one plain vmap (the same program as hand-written vmap code: a
-        # size-1 device axis around them would cost extra copies every inner step); only the
-        # reducer sees WORKER_AXIS, bound as a size-1 device axis whose collectives vanish.
-        to_reduce, kept = jax.vmap(fn, in_axes=(None, 0))(shared, mine)
-        one_device = jax.tree.map(lambda x: x[None], to_reduce)
-        return jax.vmap(reduce, axis_name=WORKER_AXIS, out_axes=None)(one_device), kept
+class Collectives(NamedTuple):
+    """What a `map_workers` body may do across devices (see `Backend.map_workers`).
 
-    return run
+    reduce(fn, local): runs the reducer `fn` on this device's workers' values `local`
+      ([k, ...]) with WORKER_AXIS bound over the devices; returns its (device-invariant)
+      result.
+    vary(x): `x` typed as varying over the workers (shard_map's scans that start from a
+      shared value need it); the identity elsewhere.
+    """
 
-
-def _vmap_devices(body):
-    def run(shared, mine):
-        # One device holding all M workers: WORKER_AXIS is bound as a size-1 device axis, so
-        # the same body runs unchanged and its collectives batch away to local ops.
-        one_device = jax.tree.map(lambda x: x[None], mine)
-        same, local = jax.vmap(body, in_axes=(None, 0), out_axes=(None, 0), axis_name=WORKER_AXIS)(
-            shared, one_device
-        )
-        return same, jax.tree.map(lambda x: x[0], local)
-
-    return run
+    reduce: Callable[[Callable[[Any], Any], Any], Any]
+    vary: Callable[[Any], Any]
 
 
-def _shard_map_devices(body, mesh: Mesh, data_parallel: bool = False, vary_shared: bool = True):
-    def typed_body(shared, mine):
-        # Each device's workers start from the replicated value and then diverge: the carry of
-        # their scans must be typed as varying over the worker axis from the start.
-        if vary_shared:
-            shared = lax.pcast(shared, WORKER_AXIS, to="varying")
-        return body(shared, mine)
+def _bound_reduce(fn: Callable[[Any], Any], local: Any) -> Any:
+    return fn(local)
 
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _one_device_reduce(fn: Callable[[Any], Any], local: Any) -> Any:
+    # All M workers sit on one device under a plain vmap (the same program as hand-written
+    # vmap code: a size-1 device axis around them would cost extra copies every inner step);
+    # only the reducer sees WORKER_AXIS, bound as a size-1 device axis whose collectives
+    # vanish.
+    one_device = jax.tree.map(lambda x: x[None], local)
+    return jax.vmap(fn, axis_name=WORKER_AXIS, out_axes=None)(one_device)
+
+
+_ONE_DEVICE = Collectives(_one_device_reduce, _identity)
+_MAPPED = Collectives(_bound_reduce, _identity)
+_SHARD_MAPPED = Collectives(_bound_reduce, lambda x: lax.pcast(x, WORKER_AXIS, to="varying"))
+
+
+def _run_one_device(body, shared, mine):
+    return body(shared, mine, _ONE_DEVICE)
+
+
+def _run_nested(body, shared, mine):
+    one_device = jax.tree.map(lambda x: x[None], mine)
+    same, local = jax.vmap(
+        lambda s, m: body(s, m, _MAPPED),
+        in_axes=(None, 0),
+        out_axes=(None, 0),
+        axis_name=WORKER_AXIS,
+    )(shared, one_device)
+    return same, jax.tree.map(lambda x: x[0], local)
+
+
+def _shard_map_workers(body, mesh: Mesh, data_parallel: bool = False):
     # With a data axis, only the worker axis is manual: XLA partitions each worker's batch
     # over DATA_AXIS and all-reduces its gradients there every inner step.
     manual = {"axis_names": {WORKER_AXIS}} if data_parallel else {}
     return jax.shard_map(
-        typed_body,
+        lambda shared, mine: body(shared, mine, _SHARD_MAPPED),
         mesh=mesh,
         in_specs=(P(), P(WORKER_AXIS)),
         out_specs=(P(), P(WORKER_AXIS)),
@@ -289,10 +309,14 @@ def _shard_map_devices(body, mesh: Mesh, data_parallel: bool = False, vary_share
     )
 
 
-def _pmap_devices(body, devices: tuple[jax.Device, ...], num_workers: int):
+def _pmap_workers(body, devices: tuple[jax.Device, ...], num_workers: int):
     per_device = num_workers // len(devices)
     mapped = jax.pmap(
-        body, axis_name=WORKER_AXIS, in_axes=(None, 0), out_axes=(None, 0), devices=devices
+        lambda shared, mine: body(shared, mine, _MAPPED),
+        axis_name=WORKER_AXIS,
+        in_axes=(None, 0),
+        out_axes=(None, 0),
+        devices=devices,
     )
 
     def run(shared, mine):

@@ -137,3 +137,44 @@ def test_make_config_accepts_only_valid_configs(overrides):
 def test_unknown_config_field_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown config fields"):
         make_config("micro", learning_rate=1.0)
+
+
+@pytest.mark.parametrize(
+    "out",
+    ["/proc/x/y", "{file}/y", "{file}", "{tmp}/new/" + "../" * 40 + "proc/zz/q", "a\x00b"],
+)
+def test_unusable_output_folder_fails_with_one_line_and_writes_nothing(tmp_path, capsys, out):
+    (tmp_path / "file").write_text("not a folder")
+    out = out.format(file=tmp_path / "file", tmp=tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--preset", "micro", "--out", out])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diloco-jax: error: --out") and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+OUT_PATHS = st.lists(
+    st.one_of(st.sampled_from(["..", ".", "file", "proc", "", "dir"]), st.text(max_size=6)),
+    min_size=1,
+    max_size=4,
+).map("/".join)
+
+
+@SETTINGS
+@given(OUT_PATHS)
+def test_any_output_path_is_created_or_fails_cleanly(tmp_path, out):
+    """What main does before any work: parse, then create the folder; a path is either a
+    writable folder afterwards or a one-line ConfigError that left nothing behind."""
+    base = tmp_path / "base"
+    base.mkdir(exist_ok=True)
+    (base / "file").write_text("x")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    try:
+        made = cli.create_out(cli.parse(["train", "--out", str(base / out)]).out)
+    except ConfigError as e:
+        assert str(e).startswith("--out") and "\n" not in str(e)
+        assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    else:
+        assert made.is_dir() and os.access(made, os.W_OK)

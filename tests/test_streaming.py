@@ -11,7 +11,7 @@ import pytest
 from reference import linear_loss, make_data
 
 import diloco_jax as dj
-from diloco_jax import hlo, streaming
+from diloco_jax import hlo
 
 
 def two_leaf_loss(params, batch):
@@ -106,16 +106,15 @@ def test_each_sync_sends_only_its_fragment():
     params = {"a": jnp.zeros(1000), "b": jnp.zeros(3000)}
     inner, outer = optax.sgd(0.1), dj.default_outer_optimizer()
     backend = dj.make_backend("shard_map", 4)
-    frags = streaming.fragment_of(params, 2)
-    state = streaming.init_streaming_state(params, 4, inner, outer, frags)
+    state = dj.init_state(params, 4, inner, outer, fragments=2)
     batch = {"x": jnp.ones((4, 4, 2)), "y": jnp.ones((4, 4, 2))}
     loss = lambda p, b: jnp.mean(p["a"]) * jnp.mean(b["x"]) + jnp.mean(p["b"]) * jnp.mean(b["y"])
     round_fn = functools.partial(
-        streaming.streaming_round,
+        dj.diloco_round,
         loss,
         inner_optimizer=inner,
         outer_optimizer=outer,
-        frags=frags,
+        fragments=2,
         backend=backend,
     )
     found = hlo.collectives(jax.jit(round_fn).lower(state, batch).compile())
@@ -161,7 +160,8 @@ def test_streaming_with_compression_and_resume(tmp_path):
         (dict(fragments=2, overlap_steps=2), "overlap_steps"),
         (dict(fragments=2, merge_alpha=1.5), "merge_alpha"),
         (dict(fragments=2, merge_alpha=-0.1), "merge_alpha"),
-        (dict(fragments=2, drop_probability=0.5), "fragments can't be combined"),
+        (dict(overlap_steps=1), "need fragments"),
+        (dict(merge_alpha=0.5), "need fragments"),
     ],
 )
 def test_invalid_streaming_options(kwargs, match):

@@ -3,6 +3,7 @@ baselines, the paper's Table 2 at laptop scale). User mistakes print one line, e
 and nothing is written."""
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -103,13 +104,38 @@ _CONFIG_FLAGS = (
 
 
 def _out_dir(value: str | None, default: str) -> Path:
-    """The output folder, checked before anything runs: not a file, parent writable."""
+    """The output folder, checked before anything runs (nothing is written): not a file,
+    its nearest existing folder writable."""
     out = Path(value if value is not None else default)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a folder")
-    parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    try:
+        if "\x00" in str(out):
+            raise ValueError("embedded null byte")
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} exists and is not a folder")
+        parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    except (OSError, ValueError) as e:  # e.g. a NUL byte, a name too long
+        raise ConfigError(f"--out {value!r} is not a usable path: {e}") from None
+    if not parent.is_dir():
+        raise ConfigError(f"--out {out}: {parent} is not a folder")
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"--out {out}: {parent} is not writable")
+    return out
+
+
+def create_out(out: Path) -> Path:
+    """Creates the output folder before anything runs; a path the system refuses (e.g.
+    /proc/x/y) is a ConfigError naming --out, so the command fails with one line."""
+    missing = [p for p in [out, *out.parents] if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as e:
+        for folder in missing:  # leave nothing behind: remove what this call created
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        reason = getattr(e, "strerror", None) or e
+        raise ConfigError(f"--out {out}: can't create the folder: {reason}") from None
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"--out {out} is not writable")
     return out
 
 
@@ -169,6 +195,7 @@ def _distributed_args(args: argparse.Namespace) -> tuple[str, int, int] | None:
 def main(argv: list[str] | None = None) -> int:
     try:
         run = parse(argv)
+        create_out(run.out)
         if run.distributed is not None or _distributed_env():
             from diloco_jax import distributed
 

@@ -1,0 +1,152 @@
+"""When a round syncs what: the schedule part of `diloco_round`.
+
+A round of H inner steps is a schedule of syncs. Standard DiLoCo is one sync of every leaf
+after step H. Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512) splits the params
+into P fragments (S = H / P steps apart, fragment p = 0..P-1):
+- right after inner step (p + 1) S - tau, every worker snapshots the fragment's values θ_m,p;
+- right after inner step (p + 1) S, the fragment syncs: Δ_p = θ_p - snapshot is averaged over
+  the workers and fed to the fragment's own outer optimizer state (initialised on its leaves,
+  advancing only at its syncs), giving θ_p'; every worker then sets the fragment to
+  θ_p' + alpha (θ_m,p - θ_p') with θ_m,p its values at the sync.
+Fragments not being synced keep training; there is no reset at the round boundary, so every
+worker's params persist in the state. P = 1, tau = 0, alpha = 0 is standard DiLoCo. This is
+the schedule of torchft's DiLoCo with fragment_sync_delay and fragment_update_alpha.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+
+
+class Sync(NamedTuple):
+    """One sync of a round.
+
+    index: p, the fragment (its outer state and its row of the drop draws); 0 when unfragmented.
+    leaves: indices into `jax.tree.leaves(params)` of what syncs, or None for every leaf taken
+      as the params tree itself (standard DiLoCo: the outer optimizer sees the caller's tree).
+    snapshot: inner steps done when the workers snapshot what they will send (sync - tau).
+    at: inner steps done when the sync happens.
+    """
+
+    index: int
+    leaves: tuple[int, ...] | None
+    snapshot: int
+    at: int
+
+
+class Schedule(NamedTuple):
+    """A round's syncs (in order) and how synced values merge into each worker's params.
+
+    fragmented: whether the run uses Streaming DiLoCo's fragments (every worker's params then
+      persist across rounds in `DiLoCoState.local_params`, and the outer state is a tuple of
+      one state per fragment).
+    merge_alpha: alpha in [0, 1]; 0 sets a synced fragment to the new global values.
+    """
+
+    syncs: tuple[Sync, ...]
+    fragmented: bool
+    merge_alpha: float
+
+    def boundaries(self, inner_steps: int) -> tuple[int, ...]:
+        """The step counts at which the inner loop pauses (0, every snapshot and sync, H)."""
+        points = {0, inner_steps}
+        for sync in self.syncs:
+            points |= {sync.snapshot, sync.at}
+        return tuple(sorted(points))
+
+
+def fragment_of(params: Any, fragments: Any) -> tuple[int, ...]:
+    """Each leaf's fragment index, in `jax.tree.leaves(params)` order.
+
+    `fragments` is an int P >= 1 (leaf i goes to fragment i % P, the strided assignment the
+    paper recommends; P at most the number of leaves), or a pytree of ints with the params'
+    structure whose values cover 0..P-1. Raises ValueError naming `fragments`.
+    """
+    leaves = jax.tree.leaves(params)
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        if not 1 <= fragments <= len(leaves):
+            raise ValueError(
+                f"fragments must be between 1 and the number of param leaves {len(leaves)}, "
+                f"got {fragments}"
+            )
+        return tuple(i % fragments for i in range(len(leaves)))
+    try:
+        indices = jax.tree.leaves(jax.tree.map(lambda _, f: f, params, fragments))
+    except (ValueError, TypeError):
+        raise ValueError(
+            "fragments must be an int >= 1 or a pytree of ints with the params' structure"
+        ) from None
+    if not all(isinstance(f, int) and not isinstance(f, bool) for f in indices):
+        raise ValueError(f"fragments pytree must hold ints, got {indices}")
+    if sorted(set(indices)) != list(range(max(indices) + 1)) or min(indices) < 0:
+        raise ValueError(f"fragments indices must cover 0..P-1, got {sorted(set(indices))}")
+    return tuple(indices)
+
+
+def check_schedule(
+    num_fragments: int, inner_steps: int, overlap_steps: int, merge_alpha: float
+) -> None:
+    """Raises ValueError naming the argument for a schedule that can't run."""
+    if inner_steps % num_fragments:
+        raise ValueError(
+            f"inner_steps={inner_steps} must be a multiple of the number of fragments "
+            f"{num_fragments}"
+        )
+    per_fragment = inner_steps // num_fragments
+    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int):
+        raise ValueError(f"overlap_steps must be an int, got {overlap_steps!r}")
+    if not 0 <= overlap_steps < per_fragment:
+        raise ValueError(
+            f"overlap_steps must be in [0, inner_steps / fragments = {per_fragment}), got "
+            f"{overlap_steps}"
+        )
+    if isinstance(merge_alpha, bool) or not (
+        isinstance(merge_alpha, int | float) and 0 <= merge_alpha <= 1
+    ):
+        raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha!r}")
+
+
+def make_schedule(
+    params: Any,
+    inner_steps: int,
+    fragments: Any = None,
+    overlap_steps: int = 0,
+    merge_alpha: float = 0.0,
+) -> Schedule:
+    """The round's schedule: one sync of every leaf after H steps when `fragments` is None
+    (then `overlap_steps` and `merge_alpha` must stay 0), else Streaming DiLoCo's (see the
+    module docstring). Raises ValueError naming the argument that can't run."""
+    if fragments is None:
+        if overlap_steps or merge_alpha:
+            raise ValueError(
+                "overlap_steps and merge_alpha need fragments (Streaming DiLoCo), got "
+                f"overlap_steps={overlap_steps!r}, merge_alpha={merge_alpha!r}"
+            )
+        return Schedule((Sync(0, None, inner_steps, inner_steps),), False, 0.0)
+    frags = fragment_of(params, fragments)
+    num_fragments = max(frags) + 1
+    check_schedule(num_fragments, inner_steps, overlap_steps, merge_alpha)
+    per_fragment = inner_steps // num_fragments
+    syncs = tuple(
+        Sync(
+            p,
+            tuple(i for i, f in enumerate(frags) if f == p),
+            (p + 1) * per_fragment - overlap_steps,
+            (p + 1) * per_fragment,
+        )
+        for p in range(num_fragments)
+    )
+    return Schedule(syncs, True, float(merge_alpha))
+
+
+def part(schedule_sync: Sync, leaves: list, treedef: Any) -> Any:
+    """What `schedule_sync` exchanges of a list of per-leaf values: the params tree itself
+    for an unfragmented sync, else the list of its leaves."""
+    if schedule_sync.leaves is None:
+        return jax.tree.unflatten(treedef, leaves)
+    return [leaves[i] for i in schedule_sync.leaves]
+
+
+def leaf_indices(schedule_sync: Sync, num_leaves: int) -> tuple[int, ...]:
+    """The leaf indices `schedule_sync` covers."""
+    return tuple(range(num_leaves)) if schedule_sync.leaves is None else schedule_sync.leaves
