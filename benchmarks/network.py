@@ -1,11 +1,12 @@
 """Simulated network time: DiLoCo against synchronous data parallelism on slower networks,
-fed by step times measured here (one worker, steady state) and the real payload size.
+fed by step times measured here (one worker, steady state) and the wire bytes each worker
+sends per sync (`diloco_jax.comm`: every collective costed by its kind, ring algorithms).
 
     python benchmarks/network.py [--quick] [--workers 8] [--latency-ms 1] [--presets a,b]
         [--dtype float32|bfloat16] [--batch-size 16]
 
 For each LM preset and each H, prints the wall time of 1000 steps per worker and the compute
-utilization at 100 Gbit/s, 10 Gbit/s, 1 Gbit/s and 100 Mbit/s (ring all-reduce, no overlap:
+utilization at 100 Gbit/s, 10 Gbit/s, 1 Gbit/s and 100 Mbit/s (no overlap:
 diloco_jax.netsim), and the bandwidth each needs for 90% utilization (as in Charles et al.
 2025, Table 6). Writes benchmarks/results/network.json.
 """
@@ -21,7 +22,7 @@ import numpy as np
 import optax
 
 from diloco_jax import netsim
-from diloco_jax.comm import round_bytes
+from diloco_jax.comm import round_wire_bytes, sync_step_wire_bytes
 from diloco_jax.lm import model
 from diloco_jax.train import train_sync
 
@@ -67,18 +68,20 @@ def main() -> None:
         common.progress(f"{preset}: {t_step * 1e3:.3f} ms per step")
         config = model.get_config(preset, dtype=args.dtype)
         params = jax.eval_shape(model.init_params, config, jax.random.key(0))
-        payload = round_bytes(params)
-        runs = {"sync_data_parallel": 1} | {f"diloco_H{h}": h for h in (25, 100, 500)}
-        table = netsim.network_table(
-            t_step, payload, args.workers, runs, total, latency=args.latency_ms / 1e3
+        wire = round_wire_bytes(params, None, args.workers)
+        runs = {"sync_data_parallel": (1, sync_step_wire_bytes(params, args.workers))}
+        runs |= {f"diloco_H{h}": (h, wire) for h in (25, 100, 500)}
+        table = netsim.network_table(t_step, runs, total, latency=args.latency_ms / 1e3)
+        table["num_workers"] = args.workers
+        rows.append(
+            {"preset": preset, "num_params": model.count_params(params), "wire": wire, **table}
         )
-        rows.append({"preset": preset, "num_params": model.count_params(params), **table})
     lines = []
     for row in rows:
         lines += [
             f"### {row['preset']} ({args.dtype}, B={args.batch_size}): "
-            f"{row['num_params']:,} params, {row['payload_bytes']:,} bytes "
-            f"per all-reduce, step {row['step_seconds'] * 1e3:.2f} ms, M={args.workers}, "
+            f"{row['num_params']:,} params, {row['wire']:,.0f} wire bytes per DiLoCo sync, "
+            f"step {row['step_seconds'] * 1e3:.2f} ms, M={args.workers}, "
             f"latency {args.latency_ms:g} ms, {total} steps per worker",
             "",
             "| run | " + " | ".join(netsim.BANDWIDTHS) + " | bandwidth for 90% |",

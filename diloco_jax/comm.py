@@ -1,12 +1,25 @@
-"""Communication accounting: the bytes a worker contributes to a collective."""
+"""Communication accounting: the bytes a worker contributes to a round's exchange
+(`round_bytes`, history's "bytes_communicated") and the bytes it sends on the wire
+(`round_wire_bytes`, history's "wire_bytes")."""
 
+import math
 from typing import Any
 
 import jax
 import numpy as np
 
-from diloco_jax.compression import Compression, parse_compression, tree_payload_bytes
+from diloco_jax.compression import (
+    Compression,
+    block_row_bytes,
+    parse_compression,
+    tree_payload_bytes,
+)
+from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.outer import widen
+from diloco_jax.schedule import fragment_of
+
+LOSS_BYTES = 4  # the round's (or step's) mean loss: one float32 all-reduced over the workers
+WEIGHT_BYTES = 4  # a worker's float32 weight at a sync, under fault options
 
 
 def payload_bytes(tree: Any) -> int:
@@ -44,3 +57,60 @@ def round_bytes(params: Any, compression: "str | Compression | None" = None) -> 
     if c.kind == "none":
         return payload_bytes(deltas)
     return tree_payload_bytes(deltas, c)
+
+
+def round_wire_bytes(
+    params: Any,
+    compression: "str | Compression | None",
+    num_workers: int,
+    *,
+    fragments: Any = None,
+    weighted: bool = False,
+) -> float:
+    """Bytes each worker sends on the wire in one DiLoCo round, under ring algorithms over
+    the M workers, for every collective the round runs, as if every worker had its own link
+    (whatever the device layout). Per sync (one, or one per fragment) of B delta bytes:
+
+    * exact: one all-reduce of the deltas, 2(M-1)/M x B (fault options add the float32
+      weight to it);
+    * two-stage (dense codecs): an all-to-all of the worker's block rows, the rows padded to
+      a multiple of M blocks (NB' blocks of R bytes: codes + float32 scale), then an
+      all-gather of its reduced chunk of NB'/M rows: (M-1)/M x NB' R + (M-1) x NB' R / M =
+      2(M-1)/M x NB' R;
+    * gather (sparse codecs, or `exchange="gather"`): an all-gather of the payload P,
+      (M-1) x P;
+    fault options add an all-gather of the float32 weight to the lossy ones, (M-1) x 4.
+    Plus the all-reduce of the round's mean loss, 2(M-1)/M x 4. 0 when M = 1."""
+    if num_workers <= 1:
+        return 0.0
+    m = num_workers
+    c = parse_compression(compression)
+    exchange = c.resolved_exchange
+    leaves = jax.tree.leaves(jax.eval_shape(widen, params))
+    frags = (0,) * len(leaves) if fragments is None else fragment_of(params, fragments)
+    total = ring_wire_bytes("all-reduce", LOSS_BYTES, m)
+    for p in range(max(frags) + 1):
+        synced = [x for x, f in zip(leaves, frags, strict=True) if f == p]
+        if exchange == "exact":
+            extra = WEIGHT_BYTES if weighted else 0
+            total += ring_wire_bytes("all-reduce", payload_bytes(synced) + extra, m)
+            continue
+        if exchange == "two_stage":
+            blocks = sum(-(-math.prod(x.shape) // c.block_size) for x in synced)
+            rows = -(-blocks // m) * m * block_row_bytes(c)
+            total += ring_wire_bytes("all-to-all", rows, m) + ring_wire_bytes(
+                "all-gather", rows / m, m
+            )
+        else:
+            total += ring_wire_bytes("all-gather", tree_payload_bytes(synced, c), m)
+        if weighted:
+            total += ring_wire_bytes("all-gather", WEIGHT_BYTES, m)
+    return total
+
+
+def sync_step_wire_bytes(params: Any, num_workers: int) -> float:
+    """Bytes each worker sends on the wire in one data-parallel step: the all-reduce of the
+    gradients (the params' dtypes) and of the step's mean loss, 2(M-1)/M x (|θ| + 4)."""
+    return ring_wire_bytes("all-reduce", payload_bytes(params), num_workers) + ring_wire_bytes(
+        "all-reduce", LOSS_BYTES, num_workers
+    )

@@ -7,10 +7,13 @@ to ``uint8``, 4-bit codes packed two per ``uint8``, sparsity masks packed eight 
 next to ``float32`` scales / values and ``int32`` indices. XLA on CPU widens bf16 / fp8
 collectives back to f32, so only integer payloads make the bytes on the wire really drop.
 
-The exchange (:func:`compressed_mean`) is ``encode -> lax.all_gather(payload) -> decode every
-worker's slice -> mean in float32``; with kind ``"none"`` it is exactly ``lax.pmean``. Its two
-halves, :func:`encode_tree` (per worker) and :func:`decode_mean` (on the gathered payloads),
-are what ``diloco_round`` runs around the backend's all_gather.
+How payloads travel is `diloco_jax.exchange`'s (``Compression.exchange``): the dense kinds
+(bf16, fp8, int8, int4, e3m0) default to a two-stage quantized all-reduce of block rows
+(:func:`encode_blocks` / :func:`decode_blocks`); the sparse kinds, and the dense ones with
+``exchange="gather"``, to ``encode -> all_gather(payload) -> decode every worker's slice ->
+mean in float32`` (:func:`encode_tree` per worker, :func:`decode_mean` on the gathered
+payloads; :func:`compressed_mean` is that exchange for your own mapped code; with kind
+``"none"`` it is exactly ``lax.pmean``).
 
 Kinds (``block_size`` = elements per scale block; the flattened leaf is zero-padded to a multiple
 of it and the padding is sent and counted):
@@ -77,6 +80,12 @@ from jax import lax
 KINDS = ("none", "bf16", "fp8", "int8", "int4", "e3m0", "sign_prune", "topk")
 SPARSE_KINDS = ("sign_prune", "topk")
 BLOCK_KINDS = ("fp8", "int8", "int4", "e3m0")
+DENSE_KINDS = ("bf16", *BLOCK_KINDS)
+NIBBLE_KINDS = ("int4", "e3m0")
+# How the payloads travel: "two_stage" (a quantized reduce-scatter + all-gather, the dense
+# kinds' default), "gather" (every worker's payload to every device), "auto" (two_stage for
+# the dense kinds, gather for the sparse ones).
+EXCHANGES = ("auto", "two_stage", "gather")
 
 Payload = dict[str, jax.Array]
 PyTree = Any
@@ -96,6 +105,18 @@ class Compression:
     keep_fraction: float | None = None
     error_feedback: bool = False
     block_size: int = 32
+    # Not in the repr: checkpoint fingerprints of runs made before it existed (all "gather")
+    # must match; `train_diloco` fingerprints a two-stage exchange separately.
+    exchange: str = dataclasses.field(default="auto", repr=False)
+
+    @property
+    def resolved_exchange(self) -> str:
+        """ "exact" for kind "none", else "two_stage" or "gather" (`exchange` resolved)."""
+        if self.kind == "none":
+            return "exact"
+        if self.exchange == "auto":
+            return "two_stage" if self.kind in DENSE_KINDS else "gather"
+        return self.exchange
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -125,6 +146,15 @@ class Compression:
                 f"compression: error_feedback must be a bool, got {self.error_feedback!r}"
             )
         object.__setattr__(self, "error_feedback", bool(self.error_feedback))
+        if self.exchange not in EXCHANGES:
+            raise ValueError(
+                f"compression: exchange must be one of {EXCHANGES}, got {self.exchange!r}"
+            )
+        if self.exchange == "two_stage" and self.kind in SPARSE_KINDS:
+            raise ValueError(
+                f"compression: exchange 'two_stage' needs a dense kind {DENSE_KINDS}, not "
+                f"{self.kind!r} (every worker's sparse indices differ: use 'gather')"
+            )
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -136,8 +166,9 @@ def parse_compression(spec: str | Compression | None) -> Compression:
 
     ``None`` means ``"none"``. Strings are ``kind[:keep_fraction][,key=value...]`` with keys
     ``keep_fraction`` (alias ``k``), ``error_feedback`` (alias ``ef``; true/false/yes/no/on/off/
-    1/0) and ``block_size`` (alias ``block``), e.g. ``"int8"``, ``"topk:0.01"``,
-    ``"int4,block_size=64,error_feedback=true"``, ``"sign_prune:0.5,ef=1"``. A ``Compression``
+    1/0), ``block_size`` (alias ``block``) and ``exchange`` (auto/two_stage/gather), e.g.
+    ``"int8"``, ``"topk:0.01"``, ``"int4,block_size=64,error_feedback=true"``,
+    ``"sign_prune:0.5,ef=1"``, ``"int8,exchange=gather"``. A ``Compression``
     is re-validated and returned. Raises ``ValueError`` (message starting ``compression:``) on
     an unknown kind or option, a keep_fraction missing / outside (0, 1] for topk/sign_prune or
     given to another kind, or a block_size < 1.
@@ -165,6 +196,8 @@ def parse_compression(spec: str | Compression | None) -> Compression:
             if val not in _TRUE + _FALSE:
                 raise ValueError(f"compression: bad error_feedback {val!r} in {spec!r}")
             kwargs["error_feedback"] = val in _TRUE
+        elif key == "exchange":
+            kwargs["exchange"] = val
         elif key in ("block_size", "block"):
             try:
                 kwargs["block_size"] = int(val)
@@ -265,28 +298,35 @@ def encode(x: jax.Array, compression: Compression | str | None) -> Payload:
         mask = jnp.zeros((n,), jnp.bool_).at[idx].set(True)
         return {"values": flat[idx], "mask": jnp.packbits(mask)}
 
-    xb = _blocked(x, bs)
+    elements, scale = _quantized(_blocked(x, bs), c)
+    flat = elements.reshape(-1)
+    return {"codes": _pack_nibbles(flat) if kind in NIBBLE_KINDS else flat, "scales": scale}
+
+
+def _quantized(xb: jax.Array, c: Compression) -> tuple[jax.Array, jax.Array | None]:
+    """Per-element codes of float32 blocks [NB, bs] in their integer types (bf16 / fp8 bits
+    as uint16 / uint8, int8 as int8, 4-bit kinds as one uint8 nibble each), with the
+    float32 per-block scales [NB] (None for bf16, which has none)."""
+    kind = c.kind
+    if kind == "bf16":
+        return lax.bitcast_convert_type(xb.astype(jnp.bfloat16), jnp.uint16), None
     if kind == "fp8":
         scale, safe = _absmax_scale(xb, _FP8_MAX)
         y = jnp.clip(xb / safe[:, None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
-        codes = lax.bitcast_convert_type(y, jnp.uint8).reshape(-1)
-        return {"codes": codes, "scales": scale}
+        return lax.bitcast_convert_type(y, jnp.uint8), scale
     if kind == "int8":
         scale, safe = _absmax_scale(xb, 127.0)
-        q = jnp.clip(jnp.round(xb / safe[:, None]), -127, 127).astype(jnp.int8)
-        return {"codes": q.reshape(-1), "scales": scale}
+        return jnp.clip(jnp.round(xb / safe[:, None]), -127, 127).astype(jnp.int8), scale
     if kind == "int4":
         scale, safe = _absmax_scale(xb, 7.0)
         q = jnp.clip(jnp.round(xb / safe[:, None]), -7, 7).astype(jnp.int8)
-        nib = lax.bitcast_convert_type(q, jnp.uint8) & 0xF  # two's complement nibble
-        return {"codes": _pack_nibbles(nib.reshape(-1)), "scales": scale}
+        return lax.bitcast_convert_type(q, jnp.uint8) & 0xF, scale  # two's complement nibble
     if kind == "e3m0":
         scale, safe = _absmax_scale(xb, 1.0)
         a = jnp.abs(xb) / safe[:, None]
         e = jnp.sum(a[..., None] >= jnp.asarray(_E3M0_EDGES), axis=-1).astype(jnp.uint8)
         sign = (xb < 0).astype(jnp.uint8) & (e > 0).astype(jnp.uint8)
-        nib = (sign << 3) | e
-        return {"codes": _pack_nibbles(nib.reshape(-1)), "scales": scale}
+        return (sign << 3) | e, scale
     raise AssertionError(kind)  # unreachable: Compression validates kind
 
 
@@ -321,22 +361,79 @@ def decode(
 
     scales = payload["scales"]
     nb = scales.shape[0]
-    npad = nb * bs
+    codes = payload["codes"]
+    if kind in NIBBLE_KINDS:
+        codes = _unpack_nibbles(codes, nb * bs)
+    y = _dequantized(codes.reshape(nb, bs), scales, c)
+    return _restore(y.reshape(-1), shape, dtype)
+
+
+def _dequantized(elements: jax.Array, scale: jax.Array | None, c: Compression) -> jax.Array:
+    """Inverse of `_quantized`: float32 blocks [NB, bs]."""
+    kind = c.kind
+    if kind == "bf16":
+        return lax.bitcast_convert_type(elements, jnp.bfloat16).astype(jnp.float32)
     if kind == "fp8":
-        y = lax.bitcast_convert_type(payload["codes"], jnp.float8_e4m3fn).astype(jnp.float32)
+        y = lax.bitcast_convert_type(elements, jnp.float8_e4m3fn).astype(jnp.float32)
     elif kind == "int8":
-        y = payload["codes"].astype(jnp.float32)
+        y = elements.astype(jnp.float32)
     elif kind == "int4":
-        nib = _unpack_nibbles(payload["codes"], npad).astype(jnp.int32)
+        nib = elements.astype(jnp.int32)
         y = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
     elif kind == "e3m0":
-        nib = _unpack_nibbles(payload["codes"], npad)
-        mag = jnp.asarray(_E3M0_GRID)[nib & 0x7]
-        y = jnp.where((nib >> 3) > 0, -mag, mag)
+        mag = jnp.asarray(_E3M0_GRID)[elements & 0x7]
+        y = jnp.where((elements >> 3) > 0, -mag, mag)
     else:
         raise AssertionError(kind)
-    y = y.reshape(nb, bs) * scales[:, None]
-    return _restore(y.reshape(-1), shape, dtype)
+    return y * scale[:, None]
+
+
+# ----------------------------------------------------------------------------- block rows
+# The two-stage exchange moves whole blocks: each leaf zero-padded to whole blocks, the
+# leaves' blocks stacked [NB, bs], and every block's codes packed into one row (4-bit codes
+# two per byte within the row), so any run of rows is a self-contained chunk.
+
+
+def to_blocks(leaves: Sequence[jax.Array], block_size: int) -> jax.Array:
+    """float32 [NB, block_size]: each leaf flattened, zero-padded to whole blocks, stacked."""
+    return jnp.concatenate([_blocked(x, block_size) for x in leaves], axis=0)
+
+
+def from_blocks(xb: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
+    """Inverse of `to_blocks`: the leaves (shapes and dtypes of `like`) from [NB, bs]."""
+    bs, out, start = xb.shape[1], [], 0
+    for x in like:
+        nb = _blocks(_size(x.shape), bs)
+        out.append(_restore(xb[start : start + nb].reshape(-1), x.shape, x.dtype))
+        start += nb
+    return out
+
+
+def encode_blocks(xb: jax.Array, c: Compression) -> tuple[jax.Array, jax.Array | None]:
+    """Dense-kind codes of float32 blocks [NB, bs], one row per block: ([NB, row] codes in
+    the kind's integer type, float32 scales [NB] or None for bf16). Per block the codes and
+    scale are exactly those `encode` produces."""
+    elements, scale = _quantized(xb, c)
+    if c.kind in NIBBLE_KINDS:
+        if elements.shape[1] % 2:
+            elements = jnp.pad(elements, ((0, 0), (0, 1)))
+        elements = elements[:, 0::2] | (elements[:, 1::2] << 4)
+    return elements, scale
+
+
+def decode_blocks(codes: jax.Array, scale: jax.Array | None, c: Compression) -> jax.Array:
+    """Inverse of `encode_blocks`: float32 [NB, c.block_size]."""
+    if c.kind in NIBBLE_KINDS:
+        codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
+        codes = codes[:, : c.block_size]
+    return _dequantized(codes, scale, c)
+
+
+def block_row_bytes(c: Compression) -> int:
+    """Wire bytes of one block in the two-stage exchange: its codes row and its scale."""
+    elements = {"bf16": 2, "fp8": 1, "int8": 1}.get(c.kind)
+    codes = c.block_size * elements if elements else -(-c.block_size // 2)
+    return codes + (4 if c.kind in BLOCK_KINDS else 0)
 
 
 # ----------------------------------------------------------------------------- sizes

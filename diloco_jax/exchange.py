@@ -11,17 +11,33 @@ An exchange is a pair of functions run around the backend's collectives:
   in the delta dtype, the same on every device; `weight_sum` is the float32 sum of the
   weights (None for an unweighted exchange). A weighted mean with weight sum 0 is zeros.
 
-Four exchanges, picked by compression and by whether the round weighs workers:
+Five exchanges, picked by compression and by whether the round weighs workers:
 - exact: one all-reduce of the deltas (a local sum over k, then psum), divided by M;
 - exact, weighted: each worker sends `where(included, w Δ, 0)` and `where(included, w, 0)`;
   two all-reduces, the first divided by the second (`jnp.where`, not a product, zeroes a left
   out delta: 0 * NaN is NaN);
-- lossy: each worker encodes Δ (+ its residual under error feedback) into integer payloads
-  (`compression.encode_tree`), the payloads are all-gathered and every device decodes all M
-  and averages in float32;
-- lossy, weighted: each worker encodes `where(included, Δ, 0)` and sends its payload with its
-  weight; both are all-gathered and the decoded deltas' weighted mean is taken. A left-out
-  worker keeps its residual (it sent nothing).
+- gather (sparse codecs; dense ones with `exchange="gather"`): each worker encodes Δ (+ its
+  residual under error feedback) into integer payloads (`compression.encode_tree`), the
+  payloads are all-gathered and every device decodes all M and averages in float32; each
+  device receives M - 1 payloads, so its wire bytes grow linearly with M;
+- gather, weighted: each worker encodes `where(included, Δ, 0)` and sends its payload with
+  its weight; both are all-gathered and the decoded deltas' weighted mean is taken. A left-out
+  worker keeps its residual (it sent nothing);
+- two-stage (the dense codecs' default: bf16, fp8, int8, int4, e3m0), the reduce-scatter +
+  all-gather shape of a ring all-reduce with payloads quantized on the wire (as torchft's
+  quantized all-reduce). Every worker encodes its delta (masked, + residual, as above) into
+  block rows (`compression.encode_blocks`: each leaf padded to whole blocks, the blocks of the
+  sync's leaves stacked). Over D devices the rows are padded to a multiple of D and split into
+  D chunks of whole blocks; `lax.all_to_all` hands device d chunk d of every worker; it
+  decodes them and sums them in float32 in worker order (weighted: w_m-weighted, divided by
+  the weight sum; else divided by M), re-encodes its reduced chunk and `lax.all_gather`s it;
+  every device decodes the whole mean. Each device sends 2 (D - 1) / D x its payload, the
+  ring's scaling. Every worker encodes its own delta and the sums run in worker order, so the
+  result does not depend on how workers are laid out on devices (one device, the vmap
+  backend, runs the same arithmetic with no collectives). Error feedback keeps each worker's
+  first-stage residual; the second quantization's error (at most half a quantization step of
+  the mean's block per element for int8 / int4, see `compression`) is not fed back. Weights
+  travel as one float32 per worker beside the payload (an all-gather).
 """
 
 import functools
@@ -32,7 +48,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from diloco_jax.compression import Compression, decode_mean, encode_tree
+from diloco_jax.compression import (
+    Compression,
+    decode_blocks,
+    decode_mean,
+    encode_blocks,
+    encode_tree,
+    from_blocks,
+    to_blocks,
+)
 from diloco_jax.workers import WORKER_AXIS, all_gather_workers, exact_mean
 
 
@@ -54,6 +78,11 @@ def make_exchange(
         return Exchange(_send_exact, functools.partial(_exact_reduce, num_workers=num_workers))
     if not lossy:
         return Exchange(_send_weighted, masked_mean)
+    if compression.resolved_exchange == "two_stage":
+        return Exchange(
+            functools.partial(_send_blocks, compression, weighted),
+            functools.partial(two_stage_mean, compression, like, num_workers, weighted),
+        )
     if not weighted:
         return Exchange(
             functools.partial(_send_encoded, compression),
@@ -146,3 +175,103 @@ def masked_decode_mean(
     weights_M = all_gather_workers(weights)
     mean = decode_mean(all_gather_workers(payloads), compression, like, weights_M)
     return mean, jnp.sum(weights_M)
+
+
+def _send_blocks(compression, weighted, delta, residual, included, weight):
+    """A worker's block rows (codes [NB, row], scales [NB] or None) of Δ (masked when
+    weighted, + residual under error feedback), its new residual, and its weight."""
+    leaves, treedef = jax.tree.flatten(delta)
+    if weighted:
+        leaves = [jnp.where(included, d, jnp.zeros_like(d)) for d in leaves]
+    values = [d.astype(jnp.float32) for d in leaves]
+    feedback = compression.error_feedback
+    if feedback:
+        values = [
+            v + r.astype(jnp.float32)
+            for v, r in zip(values, treedef.flatten_up_to(residual), strict=True)
+        ]
+    codes, scales = encode_blocks(to_blocks(values, compression.block_size), compression)
+    if feedback:
+        decoded = from_blocks(decode_blocks(codes, scales, compression), values)
+        new = treedef.unflatten([v - d for v, d in zip(values, decoded, strict=True)])
+        residual = (
+            new
+            if not weighted
+            else jax.tree.map(lambda a, b: jnp.where(included, a, b), new, residual)
+        )
+    if not weighted:
+        return (codes, scales), residual
+    weight = jnp.float32(1) if weight is None else weight
+    return (codes, scales, jnp.where(included, weight, 0.0)), residual
+
+
+def two_stage_mean(
+    compression: Compression, like: Any, num_workers: int, weighted: bool, local: tuple
+) -> tuple[Any, jax.Array | None]:
+    """Reducer of the two-stage exchange (see the module docstring). local: this device's k
+    workers' (codes [k, NB, row], scales [k, NB] or None[, weights float32 [k]]). Returns
+    (the mean in `like`'s structure and dtypes, float32 weight sum or None)."""
+    codes_k, scales_k = local[0], local[1]
+    num_local, num_blocks = codes_k.shape[:2]
+    devices = num_workers // num_local
+    chunk = -(-num_blocks // devices)
+    pad = chunk * devices - num_blocks
+    if pad:
+        codes_k = jnp.pad(codes_k, ((0, 0), (0, pad), (0, 0)))
+        scales_k = None if scales_k is None else jnp.pad(scales_k, ((0, 0), (0, pad)))
+    if devices > 1:  # chunk d of every worker to device d: [M, chunk, ...] in worker order
+        packed = _pack_rows(codes_k, scales_k).reshape(num_local, devices, -1)
+        received = lax.all_to_all(packed, WORKER_AXIS, split_axis=1, concat_axis=0, tiled=True)
+        codes_M, scales_M = _unpack_rows(
+            received.reshape(num_workers, chunk, -1), codes_k, scales_k
+        )
+    else:
+        codes_M, scales_M = codes_k, scales_k
+    decoded = [
+        decode_blocks(codes_M[m], None if scales_M is None else scales_M[m], compression)
+        for m in range(num_workers)
+    ]
+    if weighted:
+        weights_M = all_gather_workers(local[2])
+        total = jnp.sum(weights_M)
+        decoded = [
+            jnp.where(weights_M[m] > 0, d * weights_M[m], 0.0) for m, d in enumerate(decoded)
+        ]
+        divisor = jnp.where(total > 0, total, 1.0)
+    else:
+        total, divisor = None, jnp.float32(num_workers)
+    summed = decoded[0]
+    for d in decoded[1:]:  # in worker order, whatever the layout
+        summed = summed + d
+    codes, scales = encode_blocks(summed / divisor, compression)
+    # Every device's reduced chunk to every device (with one device: a no-op that types the
+    # result as the same everywhere).
+    gathered = all_gather_workers(_pack_rows(codes, scales)[None])
+    codes, scales = _unpack_rows(gathered.reshape(devices * chunk, -1), codes, scales)
+    mean = decode_blocks(codes, scales, compression)[:num_blocks]
+    if weighted:
+        mean = jnp.where(total > 0, mean, 0.0)
+    leaves, treedef = jax.tree.flatten(like)
+    return treedef.unflatten(from_blocks(mean, leaves)), total
+
+
+def _pack_rows(codes: jax.Array, scales: jax.Array | None) -> jax.Array:
+    """uint8 [..., NB, row bytes + 4]: each block's code bytes, then its scale's bytes."""
+    parts = [lax.bitcast_convert_type(codes, jnp.uint8).reshape(*codes.shape[:-1], -1)]
+    if scales is not None:
+        parts.append(lax.bitcast_convert_type(scales, jnp.uint8))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _unpack_rows(packed: jax.Array, codes_like: jax.Array, scales_like: jax.Array | None):
+    """Inverse of `_pack_rows` (dtypes and row widths from the `*_like` arrays)."""
+    itemsize = jnp.dtype(codes_like.dtype).itemsize
+    width = codes_like.shape[-1] * itemsize
+    raw = packed[..., :width]
+    if itemsize > 1:
+        raw = raw.reshape(*raw.shape[:-1], codes_like.shape[-1], itemsize)
+    codes = lax.bitcast_convert_type(raw, codes_like.dtype)
+    if scales_like is None:
+        return codes, None
+    scales = lax.bitcast_convert_type(packed[..., width:], jnp.float32)
+    return codes, scales

@@ -112,6 +112,43 @@ def communication_bytes(compiled_or_text: Any, ops: str | Iterable[str] | None =
     )
 
 
+def wire_bytes(compiled_or_text: Any, num_devices: int | None = None) -> float:
+    """Bytes each device sends on the wire for the module's collectives (outside loops),
+    under ring algorithms over each collective's group of n devices: all-reduce 2(n-1)/n x
+    its operand, all-gather (n-1) x its (local) operand, all-to-all and reduce-scatter
+    (n-1)/n x their operand, collective-permute its operand. A collective printed with no
+    replica groups spans `num_devices` (required then). In-loop collectives raise: their
+    trip count is the caller's to know."""
+    total = 0.0
+    for c in collectives(compiled_or_text):
+        if c.in_loop:
+            raise ValueError(f"collective {c.name} sits in a loop: multiply it yourself")
+        if c.op == "collective-permute":
+            total += c.operand_bytes
+            continue
+        n = len(c.replica_groups[0]) if c.replica_groups else num_devices
+        if n is None:
+            raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
+        total += ring_wire_bytes(c.op, c.operand_bytes, n)
+    return total
+
+
+def ring_wire_bytes(op: str, operand_bytes: float, n: int) -> float:
+    """Bytes one of n participants sends in collective `op` with `operand_bytes` per device
+    (the local shard for all-gather) under a ring algorithm; 0 when n <= 1."""
+    if n <= 1:
+        return 0.0
+    factors = {
+        "all-reduce": 2 * (n - 1) / n,
+        "all-gather": n - 1,
+        "all-to-all": (n - 1) / n,
+        "reduce-scatter": (n - 1) / n,
+    }
+    if op not in factors:
+        raise ValueError(f"no ring cost for collective {op!r}")
+    return factors[op] * operand_bytes
+
+
 # --------------------------------------------------------------------------- text access
 
 

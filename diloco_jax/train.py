@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint, faults, schedule
-from diloco_jax.comm import payload_bytes, round_bytes
+from diloco_jax.comm import payload_bytes, round_bytes, round_wire_bytes, sync_step_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.distributed import is_multiprocess, to_host
 from diloco_jax.inner import LossFn
@@ -110,16 +110,22 @@ def train_diloco(
         bit-identical to an uninterrupted run. A checkpoint of another configuration (M, H,
         param shapes or dtypes, optimizer state) is a ValueError.
       compression: how deltas travel: None / "none" (exact float32 all-reduce), "bf16",
-        "fp8", "int8", "int4", "e3m0", or a `Compression` (also "sign_prune" and "topk" with
-        keep_fraction, optional error feedback); see `diloco_jax.compression`.
+        "fp8", "int8", "int4", "e3m0" (a two-stage quantized all-reduce; add
+        ",exchange=gather" for the all-gather of every payload), or a `Compression` (also
+        "sign_prune" and "topk" with keep_fraction, always gathered; optional error
+        feedback); see `diloco_jax.compression` and `diloco_jax.exchange`.
 
     Returns:
       TrainResult(params, state: DiLoCoState, history). history[r] has "round" (0-based),
       "steps" (inner steps per worker so far), "loss", "worker_loss" ([M]), "outer_grad_norm"
-      and "bytes_communicated" (cumulative bytes each worker has sent: size x itemsize of every
-      averaged delta leaf, float32 or wider, or of every compressed payload array it
-      contributes to the all_gather; 0 when M = 1; fault options add a float32 weight per
-      worker to the exchange, not counted).
+      "bytes_communicated" (cumulative payload each worker contributes: size x itemsize of
+      every averaged delta leaf, float32 or wider, or of every compressed payload array its
+      encoding produces; 0 when M = 1) and "wire_bytes" (cumulative bytes each worker sends
+      on the wire for every collective of its rounds under ring algorithms over the M
+      workers: payloads, scales, fault weights, the loss metric; see
+      `comm.round_wire_bytes`; the same whatever the device layout). With fault options on
+      (exclusion, drops, worker_steps, step weighting), also "excluded_workers",
+      "dropped_workers" and "skipped" (see `diloco_round`).
     """
     _check_int("num_rounds", num_rounds, 0)
     _check_int("num_workers", num_workers, 1)
@@ -170,6 +176,13 @@ def train_diloco(
     )
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, compression) if num_workers > 1 else 0
+    wire_per_round = round_wire_bytes(
+        params,
+        compression,
+        num_workers,
+        fragments=fragments,
+        weighted=faulty,
+    )
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
         return {
@@ -179,6 +192,7 @@ def train_diloco(
             "worker_loss": [float(x) for x in metrics["worker_loss"]],
             "outer_grad_norm": float(metrics["outer_grad_norm"]),
             "bytes_communicated": (r + 1) * per_round,
+            "wire_bytes": round((r + 1) * wire_per_round),
         } | (_fault_record(metrics) if faulty else {})
 
     loop = _Loop(
@@ -198,6 +212,8 @@ def train_diloco(
             num_workers=num_workers,
             inner_steps=inner_steps,
             compression=repr(compression),
+            # Runs from before the two-stage exchange have no such field (all "gather").
+            **({"exchange": "two_stage"} if compression.resolved_exchange == "two_stage" else {}),
             faults=repr(fault_options),
             fragments=repr((fragments, overlap_steps, merge_alpha)),
         ),
@@ -234,8 +250,10 @@ def train_sync(
 
     Returns:
       TrainResult(params, state: SyncState, history). history[s] has "step" (0-based),
-      "steps" (s + 1), "loss", "worker_loss" ([M]) and "bytes_communicated" (cumulative bytes
-      each worker has sent: size x itemsize of every averaged gradient leaf; 0 when M = 1).
+      "steps" (s + 1), "loss", "worker_loss" ([M]), "bytes_communicated" (cumulative bytes
+      each worker contributes: size x itemsize of every averaged gradient leaf; 0 when
+      M = 1) and "wire_bytes" (cumulative bytes it sends on the wire: the ring all-reduce
+      of the gradients and the loss, `comm.sync_step_wire_bytes`).
     """
     _check_int("num_steps", num_steps, 0)
     _check_int("num_workers", num_workers, 1)
@@ -247,6 +265,7 @@ def train_sync(
     state = init_sync_state(params, optimizer)
     step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers)
     per_step = payload_bytes(params) if num_workers > 1 else 0
+    wire_per_step = sync_step_wire_bytes(params, num_workers)
 
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
         return {
@@ -255,6 +274,7 @@ def train_sync(
             "loss": float(metrics["loss"]),
             "worker_loss": [float(x) for x in metrics["worker_loss"]],
             "bytes_communicated": (s + 1) * per_step,
+            "wire_bytes": round((s + 1) * wire_per_step),
         }
 
     loop = _Loop(

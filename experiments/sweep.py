@@ -64,15 +64,15 @@ def _table(title: str, base, summaries: dict[str, dict[str, Any]]) -> str:
         f"Base: preset with {base.model} model, M={base.workers}, H={base.inner_steps}, "
         f"R={base.rounds}, {base.sharding}, warm start {base.pretrain_steps} steps.",
         "",
-        "| run | workers | H | outer | data | deltas sent as | bytes sent / worker | eval loss "
-        "| eval ppl |",
-        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |",
+        "| run | workers | H | outer | data | deltas sent as | payload bytes / worker "
+        "| wire bytes / worker | eval loss | eval ppl |",
+        "| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for label, s in summaries.items():
         lines.append(
             f"| {label} | {s['workers']} | {s['inner_steps']} | {s['outer']} | "
             f"{s['sharding']} | {s['compression']} | {s['bytes_communicated']:,} | "
-            f"{s['final_eval_loss']:.4f} | {s['final_eval_ppl']:.3f} |"
+            f"{s['wire_bytes']:,} | {s['final_eval_loss']:.4f} | {s['final_eval_ppl']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -2,8 +2,9 @@
 
 Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR [CKPT_DIR]
 
-Joins the run, trains DiLoCo and the synchronous baseline on `run_config()`'s data (the same
-on every process) and saves the final params and histories to OUT_DIR/process-I.npz.
+Joins the run, trains DiLoCo, the synchronous baseline and DiLoCo with int8 deltas (the
+two-stage exchange) on `run_config()`'s data (the same on every process) and saves the final
+params and histories to OUT_DIR/process-I.npz.
 """
 
 import json
@@ -56,10 +57,25 @@ def train_both(checkpoint_dir: str | None = None, **kwargs) -> dict[str, np.ndar
         optimizer=optax.adamw(0.05),
         **kwargs,
     )
+    # The two-stage quantized all-reduce: an all-to-all and an all-gather across processes.
+    quantized = dj.train_diloco(
+        linear_loss,
+        cfg["params"],
+        cfg["data"],
+        num_rounds=NUM_ROUNDS,
+        num_workers=NUM_WORKERS,
+        inner_steps=INNER_STEPS,
+        backend="shard_map",
+        inner_optimizer=optax.adamw(0.05),
+        compression="int8,ef=1",
+        **kwargs,
+    )
     out = {f"diloco_{k}": np.asarray(v) for k, v in diloco.params.items()}
     out.update({f"sync_{k}": np.asarray(v) for k, v in sync.params.items()})
+    out.update({f"int8_{k}": np.asarray(v) for k, v in quantized.params.items()})
+    out["int8_residual_w"] = np.asarray(quantized.state.residual["w"])
     out["diloco_inner_mu_w"] = np.asarray(diloco.state.inner_opt_state[0].mu["w"])
-    out["history"] = np.asarray(json.dumps([diloco.history, sync.history]))
+    out["history"] = np.asarray(json.dumps([diloco.history, sync.history, quantized.history]))
     return out
 
 

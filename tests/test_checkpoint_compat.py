@@ -15,11 +15,17 @@ import diloco_jax as dj
 
 FIXTURES = Path(__file__).parent / "data" / "checkpoints_v1"
 WRITE = os.environ.get("DILOCO_JAX_WRITE_GOLDEN") == "1"
+# Both compressed runs used the all-gather exchange, the only one then.
 RUNS = {
     "standard": dict(
-        compression="int8,ef=1", drop_probability=0.5, drop_seed=1, exclude_nonfinite=False
+        compression="int8,ef=1,exchange=gather",
+        drop_probability=0.5,
+        drop_seed=1,
+        exclude_nonfinite=False,
     ),
-    "streaming": dict(compression="int4,ef=1", fragments=2, overlap_steps=1, merge_alpha=0.5),
+    "streaming": dict(
+        compression="int4,ef=1,exchange=gather", fragments=2, overlap_steps=1, merge_alpha=0.5
+    ),
 }
 
 
@@ -57,3 +63,13 @@ def test_v1_checkpoint_resumes_bit_identical(name, tmp_path):
     with np.load(fixture / "final_params.npz") as want:
         for key in want.files:
             assert want[key].tobytes() == np.asarray(resumed.params[key]).tobytes(), key
+
+
+def test_v1_checkpoint_refuses_the_two_stage_exchange(tmp_path):
+    """Resuming a gathered int8 run with today's default (two-stage) exchange would change
+    the run's arithmetic midway: refused, naming the field."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "standard" / "ckpt", ckpt)
+    options = dict(RUNS["standard"], compression="int8,ef=1")
+    with pytest.raises(ValueError, match="exchange: missing from the checkpoint"):
+        _train(options, 4, ckpt)

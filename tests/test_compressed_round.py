@@ -1,4 +1,7 @@
-"""diloco_round with compressed outer gradients, against NumPy references and compiled HLO.
+"""diloco_round with compressed outer gradients exchanged by the all-gather of every payload
+(`exchange=gather`: the sparse codecs' exchange, and the dense ones' when asked; the dense
+codecs' default two-stage all-reduce is tests/test_two_stage.py's), against NumPy references
+and compiled HLO.
 
 Round-1 checks start from θ = 0 with outer SGD(1): then θ_1 = 0 - 1 * Δ̄ exactly, so the
 exchanged mean Δ̄ is read off as -θ_1 with no rounding. Per-worker deltas for the references
@@ -25,6 +28,14 @@ OUTER = optax.sgd(1.0)
 BACKENDS = ("vmap", "shard_map", "pmap")
 
 
+def as_gathered(spec):
+    """`spec` with the all-gather exchange (dense kinds; other specs unchanged)."""
+    if spec is None or isinstance(spec, C.Compression):
+        return spec
+    kind = spec.split(",")[0].split(":")[0]
+    return f"{spec},exchange=gather" if kind in C.DENSE_KINDS else spec
+
+
 def _params(dim=DIM):
     return {"w": jnp.zeros(dim, jnp.float32), "b": jnp.float32(0.0)}
 
@@ -46,7 +57,7 @@ def _round_fn(backend: str, num_workers: int, compression):
             inner_optimizer=INNER,
             outer_optimizer=OUTER,
             backend=dj.make_backend(backend, num_workers),
-            compression=compression,
+            compression=as_gathered(compression),
         )
     )
 
@@ -54,7 +65,7 @@ def _round_fn(backend: str, num_workers: int, compression):
 def _run(backend, compression, num_rounds=1, num_workers=M, params=None):
     """(state after `num_rounds`, metrics of the last round); batches seeded by round."""
     params = _params() if params is None else params
-    state = dj.init_state(params, num_workers, INNER, OUTER, compression=compression)
+    state = dj.init_state(params, num_workers, INNER, OUTER, compression=as_gathered(compression))
     state = _placed(state, backend, num_workers)
     for r in range(num_rounds):
         state, metrics = _round_fn(backend, num_workers, compression)(
@@ -177,7 +188,7 @@ def test_backends_agree_under_compression(num_workers):
 
 def test_error_feedback_residual_and_its_use_in_round_2():
     spec = "int4,ef=1"
-    state0 = dj.init_state(_params(), M, INNER, OUTER, compression=spec)
+    state0 = dj.init_state(_params(), M, INNER, OUTER, compression=as_gathered(spec))
     for leaf, p in zip(jax.tree.leaves(state0.residual), jax.tree.leaves(_params()), strict=True):
         assert leaf.shape == (M,) + p.shape and leaf.dtype == jnp.float32
         assert not np.any(np.asarray(leaf))
@@ -219,7 +230,7 @@ def test_feedback_without_residual_state_raises():
     with pytest.raises(ValueError, match="residual"):
         _round_fn("vmap", M, "int8,ef=1")(state, _batch())
     # Feedback off: a residual in the state is carried through untouched.
-    ef_state = dj.init_state(_params(), M, INNER, OUTER, compression="int8,ef=1")
+    ef_state = dj.init_state(_params(), M, INNER, OUTER, compression=as_gathered("int8,ef=1"))
     out, _ = _round_fn("vmap", M, "int8")(ef_state, _batch())
     _bits_equal(out.residual, ef_state.residual)
 
@@ -257,7 +268,7 @@ def _w_loss(params, batch):
 
 def _big_program(backend, compression, num_workers=M):
     params = {"w": jnp.zeros(BIG, jnp.float32)}
-    state = dj.init_state(params, num_workers, INNER, OUTER, compression=compression)
+    state = dj.init_state(params, num_workers, INNER, OUTER, compression=as_gathered(compression))
     batch = {
         "x": jax.ShapeDtypeStruct((num_workers, 1, 1, BIG), jnp.float32),
         "y": jax.ShapeDtypeStruct((num_workers, 1, 1), jnp.float32),
@@ -268,7 +279,7 @@ def _big_program(backend, compression, num_workers=M):
         inner_optimizer=INNER,
         outer_optimizer=OUTER,
         backend=dj.make_backend(backend, num_workers),
-        compression=compression,
+        compression=as_gathered(compression),
     )
     return params, hlo.collectives(jax.jit(round_fn).lower(state, batch).compile())
 
@@ -346,7 +357,7 @@ def test_train_diloco_with_compression_reports_payload_bytes_and_carries_residua
     exact = dj.train_diloco(linear_loss, params, rounds, **kw)
     none = dj.train_diloco(linear_loss, params, rounds, compression="none", **kw)
     jax.tree.map(np.testing.assert_array_equal, none.params, exact.params)
-    int4 = dj.train_diloco(linear_loss, params, rounds, compression="int4,ef=1", **kw)
+    int4 = dj.train_diloco(linear_loss, params, rounds, compression=as_gathered("int4,ef=1"), **kw)
     assert [h["bytes_communicated"] for h in int4.history] == [2580, 5160, 7740]
     assert exact.history[0]["bytes_communicated"] == (4096 + 1) * 4
     assert int4.state.residual["w"].shape == (4, 4096)
@@ -364,12 +375,12 @@ def _faulty_run(backend, spec, batch, num_workers=M, **options):
     """One round from θ = 0 with fault options under `spec`: (state, metrics)."""
     drops = options.get("drop_probability")
     state = dj.init_state(
-        _params(), num_workers, INNER, OUTER, compression=spec, drop_probability=drops
+        _params(), num_workers, INNER, OUTER, compression=as_gathered(spec), drop_probability=drops
     )
     round_fn = jax.jit(
         functools.partial(
             dj.diloco_round, linear_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
-            backend=dj.make_backend(backend, num_workers), compression=spec, **options,
+            backend=dj.make_backend(backend, num_workers), compression=as_gathered(spec), **options,
         )
     )  # fmt: skip
     return round_fn(state, batch)
@@ -432,14 +443,15 @@ def test_drops_and_step_weights_under_compression():
 
 def test_compiled_bytes_of_a_compressed_round_with_exclusion():
     params = {"w": jnp.zeros(BIG, jnp.float32)}
-    state = dj.init_state(params, M, INNER, OUTER, compression="int8")
+    state = dj.init_state(params, M, INNER, OUTER, compression=as_gathered("int8"))
     batch = {
         "x": jax.ShapeDtypeStruct((M, 1, 1, BIG), jnp.float32),
         "y": jax.ShapeDtypeStruct((M, 1, 1), jnp.float32),
     }
     round_fn = functools.partial(
         dj.diloco_round, _w_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
-        backend=dj.make_backend("shard_map", M), compression="int8", exclude_nonfinite=True,
+        backend=dj.make_backend("shard_map", M), compression=as_gathered("int8"),
+        exclude_nonfinite=True,
     )  # fmt: skip
     found = hlo.collectives(jax.jit(round_fn).lower(state, batch).compile())
     assert not any(c.in_loop for c in found)

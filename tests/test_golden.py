@@ -85,7 +85,8 @@ def test_golden_cases_are_bit_identical():
         if want.keys() != got.keys():
             failures.append(f"{name}: fields {sorted(got)} != {sorted(want)}")
             continue
-        history = json.loads(json.dumps(history))
+        history = json.loads(json.dumps(history))  # "wire_bytes" came later
+        history = [{k: v for k, v in h.items() if k != "wire_bytes"} for h in history]
         if name.endswith("-exclude-stream"):
             failures += _rounding_only(name, want, got, history, stored_histories[name])
             continue

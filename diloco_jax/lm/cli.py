@@ -195,7 +195,6 @@ def _distributed_args(args: argparse.Namespace) -> tuple[str, int, int] | None:
 def main(argv: list[str] | None = None) -> int:
     try:
         run = parse(argv)
-        create_out(run.out)
         if run.distributed is not None or _distributed_env():
             from diloco_jax import distributed
 
@@ -206,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         from diloco_jax.lm import experiment
 
         corpus = experiment.load_corpus(run.cfg)
+        create_out(run.out)  # last check before work starts: a bad input writes nothing
     except ConfigError as e:
         _fail(str(e))
     print(experiment.describe(run.cfg, corpus))

@@ -65,41 +65,45 @@ def step_seconds(history: list[Record]) -> float:
 
 def simulated_network(cfg: RunConfig, one_worker: list[Record], runs: dict[str, Record]):
     """netsim's table for DiLoCo (sync every H steps) and data parallelism (every step), fed
-    by the measured step time of one worker and the real payload of one all-reduce."""
-    payload = runs["diloco"]["bytes_communicated"] / cfg.rounds
-    return netsim.network_table(
+    by the measured step time of one worker and the wire bytes each run's history reports
+    per sync (every collective costed by its kind under ring algorithms)."""
+    table = netsim.network_table(
         step_seconds(one_worker),
-        payload,
-        cfg.workers,
-        {"diloco": cfg.inner_steps, "sync_data_parallel": 1},
+        {
+            "diloco": (cfg.inner_steps, runs["diloco"]["wire_bytes"] / cfg.rounds),
+            "sync_data_parallel": (1, runs["sync_data_parallel"]["wire_bytes"] / cfg.total_steps),
+        },
         cfg.total_steps,
     )
+    return table | {"num_workers": cfg.workers}
 
 
 def network_markdown(network: dict[str, Any]) -> str:
     """Simulated wall time (compute utilization) of each run on slower networks."""
     bandwidths = list(netsim.BANDWIDTHS)
     lines = [
-        f"## Simulated network: {network['num_workers']} workers, "
-        f"{network['payload_bytes']:,.0f} bytes per all-reduce, measured step "
+        f"## Simulated network: {network['num_workers']} workers, measured step "
         f"{network['step_seconds'] * 1e3:.1f} ms, latency {network['latency_seconds'] * 1e3:g} ms",
         "",
-        "| run | sync every | " + " | ".join(bandwidths) + " | bandwidth for 90% compute |",
-        "| --- | ---: | " + " | ".join("---:" for _ in bandwidths) + " | ---: |",
+        "| run | sync every | wire bytes / sync | "
+        + " | ".join(bandwidths)
+        + " | bandwidth for 90% compute |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in bandwidths) + " | ---: |",
     ]
     for name, row in network["runs"].items():
         cells = [
             f"{row[b]['wall_seconds']:.3g} s ({row[b]['utilization']:.0%})" for b in bandwidths
         ]
         lines.append(
-            f"| {name} | {row['steps_per_sync']} steps | "
+            f"| {name} | {row['steps_per_sync']} steps | {row['wire_bytes_per_sync']:,.0f} | "
             + " | ".join(cells)
             + f" | {netsim.format_bandwidth(row['bandwidth_for_90pct_bit_s'])} |"
         )
     lines += [
         "",
-        "Model: t_round = H t_step + latency + 2(M-1)/M x 8 bytes / bandwidth "
-        "(ring all-reduce, no overlap; Charles et al. 2025, Table 6).",
+        "Model: t_round = H t_step + latency + 8 x wire bytes / bandwidth, the wire bytes "
+        "each worker sends under ring algorithms (all-reduce 2(M-1)/M, all-gather M-1, "
+        "all-to-all (M-1)/M x its operand), no overlap (Charles et al. 2025, Table 6).",
         "",
     ]
     return "\n".join(lines)
@@ -113,14 +117,14 @@ def summary_markdown(cfg: RunConfig, runs: dict[str, Record]) -> str:
         f"{cfg.sharding}, M={cfg.workers}, H={cfg.inner_steps}, R={cfg.rounds}, "
         f"from a {cfg.pretrain_steps}-step warm start)",
         "",
-        "| run | workers | communication rounds | bytes sent / worker | wall time (s) | "
-        "compute & data | eval loss | eval perplexity |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | workers | communication rounds | payload bytes / worker | wire bytes / worker "
+        "| wall time (s) | compute & data | eval loss | eval perplexity |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in runs.items():
         lines.append(
             f"| {name} | {r['workers']} | {r['communication_rounds']:,} | "
-            f"{r['bytes_communicated']:,} | {r['wall_seconds']:.0f} | "
+            f"{r['bytes_communicated']:,} | {r['wire_bytes']:,} | {r['wall_seconds']:.0f} | "
             f"{r['tokens_seen'] / base['tokens_seen']:.0f}x | {r['final_eval_loss']:.4f} | "
             f"{r['final_eval_ppl']:.3f} |"
         )

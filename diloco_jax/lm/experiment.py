@@ -212,6 +212,7 @@ def run(
         "final_eval_ppl": math.exp(final["eval_loss"]),
         "final_train_loss": last["loss"],
         "bytes_communicated": last["bytes_communicated"],
+        "wire_bytes": last["wire_bytes"],
         "tokens_per_worker": last["tokens_per_worker"],
         "tokens_seen": last["tokens_per_worker"] * num_workers,
         "wall_seconds": time.perf_counter() - start,
