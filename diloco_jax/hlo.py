@@ -133,6 +133,31 @@ def wire_bytes(compiled_or_text: Any, num_devices: int | None = None) -> float:
     return total
 
 
+def depends_on(compiled_or_text: Any, name: str, opcode: str) -> bool:
+    """Whether instruction `name` (e.g. a collective from `collectives`) reads, through its
+    operands' dataflow in its own computation, the result of an instruction of `opcode`
+    (e.g. "while": the inner loop). False means the two may run at the same time."""
+    text = _hlo_text(compiled_or_text)
+    for module in _split_modules(text):
+        instrs = _parse_module(module)
+        found = [ins for ins in instrs if ins.name == name]
+        if not found:
+            continue
+        computation = found[0].computation
+        local = {ins.name: ins for ins in instrs if ins.computation == computation}
+        seen, stack = set(), [found[0].name]
+        while stack:
+            ins = local.get(stack.pop())
+            if ins is None or ins.name in seen:
+                continue
+            seen.add(ins.name)
+            if ins.name != name and ins.opcode == opcode:
+                return True
+            stack.extend(op for op, _ in ins.operands)
+        return False
+    raise ValueError(f"no instruction named {name!r} in the module")
+
+
 def ring_wire_bytes(op: str, operand_bytes: float, n: int) -> float:
     """Bytes one of n participants sends in collective `op` with `operand_bytes` per device
     (the local shard for all-gather) under a ring algorithm; 0 when n <= 1."""

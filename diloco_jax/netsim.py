@@ -9,8 +9,10 @@ exchange of `wire_bytes` takes
 
 (bandwidth in bit/s). Synchronous data parallelism is the same with H = 1 and the gradients'
 all-reduce. Compute utilization is H * t_step / t_round. This is the model of Charles et al.
-2025 (arXiv 2503.09799, Table 6) with the collective's real shape; it ignores overlap of
-compute and communication.
+2025 (arXiv 2503.09799, Table 6) with the collective's real shape. With the exchange hidden
+behind the next round's inner steps (delayed or eager outer updates, `overlap=True`):
+
+    t_round = max(H * t_step, latency + 8 * wire_bytes / bandwidth)
 """
 
 import math
@@ -45,9 +47,13 @@ def round_seconds(
     wire_bytes: float,
     bandwidth: float,
     latency: float = DEFAULT_LATENCY,
+    overlap: bool = False,
 ) -> float:
-    """t_round for `steps_per_sync` (H) steps of `step_seconds` each, then the exchange."""
-    return steps_per_sync * step_seconds + comm_seconds(wire_bytes, bandwidth, latency)
+    """t_round for `steps_per_sync` (H) steps of `step_seconds` each and the exchange: after
+    them, or (`overlap`) running under the next round's steps."""
+    compute = steps_per_sync * step_seconds
+    comm = comm_seconds(wire_bytes, bandwidth, latency)
+    return max(compute, comm) if overlap else compute + comm
 
 
 def utilization(
@@ -56,10 +62,13 @@ def utilization(
     wire_bytes: float,
     bandwidth: float,
     latency: float = DEFAULT_LATENCY,
+    overlap: bool = False,
 ) -> float:
     """Fraction of the round spent computing: H * t_step / t_round, in (0, 1]."""
     compute = steps_per_sync * step_seconds
-    return compute / round_seconds(step_seconds, steps_per_sync, wire_bytes, bandwidth, latency)
+    return compute / round_seconds(
+        step_seconds, steps_per_sync, wire_bytes, bandwidth, latency, overlap
+    )
 
 
 def bandwidth_for_utilization(
@@ -68,12 +77,15 @@ def bandwidth_for_utilization(
     wire_bytes: float,
     target: float = 0.9,
     latency: float = DEFAULT_LATENCY,
+    overlap: bool = False,
 ) -> float:
     """The bandwidth (bit/s) at which utilization reaches `target`; inf when latency alone
     already keeps it below the target, 0 when there is nothing to communicate."""
     if wire_bytes <= 0:
         return 0.0
-    budget = steps_per_sync * step_seconds * (1 / target - 1) - latency
+    compute = steps_per_sync * step_seconds
+    # Overlapped, the exchange may take up to compute / target; else the rest of the round.
+    budget = (compute / target if overlap else compute * (1 / target - 1)) - latency
     if budget <= 0:
         return math.inf
     return 8 * wire_bytes / budget
@@ -81,25 +93,27 @@ def bandwidth_for_utilization(
 
 def network_table(
     step_seconds: float,
-    runs: dict[str, tuple[int, float]],
+    runs: dict[str, tuple],
     total_steps: int,
     latency: float = DEFAULT_LATENCY,
 ) -> dict[str, Any]:
-    """For each run (name -> (steps between syncs, wire bytes a worker sends per sync)), the
-    simulated wall time of `total_steps` and the compute utilization at each of BANDWIDTHS,
-    and the bandwidth for 90%."""
+    """For each run (name -> (steps between syncs, wire bytes a worker sends per sync[,
+    overlap])), the simulated wall time of `total_steps` and the compute utilization at each
+    of BANDWIDTHS, and the bandwidth for 90%."""
     table: dict[str, Any] = {"step_seconds": step_seconds, "latency_seconds": latency, "runs": {}}
-    for name, (steps_per_sync, wire_bytes) in runs.items():
+    for name, (steps_per_sync, wire_bytes, *rest) in runs.items():
+        overlap = bool(rest and rest[0])
         rounds = total_steps / steps_per_sync
         row = {
             "steps_per_sync": steps_per_sync,
             "wire_bytes_per_sync": wire_bytes,
+            "overlap": overlap,
             "bandwidth_for_90pct_bit_s": bandwidth_for_utilization(
-                step_seconds, steps_per_sync, wire_bytes, 0.9, latency
+                step_seconds, steps_per_sync, wire_bytes, 0.9, latency, overlap
             ),
         }
         for label, bw in BANDWIDTHS.items():
-            t = round_seconds(step_seconds, steps_per_sync, wire_bytes, bw, latency)
+            t = round_seconds(step_seconds, steps_per_sync, wire_bytes, bw, latency, overlap)
             row[label] = {
                 "wall_seconds": rounds * t,
                 "utilization": steps_per_sync * step_seconds / t,

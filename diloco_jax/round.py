@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco_jax import faults
+from diloco_jax import delay, faults
 from diloco_jax.compression import Compression, init_residual, parse_compression
 from diloco_jax.exchange import make_exchange
 from diloco_jax.inner import LossFn, inner_loop
@@ -48,8 +48,16 @@ class DiLoCoState(NamedTuple):
       compresses with error feedback.
     local_params: each worker's own params, leaves stacked [M, ...] in the params' dtypes,
       where it continues from: with fragments always (Streaming DiLoCo never resets them);
-      else under simulated drops (a dropped worker whose delta was finite carries on from its
-      own params, the others from θ). None otherwise.
+      under simulated drops (a dropped worker whose delta was finite carries on from its
+      own params, the others from θ); under eager updates (each worker's own θ_m). None
+      otherwise.
+    pending_deltas, pending_weights, delayed_means: what is in flight under a delayed outer
+      update (`outer_delay` d >= 1, see `diloco_jax.delay`): each worker's deltas of the
+      last round (eager: of the last d rounds), a tuple of leaves [M, ...] in the delta
+      dtype, oldest first; each worker's weight in last round's mean (float32 [M]); the
+      means launched in the last d - 1 rounds, a tuple of (mean delta, float32 weight sum),
+      oldest first. None without a delay. Under eager updates `params` is None (every
+      worker keeps its own, in `local_params`) and `outer_opt_state` is per worker [M, ...].
     """
 
     params: Any
@@ -58,6 +66,9 @@ class DiLoCoState(NamedTuple):
     round: jax.Array
     residual: Any = None
     local_params: Any = None
+    pending_deltas: Any = None
+    pending_weights: Any = None
+    delayed_means: Any = None
 
 
 def default_inner_optimizer() -> optax.GradientTransformation:
@@ -95,12 +106,17 @@ def init_state(
     *,
     drop_probability: float | None = None,
     fragments: Any = None,
+    outer_delay: int = 0,
+    eager: bool = False,
 ) -> DiLoCoState:
     """Round-0 state: θ copied (never aliased), M identical inner states, fresh outer state
     (one per fragment when `fragments` is set: an int P or a pytree of fragment indices, as
     `diloco_round` takes it), zero float32 residuals [M, ...] when `compression` uses error
     feedback (else None), and `local_params` = θ stacked [M, ...] when `fragments` or
-    `drop_probability` is not None (else None)."""
+    `drop_probability` is not None (else None). With `outer_delay` d >= 1, zero deltas in
+    flight (the first d rounds apply a zero mean); with `eager`, every worker's own θ and
+    outer state (see `diloco_jax.delay`)."""
+    delay.check(outer_delay, eager)
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     residual = None
     if uses_residual(compression):
@@ -117,7 +133,7 @@ def init_state(
             outer_init(outer_optimizer, [x for x, f in zip(leaves, frags, strict=True) if f == p])
             for p in range(max(frags) + 1)
         )
-    return DiLoCoState(
+    state = DiLoCoState(
         params=params,
         outer_opt_state=outer_opt_state,
         inner_opt_state=stack_workers(inner_optimizer.init(params), num_workers),
@@ -125,6 +141,7 @@ def init_state(
         residual=residual,
         local_params=local_params,
     )
+    return delay.initial(state, num_workers, outer_delay, eager) if outer_delay else state
 
 
 class _Faults(NamedTuple):
@@ -155,6 +172,8 @@ def diloco_round(
     fragments: Any = None,
     overlap_steps: int = 0,
     merge_alpha: float = 0.0,
+    outer_delay: int = 0,
+    eager: bool = False,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
 
@@ -184,7 +203,11 @@ def diloco_round(
         P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
         schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
         `merge_alpha`. None: one sync of every leaf after step H.
-      Every combination of these options runs; at their defaults the round is plain DiLoCo.
+      outer_delay, eager: delayed (d = 1 or 2) and eager outer updates (see
+        `diloco_jax.delay`): the round applies the mean launched d rounds earlier, and its
+        own exchange runs at the start of the next round, independent of that round's inner
+        steps. Not with fragments; eager not with fault options (a ValueError says why).
+      At their defaults these options give plain DiLoCo.
 
     Returns:
       (new state, metrics) with metrics "loss" (float32 mean inner loss over the steps
@@ -198,7 +221,9 @@ def diloco_round(
     num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
     num_steps = _inner_steps_of(batches, inner_steps)
-    schedule = make_schedule(state.params, num_steps, fragments, overlap_steps, merge_alpha)
+    delay.check(outer_delay, eager)
+    like = state.params if not eager else jax.eval_shape(delay.global_params, state)
+    schedule = make_schedule(like, num_steps, fragments, overlap_steps, merge_alpha)
     compression = parse_compression(compression)
     feedback = _checked_feedback(state, compression)
     rule = _Faults(
@@ -209,10 +234,11 @@ def diloco_round(
     )
     weighted = rule != _Faults(False, None, None, "uniform")
     drops = rule.drop_probability is not None
-    _check_state(state, schedule, drops)
-    carried = drops or schedule.fragmented
+    delay.check_combination(outer_delay, eager, fragments, weighted)
+    _check_state(state, schedule, drops, outer_delay, eager)
+    carried = drops or schedule.fragmented or eager
 
-    leaves, treedef = jax.tree.flatten(state.params)
+    leaves, treedef = jax.tree.flatten(like)
     exchanges = [
         make_exchange(
             compression,
@@ -230,6 +256,11 @@ def diloco_round(
             drop_seed, state.round, num_workers, rule.drop_probability, len(schedule.syncs)
         ).T
     outer_states = state.outer_opt_state if schedule.fragmented else (state.outer_opt_state,)
+    if eager:  # each worker's own outer state travels with the worker
+        outer_states, worker_outer = None, state.outer_opt_state
+    else:
+        worker_outer = None
+    pending = (state.pending_deltas, state.pending_weights) if outer_delay else None
     shared_data, per_worker_data = split_data(batches, num_workers, state.round)
     body = functools.partial(
         _round_body,
@@ -243,12 +274,15 @@ def diloco_round(
         rule=rule if weighted else None,
         carried=carried,
         treedef=treedef,
+        outer_delay=outer_delay,
+        eager=eager,
+        num_workers=num_workers,
     )
     # Fragmented rounds keep the program they ran before the round bodies were folded into
     # this one (on vmap, the workers under a size-1 device axis), so those runs stay bit for
     # bit; un-nesting it is faster on CPU but rounds differently.
     same, mine = backend.map_workers(body, nested=schedule.fragmented)(
-        (state.params, outer_states, shared_data),
+        (state.params, outer_states, shared_data, state.delayed_means),
         (
             state.local_params if carried else None,
             state.inner_opt_state,
@@ -256,10 +290,13 @@ def diloco_round(
             dropped_MxP,
             steps_M,
             per_worker_data,
+            pending,
+            worker_outer,
         ),
     )
-    params, outer_states, grad_norm, skipped = same
-    local_params, inner_opt_state, residual, losses_MxH, excluded_M, dropped_M = mine
+    params, outer_states, grad_norm, skipped, delayed_means = same
+    local_params, inner_opt_state, residual, losses_MxH, excluded_M, dropped_M = mine[:6]
+    pending, worker_outer = mine[6:]
     if rule.worker_steps is None:
         loss, worker_loss = jnp.mean(losses_MxH), jnp.mean(losses_MxH, axis=1)
     else:  # skipped steps hold loss 0: divide by the steps taken
@@ -273,13 +310,19 @@ def diloco_round(
             "dropped_workers": dropped_M,
             "skipped": skipped,
         }
+    if eager:
+        outer_opt_state = worker_outer
+    else:
+        outer_opt_state = outer_states if schedule.fragmented else outer_states[0]
     new_state = DiLoCoState(
         params,
-        outer_states if schedule.fragmented else outer_states[0],
+        outer_opt_state,
         inner_opt_state,
         state.round + 1,
         residual if feedback else state.residual,
         local_params if carried else state.local_params,
+        *(pending if outer_delay else (None, None)),
+        delayed_means,
     )
     return new_state, metrics
 
@@ -299,20 +342,30 @@ def _round_body(
     rule: _Faults | None,
     carried: bool,
     treedef,
+    outer_delay: int,
+    eager: bool,
+    num_workers: int,
 ):
     """The round on one device's k workers (leaves [k, ...]): inner-step segments between
     the schedule's boundaries; at each sync the deltas, weights, exchange, outer update and
-    merge. Returns ((θ, outer states, delta norm, skipped), per-worker outputs)."""
-    global_params, outer_states, shared_data = shared
-    params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k = local
-    global_leaves = treedef.flatten_up_to(global_params)
-    outer_states = list(outer_states)
-    opt_start_k = opt_k
+    merge. Returns ((θ, outer states, delta norm, skipped, delayed means), per-worker
+    outputs)."""
+    global_params, outer_states, shared_data, delayed_means = shared
+    params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k, pending_k, outer_k = local
+    global_leaves = None if eager else treedef.flatten_up_to(global_params)
+    outer_states = None if eager else list(outer_states)
+    opt_start_k, round_start_k = opt_k, params_k
     num_local = jax.tree.leaves(data_k)[0].shape[0]
     res_leaves = None if residual_k is None else treedef.flatten_up_to(residual_k)
     false_k = jnp.zeros((num_local,), bool)
     excluded_k, dropped_any_k, skipped = false_k, false_k, jnp.bool_(False)
     losses, snapshots, means = [], {}, []
+    if outer_delay:
+        # Last round's deltas first: this exchange reads only the state, so it can run while
+        # the workers take this round's inner steps.
+        launched, res_leaves = _launch(
+            exchanges[0], pending_k, res_leaves, rule, treedef, collectives, num_workers
+        )
 
     def segment(params, opt_state, steps, my_data, start, stop):
         data = worker_batches(batches, shared_data, my_data)
@@ -348,10 +401,13 @@ def _round_body(
             if sync.at != stop:
                 continue
             local_leaves = treedef.flatten_up_to(params_k)
-            indices = leaf_indices(sync, len(global_leaves))
-            old = part(sync, global_leaves, treedef)
+            indices = leaf_indices(sync, len(local_leaves))
             snapshot_k = part(sync, snapshots.pop(sync.index), treedef)
-            delta_k = jax.vmap(worker_delta, in_axes=(None, 0))(old, snapshot_k)
+            if eager:  # each worker's delta against its own θ_m^{t-1}
+                delta_k = jax.vmap(worker_delta)(round_start_k, snapshot_k)
+            else:
+                old = part(sync, global_leaves, treedef)
+                delta_k = jax.vmap(worker_delta, in_axes=(None, 0))(old, snapshot_k)
             included_k = weight_k = finite_k = dropped_now_k = None
             if rule is not None:
                 finite_k = jnp.ones((num_local,), bool)
@@ -361,11 +417,36 @@ def _round_body(
                 included_k = finite_k & ~dropped_now_k
                 if rule.weighting == "steps":
                     weight_k = steps_k.astype(jnp.float32)
-            res_k = None if res_leaves is None else part(sync, res_leaves, treedef)
-            exchange = exchanges[len(means)]
-            to_reduce_k, res_k = jax.vmap(exchange.send)(delta_k, res_k, included_k, weight_k)
-            mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+            if outer_delay:
+                # The round's mean loss is all-reduced after the inner loop. Made to read the
+                # launched mean (adding 0 x one of its values: exact, and not folded for
+                # floats), XLA can't combine the two all-reduces into one that waits for the
+                # loop (optimization barriers don't survive XLA's CPU pipeline).
+                losses[-1] = losses[-1] + 0.0 * jax.tree.leaves(launched[0])[0].ravel()[0]
+                in_flight = jnp.ones((num_local,), jnp.float32)
+                if rule is not None:
+                    ones = jnp.ones((num_local,), jnp.float32)
+                    in_flight = jnp.where(included_k, ones if weight_k is None else weight_k, 0.0)
+                stale_k = pending_k[0][0]
+                pending_k = (pending_k[0][1:] if eager else ()) + (delta_k,), in_flight
+                (mean, weight_sum), delayed_means = _applied(launched, delayed_means)
+                if rule is None:
+                    weight_sum = None
+            else:
+                res_k = None if res_leaves is None else part(sync, res_leaves, treedef)
+                exchange = exchanges[len(means)]
+                to_reduce_k, res_k = jax.vmap(exchange.send)(delta_k, res_k, included_k, weight_k)
+                mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+                if res_leaves is not None:
+                    for i, value in zip(indices, jax.tree.leaves(res_k), strict=True):
+                        res_leaves[i] = value
             means.append(mean)
+            if eager:
+                tilde_k = delay.eager_delta(mean, delta_k, stale_k, num_workers)
+                params_k, outer_k = jax.vmap(functools.partial(outer_update, outer_optimizer))(
+                    round_start_k, outer_k, tilde_k
+                )
+                continue
             new, new_outer = outer_update(outer_optimizer, old, outer_states[sync.index], mean)
             if weight_sum is not None:
                 none_included = weight_sum <= 0
@@ -375,9 +456,6 @@ def _round_body(
             outer_states[sync.index] = new_outer
             for i, value in zip(indices, jax.tree.leaves(new), strict=True):
                 global_leaves[i] = value
-            if res_leaves is not None:
-                for i, value in zip(indices, jax.tree.leaves(res_k), strict=True):
-                    res_leaves[i] = value
             if rule is not None:
                 excluded_k = excluded_k | ~finite_k
                 dropped_any_k = dropped_any_k | dropped_now_k
@@ -392,9 +470,36 @@ def _round_body(
     grad_norm = optax.tree.norm(means[0] if len(means) == 1 else means).astype(jnp.float32)
     residual_k = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
     losses_kxH = losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
-    same = (jax.tree.unflatten(treedef, global_leaves), tuple(outer_states), grad_norm, skipped)
+    new_global = None if eager else jax.tree.unflatten(treedef, global_leaves)
+    outer_states = None if eager else tuple(outer_states)
+    same = (new_global, outer_states, grad_norm, skipped, delayed_means)
     faulted = (None, None) if rule is None else (excluded_k, dropped_any_k)
-    return same, (params_k if carried else None, opt_k, residual_k, losses_kxH, *faulted)
+    local_out = (params_k if carried else None, opt_k, residual_k, losses_kxH, *faulted)
+    return same, (*local_out, pending_k, outer_k)
+
+
+def _launch(exchange, pending_k, res_leaves, rule, treedef, collectives, num_workers):
+    """Exchanges last round's deltas (in flight in the state) at the start of a delayed
+    round: ((mean, float32 weight sum), this device's updated residual leaves)."""
+    deltas_k, weights_k = pending_k
+    included_k = weight_k = None
+    if rule is not None:
+        included_k = weights_k > 0
+        weight_k = weights_k if rule.weighting == "steps" else None
+    residual = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
+    to_reduce_k, residual = jax.vmap(exchange.send)(deltas_k[-1], residual, included_k, weight_k)
+    mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+    weight_sum = jnp.float32(num_workers) if weight_sum is None else weight_sum
+    res_leaves = None if residual is None else treedef.flatten_up_to(residual)
+    return (mean, weight_sum), res_leaves
+
+
+def _applied(launched, delayed_means):
+    """The (mean, weight sum) this round applies and the means still waiting: the one
+    launched this round when d = 1, else the oldest waiting one."""
+    if delayed_means is None:
+        return launched, None
+    return delayed_means[0], (*delayed_means[1:], launched)
 
 
 def _offset(batch_of, start, h):
@@ -431,8 +536,21 @@ def _where_k(mask_k, on_true_k, on_false):
     return jnp.where(mask, on_true_k, on_false)
 
 
-def _check_state(state: DiLoCoState, schedule: Schedule, drops: bool) -> None:
+def _check_state(
+    state: DiLoCoState, schedule: Schedule, drops: bool, outer_delay: int, eager: bool
+) -> None:
     """Raises ValueError when `state` lacks what the round's options need."""
+    pending = state.pending_deltas
+    want = outer_delay if eager else 1
+    if outer_delay and not (isinstance(pending, tuple) and len(pending) == want):
+        raise ValueError(
+            f"outer_delay={outer_delay}, eager={eager} needs a state with the deltas in flight: "
+            "build it with init_state(..., outer_delay=..., eager=...)"
+        )
+    if not outer_delay and pending is not None:
+        raise ValueError("state has deltas in flight: pass the outer_delay it was built with")
+    if eager != (state.params is None):
+        raise ValueError(f"eager={eager} needs a state built with init_state(..., eager={eager})")
     if drops and state.local_params is None:
         raise ValueError(
             "drop_probability is set but state.local_params is None: build the state with "

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint, faults, schedule
+from diloco_jax import checkpoint, delay, faults, schedule
 from diloco_jax.comm import payload_bytes, round_bytes, round_wire_bytes, sync_step_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.distributed import is_multiprocess, to_host
@@ -70,6 +70,8 @@ def train_diloco(
     fragments: Any = None,
     overlap_steps: int = 0,
     merge_alpha: float = 0.0,
+    outer_delay: int = 0,
+    eager: bool = False,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -100,6 +102,11 @@ def train_diloco(
         P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
         schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
         `merge_alpha`. P = 1, tau = 0, alpha = 0 is standard DiLoCo.
+      outer_delay, eager: delayed (d = 1, 2) or eager outer updates that hide each round's
+        exchange behind the next round's inner steps (see `diloco_jax.delay`); 0 is DiLoCo.
+        Under eager updates every worker keeps its own params: the result's `params` (and
+        what `eval_fn` sees) is their mean. Exclusion defaults off there (eager updates
+        refuse fault options).
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
         after the last one; its values join that round's history entry.
       callback: called with each history entry as it is recorded (e.g. a progress bar).
@@ -137,8 +144,9 @@ def train_diloco(
     backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
 
     compression = parse_compression(compression)
+    delay.check(outer_delay, eager)
     if exclude_nonfinite is None:
-        exclude_nonfinite = compression.kind == "none"
+        exclude_nonfinite = compression.kind == "none" and not eager
     fault_options = dict(
         exclude_nonfinite=bool(exclude_nonfinite),
         drop_probability=faults.check_drop_probability(drop_probability),
@@ -148,6 +156,7 @@ def train_diloco(
     )
     faulty = fault_options != _NO_FAULTS
     schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
+    delay.check_combination(outer_delay, eager, fragments, faulty)
     streaming_options = {}
     if fragments is not None:
         streaming_options = dict(
@@ -161,6 +170,8 @@ def train_diloco(
         compression,
         drop_probability=fault_options["drop_probability"],
         fragments=fragments,
+        outer_delay=outer_delay,
+        eager=eager,
     )
     step = _jitted(
         diloco_round,
@@ -173,6 +184,7 @@ def train_diloco(
         compression=compression,
         **fault_options,
         **streaming_options,
+        **({"outer_delay": outer_delay, "eager": eager} if outer_delay else {}),
     )
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, compression) if num_workers > 1 else 0
@@ -216,6 +228,7 @@ def train_diloco(
             **({"exchange": "two_stage"} if compression.resolved_exchange == "two_stage" else {}),
             faults=repr(fault_options),
             fragments=repr((fragments, overlap_steps, merge_alpha)),
+            **({"outer_delay": [outer_delay, eager]} if outer_delay else {}),
         ),
     )
     state, history = loop.run(step, record, state, data)
@@ -300,10 +313,12 @@ def train_sync(
 
 def _result(state: Any, history: list[Record]) -> TrainResult:
     """The final result; in a multi-process run as host NumPy arrays, whole on every process
-    (per-worker state is all-gathered), since global arrays can't be read off one process."""
+    (per-worker state is all-gathered), since global arrays can't be read off one process.
+    Under eager updates the params are the mean of the workers' own."""
     if is_multiprocess():
         state = to_host(state)
-    return TrainResult(state.params, state, history)
+    params = state.params if state.params is not None else jax.jit(delay.global_params)(state)
+    return TrainResult(params, state, history)
 
 
 def _check_processes(backend: Backend) -> Backend:
@@ -347,7 +362,13 @@ def _place_leaf(place: Callable[[Any], Any], leaf: Any) -> Any:
 
 
 # State fields that hold one entry per worker (split along workers); the rest is replicated.
-_PER_WORKER_FIELDS = ("inner_opt_state", "residual", "local_params")
+_PER_WORKER_FIELDS = (
+    "inner_opt_state",
+    "residual",
+    "local_params",
+    "pending_deltas",
+    "pending_weights",
+)
 _NO_FAULTS = dict(
     exclude_nonfinite=False,
     drop_probability=None,
@@ -371,12 +392,15 @@ def _checked_seed(seed: Any) -> int:
 
 
 def _place_state(state: Any, backend: Backend) -> Any:
-    """Puts a DiLoCoState / SyncState on the backend's devices."""
+    """Puts a DiLoCoState / SyncState on the backend's devices (under eager updates, with no
+    global params, the outer states are per worker too)."""
+    per_worker = set(_PER_WORKER_FIELDS)
+    if getattr(state, "params", True) is None:
+        per_worker.add("outer_opt_state")
     return type(state)(
         **{
             name: _place(
-                backend.place_workers if name in _PER_WORKER_FIELDS else backend.place_shared,
-                value,
+                backend.place_workers if name in per_worker else backend.place_shared, value
             )
             for name, value in state._asdict().items()
         }
@@ -420,7 +444,9 @@ class _Loop:
         donated to each dispatch (it is the library's own, never the caller's)."""
         state = _place_state(state, self.backend)
         state, history = self._resume(state)
-        evaluate = jax.jit(self.eval_fn) if self.eval_fn is not None else None
+        evaluate = None
+        if self.eval_fn is not None:  # of θ (under eager updates, of the workers' mean)
+            evaluate = jax.jit(lambda state: self.eval_fn(delay.global_params(state)))
         pending = None
 
         def finish(i, metrics, evals):
@@ -437,7 +463,7 @@ class _Loop:
             done = i + 1
             last = done == self.total
             due = evaluate and (done % self.eval_every == 0 or last)
-            evals = evaluate(state.params) if due else None
+            evals = evaluate(state) if due else None
             if pending is not None:
                 finish(*pending)
             pending = (i, metrics, evals)

@@ -130,6 +130,8 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             "--data stdlib",
         ),
         (["train", "--frobnicate"], "unrecognized arguments"),
+        (["train", "--eager"], "eager=True needs outer_delay >= 1"),
+        (["compare", "--outer-delay", "3"], "outer_delay must be at most 2"),
         ([], "required"),
     ],
 )

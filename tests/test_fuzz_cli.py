@@ -30,6 +30,7 @@ FLAGS = [
     "--seed",
     "--backend",
     "--checkpoint-every",
+    "--outer-delay",
 ]
 VALUES = st.one_of(
     st.integers(-10, 10_000).map(str),

@@ -48,3 +48,17 @@ def test_each_collective_is_costed_by_its_kind():
     assert gather - loss == pytest.approx(7 * rows)
     assert two_stage - loss == pytest.approx(2 * 7 / 8 * rows)
     assert netsim.comm_seconds(gather, 1e9) > 3 * netsim.comm_seconds(two_stage, 1e9)
+
+
+def test_overlapped_exchange_costs_the_max_not_the_sum():
+    # 20 ms of compute, a 13 ms exchange: 33 ms in sequence, 20 ms overlapped; a 50 ms
+    # exchange overlapped still stalls the round to 50 ms.
+    assert netsim.round_seconds(2e-3, 10, 1.5e6, 1e9, 1e-3, overlap=True) == pytest.approx(0.02)
+    assert netsim.round_seconds(2e-3, 10, 6.125e6, 1e9, 1e-3, overlap=True) == pytest.approx(0.05)
+    assert netsim.utilization(2e-3, 10, 1.5e6, 1e9, 1e-3, overlap=True) == 1.0
+    # 90% overlapped: the exchange may take 20 / 0.9 ms (latency 1 ms included).
+    bw = netsim.bandwidth_for_utilization(2e-3, 10, 1.5e6, 0.9, 1e-3, overlap=True)
+    assert bw == pytest.approx(1.2e7 / (0.02 / 0.9 - 1e-3))
+    assert netsim.utilization(2e-3, 10, 1.5e6, bw, 1e-3, overlap=True) == pytest.approx(0.9)
+    table = netsim.network_table(2e-3, {"eager": (10, 6.125e6, True)}, 100)
+    assert table["runs"]["eager"]["1 Gbit/s"]["utilization"] == pytest.approx(0.4)

@@ -47,6 +47,15 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretrain-steps", type=int, help="shared 1-worker warm start (0: none)")
     p.add_argument("--compression", help="DiLoCo deltas as none|bf16|fp8|int8|int4|e3m0|...")
     p.add_argument("--drop-probability", type=float, help="simulated drops of worker deltas")
+    p.add_argument(
+        "--outer-delay", type=int, help="apply each round's mean D rounds late (0, 1 or 2)"
+    )
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        default=None,
+        help="eager outer updates: each worker's fresh delta stands in for its stale share",
+    )
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", help="auto | vmap | shard_map | pmap")
     p.add_argument("--out", help="output folder")
@@ -98,6 +107,8 @@ _CONFIG_FLAGS = (
     "pretrain_steps",
     "compression",
     "drop_probability",
+    "outer_delay",
+    "eager",
     "seed",
     "backend",
 )

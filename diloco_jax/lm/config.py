@@ -9,6 +9,7 @@ from typing import Any
 
 import optax
 
+from diloco_jax import delay
 from diloco_jax.compression import parse_compression
 
 SHARDINGS = ("iid", "non_iid")
@@ -49,6 +50,8 @@ class RunConfig:
     eval_batches: int = 8
     compression: str = "none"  # how DiLoCo's deltas travel (diloco_jax.compression)
     drop_probability: float | None = None  # simulated communication drops (DiLoCo only)
+    outer_delay: int = 0  # apply each round's mean d rounds late (diloco_jax.delay)
+    eager: bool = False  # eager outer updates (needs outer_delay >= 1)
     seed: int = 0
     backend: str = "auto"
 
@@ -115,7 +118,9 @@ def _check_types(cfg: RunConfig) -> None:
         declared = field.type.__name__ if isinstance(field.type, type) else str(field.type)
         if value is None and "None" in declared:
             continue
-        if isinstance(value, bool):
+        if declared == "bool":
+            ok = isinstance(value, bool)
+        elif isinstance(value, bool):
             ok = False
         elif declared.startswith("int"):
             ok = isinstance(value, int)
@@ -172,8 +177,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"drop_probability must be in [0, 1], got {cfg.drop_probability!r}")
     try:
         parse_compression(cfg.compression)
+        delay.check(cfg.outer_delay, cfg.eager)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.eager and cfg.drop_probability is not None:
+        raise ConfigError("eager can't be combined with drop_probability (see diloco_jax.delay)")
 
 
 def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:

@@ -179,6 +179,8 @@ def run(
             compression=cfg.compression,
             drop_probability=cfg.drop_probability,
             drop_seed=cfg.seed,
+            outer_delay=cfg.outer_delay,
+            eager=cfg.eager,
             **common,
         )
     elif algo == "sync":
@@ -201,7 +203,7 @@ def run(
         "algo": algo,
         "workers": num_workers,
         "inner_steps": cfg.inner_steps if algo == "diloco" else 1,
-        "outer": f"{cfg.outer_optimizer} {cfg.resolved_outer_lr:g}" if algo == "diloco" else "-",
+        "outer": _outer_label(cfg) if algo == "diloco" else "-",
         "sharding": cfg.sharding if num_workers > 1 else "-",
         "compression": cfg.compression if algo == "diloco" else "-",
         "steps_per_worker": last["steps"],
@@ -220,6 +222,14 @@ def run(
     }
     summary["tokens_per_second"] = summary["tokens_seen"] / summary["wall_seconds"]
     return summary, history
+
+
+def _outer_label(cfg: RunConfig) -> str:
+    """e.g. "nesterov 0.7", "nesterov 0.7, delay 1", "nesterov 0.7, eager 2"."""
+    label = f"{cfg.outer_optimizer} {cfg.resolved_outer_lr:g}"
+    if cfg.outer_delay:
+        label += f", {'eager' if cfg.eager else 'delay'} {cfg.outer_delay}"
+    return label
 
 
 def pretrain(

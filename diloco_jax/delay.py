@@ -1,0 +1,103 @@
+"""Delayed and eager outer updates: the part of `diloco_round` that hides the exchange behind
+the next round's inner steps (Kale, Douillard, Donchev 2025, arXiv 2502.12996).
+
+With `outer_delay` d >= 1 a round does not wait for its own exchange. Each worker's delta
+Δ_m^t of round t stays in flight (`DiLoCoState.pending_deltas`, with its weight); round t + 1
+starts by exchanging it (a collective that depends only on the state, not on that round's
+inner steps, so XLA's asynchronous collectives can run it under the inner scan on GPU/TPU),
+and its mean Δ̄_t is applied d rounds after it was launched (the means in between wait in
+`delayed_means`). The first d rounds apply a zero mean.
+
+- Delayed (naive): every worker holds the same θ; θ_t = OuterOpt(θ_{t-1}, Δ̄_{t-d}).
+- Eager: each worker m keeps its own θ_m and its own outer optimizer state, and applies
+  Δ̃_m = Δ̄_{t-d} + (Δ_m^t - Δ_m^{t-d}) / M: the stale mean with its own stale share
+  replaced by its fresh delta (Δ_m^t = θ_m^{t-1} - θ_m after its inner steps). With M = 1
+  it is DiLoCo for any d. There is no global θ (`DiLoCoState.params` is None);
+  `global_params` averages the workers' θ_m when one is wanted (evaluation, the result).
+
+d = 0 is DiLoCo. Fault options combine with the naive delay (a worker's weight travels with
+its delta); eager updates refuse them (a left-out worker has no global θ to restart from),
+and a delay refuses Streaming DiLoCo's fragments (their overlap_steps already overlap each
+fragment's exchange with compute).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from diloco_jax.outer import widen
+
+MAX_DELAY = 2
+
+
+def check(outer_delay: Any, eager: Any) -> None:
+    """Raises ValueError naming the argument for a delay / eager setting that can't run."""
+    if isinstance(outer_delay, bool) or not isinstance(outer_delay, int) or outer_delay < 0:
+        raise ValueError(f"outer_delay must be an integer >= 0, got {outer_delay!r}")
+    if outer_delay > MAX_DELAY:
+        raise ValueError(f"outer_delay must be at most {MAX_DELAY}, got {outer_delay}")
+    if not isinstance(eager, bool):
+        raise ValueError(f"eager must be a bool, got {eager!r}")
+    if eager and outer_delay == 0:
+        raise ValueError(
+            "eager=True needs outer_delay >= 1 (with no delay there is no stale mean to "
+            "replace: it is plain DiLoCo)"
+        )
+
+
+def check_combination(outer_delay: int, eager: bool, fragments: Any, weighted: bool) -> None:
+    """Raises ValueError saying why a delay can't run with fragments, or eager with faults."""
+    if outer_delay and fragments is not None:
+        raise ValueError(
+            "outer_delay can't be combined with fragments: Streaming DiLoCo already overlaps "
+            "each fragment's exchange with compute through overlap_steps"
+        )
+    if eager and weighted:
+        raise ValueError(
+            "eager=True can't be combined with fault options (exclude_nonfinite, "
+            "drop_probability, worker_steps, weighting='steps'): every worker keeps its own "
+            "params, so a left-out worker has no global params to restart from"
+        )
+
+
+def initial(state: Any, num_workers: int, outer_delay: int, eager: bool) -> Any:
+    """`state` (a round-0 DiLoCoState) with zero deltas of weight 1 in flight, and under
+    eager updates each worker's own θ and outer state in place of the global ones."""
+    like = jax.eval_shape(widen, state.params)
+    # Separate buffers for every entry: the state is donated to each round.
+    pending = tuple(
+        jax.tree.map(lambda x: jnp.zeros((num_workers, *x.shape), x.dtype), like)
+        for _ in range(outer_delay if eager else 1)
+    )
+    means = tuple(
+        (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like), jnp.float32(num_workers))
+        for _ in range(outer_delay - 1)
+    )
+    state = state._replace(
+        pending_deltas=pending,
+        pending_weights=jnp.ones((num_workers,), jnp.float32),
+        delayed_means=means or None,
+    )
+    if not eager:
+        return state
+    outer_M, params_M = jax.tree.map(
+        lambda x: jnp.broadcast_to(jnp.asarray(x), (num_workers, *jnp.shape(x))),
+        (state.outer_opt_state, state.params),
+    )
+    return state._replace(params=None, outer_opt_state=outer_M, local_params=params_M)
+
+
+def global_params(state: Any) -> Any:
+    """The params a run's state stands for: θ, or under eager updates (params None) the mean
+    of the workers' θ_m (in float32 or wider, cast back to each leaf's dtype)."""
+    if state.params is not None:
+        return state.params
+    return jax.tree.map(lambda x: jnp.mean(widen(x), axis=0).astype(x.dtype), state.local_params)
+
+
+def eager_delta(mean: Any, fresh_k: Any, stale_k: Any, num_workers: int) -> Any:
+    """Δ̃_m = Δ̄ + (Δ_m^t - Δ_m^{t-d}) / M for this device's workers (leaves [k, ...])."""
+    return jax.tree.map(
+        lambda m, fresh, stale: m[None] + (fresh - stale) / num_workers, mean, fresh_k, stale_k
+    )
