@@ -66,6 +66,7 @@ def round_wire_bytes(
     *,
     fragments: Any = None,
     weighted: bool = False,
+    softmax: bool = False,
 ) -> float:
     """Bytes each worker sends on the wire in one DiLoCo round, under ring algorithms over
     the M workers, for every collective the round runs, as if every worker had its own link
@@ -79,8 +80,9 @@ def round_wire_bytes(
       2(M-1)/M x NB' R;
     * gather (sparse codecs, or `exchange="gather"`): an all-gather of the payload P,
       (M-1) x P;
-    fault options add an all-gather of the float32 weight to the lossy ones, (M-1) x 4.
-    Plus the all-reduce of the round's mean loss, 2(M-1)/M x 4. 0 when M = 1."""
+    fault options add an all-gather of the float32 weight to the lossy ones, (M-1) x 4, and
+    EDiT's softmax weighting (`softmax`) an all-reduce of the smallest delta norm,
+    2(M-1)/M x 4. Plus the all-reduce of the round's mean loss, 2(M-1)/M x 4. 0 when M = 1."""
     if num_workers <= 1:
         return 0.0
     m = num_workers
@@ -105,6 +107,8 @@ def round_wire_bytes(
             total += ring_wire_bytes("all-gather", tree_payload_bytes(synced, c), m)
         if weighted:
             total += ring_wire_bytes("all-gather", WEIGHT_BYTES, m)
+    if softmax:
+        total += (max(frags) + 1) * ring_wire_bytes("all-reduce", WEIGHT_BYTES, m)
     return total
 
 

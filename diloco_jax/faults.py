@@ -17,8 +17,14 @@ where no worker is included leaves its leaves and their outer state unchanged.
   of each round's H scanned steps; later steps leave its params and optimizer state
   unchanged. `weighting="steps"` weights Δ_m by h_m (sample-weighted mean; with fragments
   too, as every fragment's window spans one round of steps); "uniform" by 1.
+- EDiT (Cheng et al. 2024, arXiv 2412.07210): `weighting="norm_softmax"` weighs Δ_m by
+  exp(-‖Δ_m‖ / T) (the weighted mean normalizes: a softmax of -‖Δ‖ / T over the included
+  workers; computed as exp(-(‖Δ_m‖ - min_j ‖Δ_j‖) / T), the same ratios without underflow);
+  `anomaly=AnomalySkip(...)` leaves out, like a non-finite one, a worker whose ‖Δ_m‖ is an
+  outlier by an EWMA z-score of its own history (see `AnomalySkip`).
 """
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +33,104 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WEIGHTINGS = ("uniform", "steps")
+WEIGHTINGS = ("uniform", "steps", "norm_softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnomalySkip:
+    """EDiT's anomaly skip: at each sync, worker m's delta norm x = ‖Δ_m‖ is scored against
+    an exponentially weighted mean μ_m and variance v_m of its own earlier norms (that
+    sync's), z = (x - μ_m) / sqrt(v_m); after `warmup_rounds` rounds, z > `threshold` leaves
+    the worker out like a non-finite one. Norms that are scored as outliers (or non-finite)
+    don't update the statistics; the others do: μ <- (1 - a) μ + a x,
+    v <- (1 - a) (v + a (x - μ)^2), with a = `alpha` (the first kept norm sets μ = x,
+    v = 0). The statistics live in `DiLoCoState.norm_stats`."""
+
+    threshold: float = 3.0
+    alpha: float = 0.02
+    warmup_rounds: int = 120
+
+    def __post_init__(self):
+        for name, lo, hi in (("threshold", 0.0, math.inf), ("alpha", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"AnomalySkip.{name} must be a number, got {value!r}")
+            if not lo < value <= hi or math.isinf(value):
+                raise ValueError(f"AnomalySkip.{name} must be in ({lo}, {hi}], got {value!r}")
+        w = self.warmup_rounds
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"AnomalySkip.warmup_rounds must be an integer >= 0, got {w!r}")
+
+
+def check_anomaly(anomaly: "AnomalySkip | bool | None") -> "AnomalySkip | None":
+    """`anomaly` as an AnomalySkip (True: the defaults) or None (off)."""
+    if anomaly is None or anomaly is False:
+        return None
+    if anomaly is True:
+        return AnomalySkip()
+    if not isinstance(anomaly, AnomalySkip):
+        raise ValueError(f"anomaly must be an AnomalySkip, True or None, got {anomaly!r}")
+    return anomaly
+
+
+def check_temperature(temperature: float) -> float:
+    """The softmax temperature T > 0 of weighting="norm_softmax"."""
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def softmax_weights(norms_k: jax.Array, smallest: jax.Array, temperature: float) -> jax.Array:
+    """exp(-(‖Δ_m‖ - min_j ‖Δ_j‖) / T) for this device's workers (float32 [k]); a
+    non-finite norm weighs 0 (its worker is left out anyway)."""
+    finite = jnp.isfinite(norms_k)
+    safe = jnp.where(finite, norms_k, smallest)
+    return jnp.where(finite, jnp.exp(-(safe - smallest) / temperature), 0.0).astype(jnp.float32)
+
+
+NormStats = tuple[jax.Array, jax.Array, jax.Array]  # EWMA mean, variance, norms seen
+
+
+def initial_stats(num_workers: int, num_syncs: int) -> tuple[NormStats, ...]:
+    """Empty statistics: per sync, float32 mean and variance [M] and int32 count [M]."""
+    return tuple(
+        (
+            jnp.zeros((num_workers,), jnp.float32),
+            jnp.zeros((num_workers,), jnp.float32),
+            jnp.zeros((num_workers,), jnp.int32),
+        )
+        for _ in range(num_syncs)
+    )
+
+
+def anomalous(
+    norms_k: jax.Array, stats_k: NormStats, round_: jax.Array, rule: AnomalySkip
+) -> jax.Array:
+    """bool [k]: the workers whose norm's z-score against their statistics exceeds the
+    threshold, once `rule.warmup_rounds` rounds have passed."""
+    mean_k, var_k, _ = stats_k
+    z = (norms_k - mean_k) / jnp.sqrt(jnp.maximum(var_k, 1e-30))
+    return (round_ >= rule.warmup_rounds) & jnp.isfinite(norms_k) & (z > rule.threshold)
+
+
+def updated_stats(
+    norms_k: jax.Array, stats_k: NormStats, keep_k: jax.Array, rule: AnomalySkip
+) -> NormStats:
+    """The EWMA statistics after this sync: updated by the norms where `keep_k` (finite, not
+    an outlier; the first kept norm sets them), unchanged elsewhere."""
+    mean_k, var_k, seen_k = stats_k
+    a = rule.alpha
+    diff = norms_k - mean_k
+    first = seen_k == 0
+    new_mean = jnp.where(first, norms_k, mean_k + a * diff)
+    new_var = jnp.where(first, 0.0, (1 - a) * (var_k + a * diff**2))
+    return (
+        jnp.where(keep_k, new_mean, mean_k),
+        jnp.where(keep_k, new_var, var_k),
+        seen_k + keep_k.astype(jnp.int32),
+    )
 
 
 def check_drop_probability(drop_probability: float | None) -> float | None:

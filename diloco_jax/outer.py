@@ -65,3 +65,24 @@ def outer_step(
     delta = lax.pmean(worker_delta(params, worker_params), axis_name)
     new_params, outer_opt_state = outer_update(outer_optimizer, params, outer_opt_state, delta)
     return new_params, outer_opt_state, delta
+
+
+def clip_outer_norm(max_norm: float, eps: float = 1e-6) -> optax.GradientTransformation:
+    """EDiT's pseudo-gradient clip (Cheng et al. 2024), to chain before an outer optimizer:
+    Δ <- Δ · min(1, φ / (‖Δ‖ + eps)), ‖Δ‖ the global L2 norm over the leaves, φ = `max_norm`
+    > 0. Stateless; each leaf keeps its dtype. Raises ValueError naming `max_norm`."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise ValueError(f"max_norm (outer_clip) must be a number > 0, got {max_norm!r}")
+    if not 0 < max_norm < float("inf"):
+        raise ValueError(f"max_norm (outer_clip) must be a number > 0, got {max_norm!r}")
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        scale = jnp.minimum(1.0, max_norm / (optax.tree.norm(updates) + eps))
+        return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)

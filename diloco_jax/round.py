@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from diloco_jax import delay, faults
 from diloco_jax.compression import Compression, init_residual, parse_compression
@@ -31,7 +32,7 @@ from diloco_jax.inner import LossFn, inner_loop
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
 from diloco_jax.schedule import Schedule, Sync, fragment_of, leaf_indices, make_schedule, part
-from diloco_jax.workers import Backend, make_backend
+from diloco_jax.workers import WORKER_AXIS, Backend, make_backend
 
 
 class DiLoCoState(NamedTuple):
@@ -58,6 +59,8 @@ class DiLoCoState(NamedTuple):
       means launched in the last d - 1 rounds, a tuple of (mean delta, float32 weight sum),
       oldest first. None without a delay. Under eager updates `params` is None (every
       worker keeps its own, in `local_params`) and `outer_opt_state` is per worker [M, ...].
+    norm_stats: under EDiT's anomaly skip, each worker's EWMA statistics of its delta norms,
+      a tuple per sync of (mean, variance float32 [M], count int32 [M]); None otherwise.
     """
 
     params: Any
@@ -69,6 +72,7 @@ class DiLoCoState(NamedTuple):
     pending_deltas: Any = None
     pending_weights: Any = None
     delayed_means: Any = None
+    norm_stats: Any = None
 
 
 def default_inner_optimizer() -> optax.GradientTransformation:
@@ -108,6 +112,7 @@ def init_state(
     fragments: Any = None,
     outer_delay: int = 0,
     eager: bool = False,
+    anomaly: "faults.AnomalySkip | bool | None" = None,
 ) -> DiLoCoState:
     """Round-0 state: θ copied (never aliased), M identical inner states, fresh outer state
     (one per fragment when `fragments` is set: an int P or a pytree of fragment indices, as
@@ -115,7 +120,7 @@ def init_state(
     feedback (else None), and `local_params` = θ stacked [M, ...] when `fragments` or
     `drop_probability` is not None (else None). With `outer_delay` d >= 1, zero deltas in
     flight (the first d rounds apply a zero mean); with `eager`, every worker's own θ and
-    outer state (see `diloco_jax.delay`)."""
+    outer state (see `diloco_jax.delay`); with `anomaly`, empty norm statistics."""
     delay.check(outer_delay, eager)
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     residual = None
@@ -133,6 +138,10 @@ def init_state(
             outer_init(outer_optimizer, [x for x, f in zip(leaves, frags, strict=True) if f == p])
             for p in range(max(frags) + 1)
         )
+    norm_stats = None
+    if faults.check_anomaly(anomaly) is not None:
+        num_syncs = 1 if fragments is None else len(outer_opt_state)
+        norm_stats = faults.initial_stats(num_workers, num_syncs)
     state = DiLoCoState(
         params=params,
         outer_opt_state=outer_opt_state,
@@ -140,6 +149,7 @@ def init_state(
         round=jnp.zeros((), jnp.int32),
         residual=residual,
         local_params=local_params,
+        norm_stats=norm_stats,
     )
     return delay.initial(state, num_workers, outer_delay, eager) if outer_delay else state
 
@@ -151,6 +161,13 @@ class _Faults(NamedTuple):
     drop_probability: float | None
     worker_steps: tuple[int, ...] | None
     weighting: str
+    temperature: float = 1.0  # of weighting="norm_softmax" (1.0 otherwise)
+    anomaly: "faults.AnomalySkip | None" = None
+
+    @property
+    def leaves_out(self) -> bool:
+        """Whether a worker may be left out and restart (non-finite or an outlier)."""
+        return self.exclude_nonfinite or self.anomaly is not None
 
 
 def diloco_round(
@@ -174,6 +191,8 @@ def diloco_round(
     merge_alpha: float = 0.0,
     outer_delay: int = 0,
     eager: bool = False,
+    temperature: float = 1.0,
+    anomaly: "faults.AnomalySkip | bool | None" = None,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
 
@@ -198,7 +217,11 @@ def diloco_round(
       drop_seed: int seed of the drop draws.
       worker_steps: per-worker inner step counts (h_1, ..., h_M), each in [1, H], or None
         (all H). Worker m's steps h >= h_m leave its params and optimizer state unchanged.
-      weighting: "uniform" (each included worker weighs 1) or "steps" (weighs h_m).
+      weighting: "uniform" (each included worker weighs 1), "steps" (weighs h_m) or
+        "norm_softmax" (EDiT: weighs exp(-‖Δ_m‖ / `temperature`), normalized by the mean).
+      anomaly: EDiT's anomaly skip, a `faults.AnomalySkip` (True: its defaults) or None: a
+        worker whose delta norm is an EWMA z-score outlier is left out like a non-finite one.
+        Needs `init_state(..., anomaly=...)`.
       fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
         P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
         schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
@@ -226,16 +249,20 @@ def diloco_round(
     schedule = make_schedule(like, num_steps, fragments, overlap_steps, merge_alpha)
     compression = parse_compression(compression)
     feedback = _checked_feedback(state, compression)
+    weighting = faults.check_weighting(weighting)
+    temperature = faults.check_temperature(temperature)
     rule = _Faults(
         bool(exclude_nonfinite),
         faults.check_drop_probability(drop_probability),
         faults.check_worker_steps(worker_steps, num_workers, num_steps),
-        faults.check_weighting(weighting),
+        weighting,
+        temperature if weighting == "norm_softmax" else 1.0,
+        faults.check_anomaly(anomaly),
     )
     weighted = rule != _Faults(False, None, None, "uniform")
     drops = rule.drop_probability is not None
     delay.check_combination(outer_delay, eager, fragments, weighted)
-    _check_state(state, schedule, drops, outer_delay, eager)
+    _check_state(state, schedule, drops, outer_delay, eager, rule.anomaly is not None)
     carried = drops or schedule.fragmented or eager
 
     leaves, treedef = jax.tree.flatten(like)
@@ -282,7 +309,7 @@ def diloco_round(
     # this one (on vmap, the workers under a size-1 device axis), so those runs stay bit for
     # bit; un-nesting it is faster on CPU but rounds differently.
     same, mine = backend.map_workers(body, nested=schedule.fragmented)(
-        (state.params, outer_states, shared_data, state.delayed_means),
+        (state.params, outer_states, shared_data, state.delayed_means, state.round),
         (
             state.local_params if carried else None,
             state.inner_opt_state,
@@ -292,11 +319,12 @@ def diloco_round(
             per_worker_data,
             pending,
             worker_outer,
+            state.norm_stats if rule.anomaly is not None else None,
         ),
     )
     params, outer_states, grad_norm, skipped, delayed_means = same
     local_params, inner_opt_state, residual, losses_MxH, excluded_M, dropped_M = mine[:6]
-    pending, worker_outer = mine[6:]
+    pending, worker_outer, norm_stats = mine[6:]
     if rule.worker_steps is None:
         loss, worker_loss = jnp.mean(losses_MxH), jnp.mean(losses_MxH, axis=1)
     else:  # skipped steps hold loss 0: divide by the steps taken
@@ -323,6 +351,7 @@ def diloco_round(
         local_params if carried else state.local_params,
         *(pending if outer_delay else (None, None)),
         delayed_means,
+        norm_stats if rule.anomaly is not None else state.norm_stats,
     )
     return new_state, metrics
 
@@ -350,8 +379,9 @@ def _round_body(
     the schedule's boundaries; at each sync the deltas, weights, exchange, outer update and
     merge. Returns ((θ, outer states, delta norm, skipped, delayed means), per-worker
     outputs)."""
-    global_params, outer_states, shared_data, delayed_means = shared
-    params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k, pending_k, outer_k = local
+    global_params, outer_states, shared_data, delayed_means, round_ = shared
+    params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k, pending_k, outer_k = local[:8]
+    stats_k = None if local[8] is None else list(local[8])
     global_leaves = None if eager else treedef.flatten_up_to(global_params)
     outer_states = None if eager else list(outer_states)
     opt_start_k, round_start_k = opt_k, params_k
@@ -410,13 +440,11 @@ def _round_body(
                 delta_k = jax.vmap(worker_delta, in_axes=(None, 0))(old, snapshot_k)
             included_k = weight_k = finite_k = dropped_now_k = None
             if rule is not None:
-                finite_k = jnp.ones((num_local,), bool)
-                if rule.exclude_nonfinite:
-                    finite_k = jax.vmap(faults.all_finite)(delta_k)
+                finite_k, weight_k = _weights(
+                    rule, delta_k, steps_k, stats_k, sync.index, round_, collectives
+                )
                 dropped_now_k = false_k if dropped_kxP is None else dropped_kxP[:, sync.index]
                 included_k = finite_k & ~dropped_now_k
-                if rule.weighting == "steps":
-                    weight_k = steps_k.astype(jnp.float32)
             if outer_delay:
                 # The round's mean loss is all-reduced after the inner loop. Made to read the
                 # launched mean (adding 0 x one of its values: exact, and not folded for
@@ -464,7 +492,7 @@ def _round_body(
                     local_leaves, global_leaves, indices, schedule.merge_alpha, finite_k,
                     dropped_now_k, treedef, collectives.vary,
                 )  # fmt: skip
-            if rule is not None and rule.exclude_nonfinite:
+            if rule is not None and rule.leaves_out:
                 # A non-finite worker's new inner state may hold NaNs: back to the round's start.
                 opt_k = jax.vmap(faults.select_tree)(finite_k, opt_k, opt_start_k)
     grad_norm = optax.tree.norm(means[0] if len(means) == 1 else means).astype(jnp.float32)
@@ -475,7 +503,38 @@ def _round_body(
     same = (new_global, outer_states, grad_norm, skipped, delayed_means)
     faulted = (None, None) if rule is None else (excluded_k, dropped_any_k)
     local_out = (params_k if carried else None, opt_k, residual_k, losses_kxH, *faulted)
-    return same, (*local_out, pending_k, outer_k)
+    return same, (*local_out, pending_k, outer_k, None if stats_k is None else tuple(stats_k))
+
+
+def _weights(rule: _Faults, delta_k, steps_k, stats_k, index, round_, collectives):
+    """The weight rule at a sync: (finite_k: bool [k], False for a worker left out as
+    non-finite or an outlier; weight_k: float32 [k], or None for weight 1). Updates
+    `stats_k[index]` (the anomaly statistics) in place."""
+    num_local = steps_k.shape[0]
+    finite_k = jnp.ones((num_local,), bool)
+    if rule.exclude_nonfinite:
+        finite_k = jax.vmap(faults.all_finite)(delta_k)
+    norms_k = None
+    if rule.weighting == "norm_softmax" or rule.anomaly is not None:
+        norms_k = jax.vmap(lambda d: optax.tree.norm(d).astype(jnp.float32))(delta_k)
+    if rule.anomaly is not None:
+        outlier_k = faults.anomalous(norms_k, stats_k[index], round_, rule.anomaly)
+        keep_k = jnp.isfinite(norms_k) & ~outlier_k
+        stats_k[index] = faults.updated_stats(norms_k, stats_k[index], keep_k, rule.anomaly)
+        finite_k = finite_k & ~outlier_k
+    weight_k = None
+    if rule.weighting == "steps":
+        weight_k = steps_k.astype(jnp.float32)
+    elif rule.weighting == "norm_softmax":
+        finite_norms = jnp.where(jnp.isfinite(norms_k), norms_k, jnp.inf)
+        smallest = collectives.reduce(_smallest, finite_norms)
+        weight_k = faults.softmax_weights(norms_k, smallest, rule.temperature)
+    return finite_k, weight_k
+
+
+def _smallest(local: jax.Array) -> jax.Array:
+    """Reducer: the smallest value over every worker (one all-reduce of a float32)."""
+    return lax.pmin(jnp.min(local), WORKER_AXIS)
 
 
 def _launch(exchange, pending_k, res_leaves, rule, treedef, collectives, num_workers):
@@ -485,7 +544,7 @@ def _launch(exchange, pending_k, res_leaves, rule, treedef, collectives, num_wor
     included_k = weight_k = None
     if rule is not None:
         included_k = weights_k > 0
-        weight_k = weights_k if rule.weighting == "steps" else None
+        weight_k = None if rule.weighting == "uniform" else weights_k
     residual = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
     to_reduce_k, residual = jax.vmap(exchange.send)(deltas_k[-1], residual, included_k, weight_k)
     mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
@@ -537,9 +596,19 @@ def _where_k(mask_k, on_true_k, on_false):
 
 
 def _check_state(
-    state: DiLoCoState, schedule: Schedule, drops: bool, outer_delay: int, eager: bool
+    state: DiLoCoState,
+    schedule: Schedule,
+    drops: bool,
+    outer_delay: int,
+    eager: bool,
+    anomaly: bool,
 ) -> None:
     """Raises ValueError when `state` lacks what the round's options need."""
+    if anomaly and state.norm_stats is None:
+        raise ValueError(
+            "anomaly is set but state.norm_stats is None: build the state with "
+            "init_state(..., anomaly=...)"
+        )
     pending = state.pending_deltas
     want = outer_delay if eager else 1
     if outer_delay and not (isinstance(pending, tuple) and len(pending) == want):

@@ -21,6 +21,7 @@ from diloco_jax.comm import payload_bytes, round_bytes, round_wire_bytes, sync_s
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.distributed import is_multiprocess, to_host
 from diloco_jax.inner import LossFn
+from diloco_jax.outer import clip_outer_norm
 from diloco_jax.round import (
     default_inner_optimizer,
     default_outer_optimizer,
@@ -72,6 +73,9 @@ def train_diloco(
     merge_alpha: float = 0.0,
     outer_delay: int = 0,
     eager: bool = False,
+    temperature: float = 1.0,
+    anomaly: "faults.AnomalySkip | bool | None" = None,
+    outer_clip: float | None = None,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -97,7 +101,12 @@ def train_diloco(
         each round (keyed by seed and round); a dropped worker carries on from its own params
         (the paper's communication-drop ablation).
       worker_steps, weighting: per-worker inner step counts h_m <= H (slow workers do fewer
-        steps, masked inside the scan) and "uniform" or "steps" (h_m-weighted) averaging.
+        steps, masked inside the scan) and "uniform", "steps" (h_m-weighted) or
+        "norm_softmax" (EDiT: exp(-‖Δ_m‖ / `temperature`)-weighted) averaging.
+      anomaly: EDiT's anomaly skip (`faults.AnomalySkip`, True for its defaults: an EWMA
+        z-score of each worker's delta norm above 3 after 120 rounds leaves it out).
+      outer_clip: EDiT's clip of the averaged delta's global norm to φ > 0 before the outer
+        optimizer (`outer.clip_outer_norm`); None: off.
       fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
         P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
         schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
@@ -154,7 +163,14 @@ def train_diloco(
         worker_steps=faults.check_worker_steps(worker_steps, num_workers, inner_steps),
         weighting=faults.check_weighting(weighting),
     )
-    faulty = fault_options != _NO_FAULTS
+    edit_options = {}  # EDiT's: only when set, so earlier runs keep their fingerprints
+    if fault_options["weighting"] == "norm_softmax":
+        edit_options["temperature"] = faults.check_temperature(temperature)
+    if faults.check_anomaly(anomaly) is not None:
+        edit_options["anomaly"] = faults.check_anomaly(anomaly)
+    if outer_clip is not None:
+        outer_optimizer = optax.chain(clip_outer_norm(outer_clip), outer_optimizer)
+    faulty = fault_options != _NO_FAULTS or "anomaly" in edit_options
     schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
     delay.check_combination(outer_delay, eager, fragments, faulty)
     streaming_options = {}
@@ -172,6 +188,7 @@ def train_diloco(
         fragments=fragments,
         outer_delay=outer_delay,
         eager=eager,
+        anomaly=edit_options.get("anomaly"),
     )
     step = _jitted(
         diloco_round,
@@ -185,6 +202,7 @@ def train_diloco(
         **fault_options,
         **streaming_options,
         **({"outer_delay": outer_delay, "eager": eager} if outer_delay else {}),
+        **edit_options,
     )
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, compression) if num_workers > 1 else 0
@@ -194,6 +212,7 @@ def train_diloco(
         num_workers,
         fragments=fragments,
         weighted=faulty,
+        softmax=fault_options["weighting"] == "norm_softmax",
     )
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
@@ -229,6 +248,7 @@ def train_diloco(
             faults=repr(fault_options),
             fragments=repr((fragments, overlap_steps, merge_alpha)),
             **({"outer_delay": [outer_delay, eager]} if outer_delay else {}),
+            **({"edit": [repr(edit_options), outer_clip]} if edit_options or outer_clip else {}),
         ),
     )
     state, history = loop.run(step, record, state, data)
