@@ -31,6 +31,7 @@ FLAGS = [
     "--backend",
     "--checkpoint-every",
     "--outer-delay",
+    "--outer-clip",
 ]
 VALUES = st.one_of(
     st.integers(-10, 10_000).map(str),

@@ -50,6 +50,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--outer-delay", type=int, help="apply each round's mean D rounds late (0, 1 or 2)"
     )
+    p.add_argument("--outer-clip", type=float, help="EDiT: clip the mean delta's norm to this")
     p.add_argument(
         "--eager",
         action="store_true",
@@ -109,6 +110,7 @@ _CONFIG_FLAGS = (
     "drop_probability",
     "outer_delay",
     "eager",
+    "outer_clip",
     "seed",
     "backend",
 )

@@ -52,6 +52,9 @@ class RunConfig:
     drop_probability: float | None = None  # simulated communication drops (DiLoCo only)
     outer_delay: int = 0  # apply each round's mean d rounds late (diloco_jax.delay)
     eager: bool = False  # eager outer updates (needs outer_delay >= 1)
+    outer_clip: float | None = None  # EDiT: clip the mean delta's norm (outer.clip_outer_norm)
+    weighting: str = "uniform"  # "uniform" | "norm_softmax" (EDiT; diloco_jax.faults)
+    anomaly_skip: bool = False  # EDiT's EWMA z-score skip of outlier workers
     seed: int = 0
     backend: str = "auto"
 
@@ -180,6 +183,12 @@ def validate(cfg: RunConfig) -> None:
         delay.check(cfg.outer_delay, cfg.eager)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.outer_clip is not None and not cfg.outer_clip > 0:
+        raise ConfigError(f"outer_clip must be a number > 0, got {cfg.outer_clip!r}")
+    if cfg.weighting not in ("uniform", "norm_softmax"):
+        raise ConfigError(f"weighting must be 'uniform' or 'norm_softmax', got {cfg.weighting!r}")
+    if cfg.eager and (cfg.weighting != "uniform" or cfg.anomaly_skip):
+        raise ConfigError("eager can't be combined with weighting or anomaly_skip")
     if cfg.eager and cfg.drop_probability is not None:
         raise ConfigError("eager can't be combined with drop_probability (see diloco_jax.delay)")
 

@@ -181,6 +181,9 @@ def run(
             drop_seed=cfg.seed,
             outer_delay=cfg.outer_delay,
             eager=cfg.eager,
+            outer_clip=cfg.outer_clip,
+            weighting=cfg.weighting,
+            anomaly=cfg.anomaly_skip or None,
             **common,
         )
     elif algo == "sync":
