@@ -26,13 +26,14 @@ import optax
 from jax import lax
 
 from diloco_jax import delay, faults
+from diloco_jax import state_sync as state_syncs
 from diloco_jax.compression import Compression, init_residual, parse_compression
 from diloco_jax.exchange import make_exchange
-from diloco_jax.inner import LossFn, inner_loop
+from diloco_jax.inner import LossFn, inner_loop, inner_step
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
 from diloco_jax.schedule import Schedule, Sync, fragment_of, leaf_indices, make_schedule, part
-from diloco_jax.workers import WORKER_AXIS, Backend, make_backend
+from diloco_jax.workers import WORKER_AXIS, Backend, exact_mean, make_backend
 
 
 class DiLoCoState(NamedTuple):
@@ -193,6 +194,7 @@ def diloco_round(
     eager: bool = False,
     temperature: float = 1.0,
     anomaly: "faults.AnomalySkip | bool | None" = None,
+    state_sync: "dict[str, int] | None" = None,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
 
@@ -222,6 +224,9 @@ def diloco_round(
       anomaly: EDiT's anomaly skip, a `faults.AnomalySkip` (True: its defaults) or None: a
         worker whose delta norm is an EWMA z-score outlier is left out like a non-finite one.
         Needs `init_state(..., anomaly=...)`.
+      state_sync: DES-LOC's optimizer-state sync, {field of the inner optimizer state: K}
+        (e.g. {"mu": 3 * H, "nu": 6 * H}): the field is averaged over the workers after every
+        K-th inner step counted over the run (see `diloco_jax.state_sync`). None: off.
       fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
         P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
         schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
@@ -260,6 +265,7 @@ def diloco_round(
         faults.check_anomaly(anomaly),
     )
     weighted = rule != _Faults(False, None, None, "uniform")
+    syncs = state_syncs.check(state_sync, state.inner_opt_state)
     drops = rule.drop_probability is not None
     delay.check_combination(outer_delay, eager, fragments, weighted)
     _check_state(state, schedule, drops, outer_delay, eager, rule.anomaly is not None)
@@ -304,6 +310,7 @@ def diloco_round(
         outer_delay=outer_delay,
         eager=eager,
         num_workers=num_workers,
+        syncs=syncs,
     )
     # Fragmented rounds keep the program they ran before the round bodies were folded into
     # this one (on vmap, the workers under a size-1 device axis), so those runs stay bit for
@@ -374,6 +381,7 @@ def _round_body(
     outer_delay: int,
     eager: bool,
     num_workers: int,
+    syncs: "state_syncs.StateSync | None",
 ):
     """The round on one device's k workers (leaves [k, ...]): inner-step segments between
     the schedule's boundaries; at each sync the deltas, weights, exchange, outer update and
@@ -414,16 +422,61 @@ def _round_body(
             active_steps=active,
         )
 
+    def one_step(params, opt_state, steps, my_data, x):
+        # One worker's inner step h (masked after its h_m steps), for the synced scan.
+        h, batch = (x, worker_batches(batches, shared_data, my_data)(x)) if sampled else x
+        new = inner_step(loss_fn, inner_optimizer, params, opt_state, batch)
+        loss = new[2].astype(jnp.float32)
+        if rule is None or rule.worker_steps is None:
+            return new[0], new[1], loss
+        active = h < steps
+        kept = jax.tree.map(lambda a, b: jnp.where(active, a, b), new[:2], (params, opt_state))
+        return *kept, jnp.where(active, loss, 0.0)
+
+    def synced_segment(start_params, in_axis, opt_k, start, stop):
+        # DES-LOC: every worker steps under one scan, averaging state fields when due.
+        if in_axis is None:
+            start_params = jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (num_local, *x.shape)), start_params
+            )
+        hs = jnp.arange(start, stop, dtype=jnp.int32)
+        if sampled:
+            xs, x_axis = hs, None
+        else:
+            xs = (hs, jax.tree.map(lambda x: jnp.moveaxis(x[:, start:stop], 1, 0), data_k))
+            x_axis = (None, 0)
+        step_k = jax.vmap(one_step, in_axes=(0, 0, 0, 0, x_axis))
+
+        def average(field_k):
+            mean = collectives.reduce(
+                functools.partial(_mean_to_every_worker, num_workers=num_workers), field_k
+            )
+            return collectives.vary(mean)
+
+        return state_syncs.synced_scan(
+            lambda p, o, x: step_k(p, o, steps_k, data_k, x),
+            start_params,
+            opt_k,
+            xs,
+            round_ * num_steps + start,
+            syncs,
+            average,
+        )
+
+    sampled = isinstance(batches, Sampler)
     bounds = schedule.boundaries(num_steps)
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         if params_k is None:  # every worker starts the round from θ
             start_params, in_axis = collectives.vary(global_params), None
         else:
             start_params, in_axis = params_k, 0
-        run = functools.partial(segment, start=start, stop=stop)
-        params_k, opt_k, loss_kxS = jax.vmap(run, in_axes=(in_axis, 0, 0, 0))(
-            start_params, opt_k, steps_k, data_k
-        )
+        if syncs:
+            params_k, opt_k, loss_kxS = synced_segment(start_params, in_axis, opt_k, start, stop)
+        else:
+            run = functools.partial(segment, start=start, stop=stop)
+            params_k, opt_k, loss_kxS = jax.vmap(run, in_axes=(in_axis, 0, 0, 0))(
+                start_params, opt_k, steps_k, data_k
+            )
         losses.append(loss_kxS)
         for sync in schedule.syncs:
             if sync.snapshot == stop:
@@ -530,6 +583,12 @@ def _weights(rule: _Faults, delta_k, steps_k, stats_k, index, round_, collective
         smallest = collectives.reduce(_smallest, finite_norms)
         weight_k = faults.softmax_weights(norms_k, smallest, rule.temperature)
     return finite_k, weight_k
+
+
+def _mean_to_every_worker(local: Any, num_workers: int) -> Any:
+    """Reducer: the mean over all M workers of leaves [k, ...], given to each of the k."""
+    mean = exact_mean(local, num_workers)
+    return jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape), mean, local)
 
 
 def _smallest(local: jax.Array) -> jax.Array:

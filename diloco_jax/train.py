@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint, delay, faults, schedule
+from diloco_jax import state_sync as state_sync_lib
 from diloco_jax.comm import payload_bytes, round_bytes, round_wire_bytes, sync_step_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.distributed import is_multiprocess, to_host
@@ -76,6 +77,7 @@ def train_diloco(
     temperature: float = 1.0,
     anomaly: "faults.AnomalySkip | bool | None" = None,
     outer_clip: float | None = None,
+    state_sync: "dict[str, int] | None" = None,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -107,6 +109,9 @@ def train_diloco(
         z-score of each worker's delta norm above 3 after 120 rounds leaves it out).
       outer_clip: EDiT's clip of the averaged delta's global norm to φ > 0 before the outer
         optimizer (`outer.clip_outer_norm`); None: off.
+      state_sync: DES-LOC's averaging of inner optimizer state fields every K inner steps,
+        e.g. {"mu": 3 * H, "nu": 6 * H} (see `diloco_jax.state_sync`); its all-reduces count
+        in "wire_bytes". None: off.
       fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
         P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
         schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
@@ -163,14 +168,18 @@ def train_diloco(
         worker_steps=faults.check_worker_steps(worker_steps, num_workers, inner_steps),
         weighting=faults.check_weighting(weighting),
     )
-    edit_options = {}  # EDiT's: only when set, so earlier runs keep their fingerprints
+    variant_options = {}  # only when set, so earlier runs keep their fingerprints
     if fault_options["weighting"] == "norm_softmax":
-        edit_options["temperature"] = faults.check_temperature(temperature)
+        variant_options["temperature"] = faults.check_temperature(temperature)
     if faults.check_anomaly(anomaly) is not None:
-        edit_options["anomaly"] = faults.check_anomaly(anomaly)
+        variant_options["anomaly"] = faults.check_anomaly(anomaly)
     if outer_clip is not None:
         outer_optimizer = optax.chain(clip_outer_norm(outer_clip), outer_optimizer)
-    faulty = fault_options != _NO_FAULTS or "anomaly" in edit_options
+    worker_state = jax.eval_shape(inner_optimizer.init, params)
+    syncs = state_sync_lib.check(state_sync, worker_state)
+    if syncs:
+        variant_options["state_sync"] = syncs
+    faulty = fault_options != _NO_FAULTS or "anomaly" in variant_options
     schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
     delay.check_combination(outer_delay, eager, fragments, faulty)
     streaming_options = {}
@@ -188,7 +197,7 @@ def train_diloco(
         fragments=fragments,
         outer_delay=outer_delay,
         eager=eager,
-        anomaly=edit_options.get("anomaly"),
+        anomaly=variant_options.get("anomaly"),
     )
     step = _jitted(
         diloco_round,
@@ -202,7 +211,7 @@ def train_diloco(
         **fault_options,
         **streaming_options,
         **({"outer_delay": outer_delay, "eager": eager} if outer_delay else {}),
-        **edit_options,
+        **variant_options,
     )
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, compression) if num_workers > 1 else 0
@@ -216,6 +225,7 @@ def train_diloco(
     )
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
+        synced = state_sync_lib.wire_bytes(syncs, worker_state, num_workers, (r + 1) * inner_steps)
         return {
             "round": r,
             "steps": (r + 1) * inner_steps,
@@ -223,7 +233,7 @@ def train_diloco(
             "worker_loss": [float(x) for x in metrics["worker_loss"]],
             "outer_grad_norm": float(metrics["outer_grad_norm"]),
             "bytes_communicated": (r + 1) * per_round,
-            "wire_bytes": round((r + 1) * wire_per_round),
+            "wire_bytes": round((r + 1) * wire_per_round + synced),
         } | (_fault_record(metrics) if faulty else {})
 
     loop = _Loop(
@@ -248,7 +258,11 @@ def train_diloco(
             faults=repr(fault_options),
             fragments=repr((fragments, overlap_steps, merge_alpha)),
             **({"outer_delay": [outer_delay, eager]} if outer_delay else {}),
-            **({"edit": [repr(edit_options), outer_clip]} if edit_options or outer_clip else {}),
+            **(
+                {"variant": [repr(variant_options), outer_clip]}
+                if variant_options or outer_clip
+                else {}
+            ),
         ),
     )
     state, history = loop.run(step, record, state, data)
