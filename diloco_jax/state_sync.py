@@ -40,11 +40,15 @@ def check(state_sync: Any, inner_opt_state: Any) -> StateSync | None:
         if isinstance(every, bool) or not isinstance(every, int | np.integer) or every < 1:
             raise ValueError(f"state_sync[{name!r}] must be an integer >= 1, got {every!r}")
         try:
-            optax.tree.get(inner_opt_state, name)
-        except (KeyError, ValueError) as error:
+            found = optax.tree.get(inner_opt_state, name, default=None)
+        except (KeyError, ValueError) as error:  # e.g. two fields of that name
+            found, why = None, f": {error}"
+        else:
+            why = ""
+        if found is None:
             raise ValueError(
-                f"state_sync field {name!r} is not one field of the inner optimizer state: {error}"
-            ) from None
+                f"state_sync field {name!r} is not one field of the inner optimizer state{why}"
+            )
     return tuple(sorted((str(k), int(v)) for k, v in state_sync.items()))
 
 
