@@ -132,6 +132,7 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--frobnicate"], "unrecognized arguments"),
         (["train", "--eager"], "eager=True needs outer_delay >= 1"),
         (["train", "--outer-clip", "0"], "outer_clip must be a number > 0"),
+        (["train", "--state-sync", "mu"], "state_sync must look like"),
         (["compare", "--outer-delay", "3"], "outer_delay must be at most 2"),
         ([], "required"),
     ],

@@ -32,6 +32,7 @@ FLAGS = [
     "--checkpoint-every",
     "--outer-delay",
     "--outer-clip",
+    "--state-sync",
 ]
 VALUES = st.one_of(
     st.integers(-10, 10_000).map(str),

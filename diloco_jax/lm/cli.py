@@ -51,6 +51,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         "--outer-delay", type=int, help="apply each round's mean D rounds late (0, 1 or 2)"
     )
     p.add_argument("--outer-clip", type=float, help="EDiT: clip the mean delta's norm to this")
+    p.add_argument("--state-sync", help="DES-LOC: average inner state fields, e.g. mu=75,nu=150")
     p.add_argument(
         "--eager",
         action="store_true",
@@ -111,6 +112,7 @@ _CONFIG_FLAGS = (
     "outer_delay",
     "eager",
     "outer_clip",
+    "state_sync",
     "seed",
     "backend",
 )

@@ -55,6 +55,7 @@ class RunConfig:
     outer_clip: float | None = None  # EDiT: clip the mean delta's norm (outer.clip_outer_norm)
     weighting: str = "uniform"  # "uniform" | "norm_softmax" (EDiT; diloco_jax.faults)
     anomaly_skip: bool = False  # EDiT's EWMA z-score skip of outlier workers
+    state_sync: str | None = None  # DES-LOC, e.g. "mu=75,nu=150" (diloco_jax.state_sync)
     seed: int = 0
     backend: str = "auto"
 
@@ -183,6 +184,8 @@ def validate(cfg: RunConfig) -> None:
         delay.check(cfg.outer_delay, cfg.eager)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.state_sync is not None:
+        state_sync_of(cfg)
     if cfg.outer_clip is not None and not cfg.outer_clip > 0:
         raise ConfigError(f"outer_clip must be a number > 0, got {cfg.outer_clip!r}")
     if cfg.weighting not in ("uniform", "norm_softmax"):
@@ -191,6 +194,20 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("eager can't be combined with weighting or anomaly_skip")
     if cfg.eager and cfg.drop_probability is not None:
         raise ConfigError("eager can't be combined with drop_probability (see diloco_jax.delay)")
+
+
+def state_sync_of(cfg: RunConfig) -> dict[str, int] | None:
+    """`cfg.state_sync` ("field=K,field=K") as {field: K}; ConfigError when malformed."""
+    if cfg.state_sync is None:
+        return None
+    out = {}
+    for part in cfg.state_sync.split(","):
+        name, _, every = part.partition("=")
+        # The LM's inner optimizer is AdamW: its moments are the fields there are to average.
+        if name.strip() not in ("mu", "nu") or not every.strip().isdigit() or int(every) < 1:
+            raise ConfigError(f"state_sync must look like 'mu=75,nu=150', got {cfg.state_sync!r}")
+        out[name.strip()] = int(every)
+    return out
 
 
 def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:

@@ -20,6 +20,7 @@ from diloco_jax.lm.config import (
     inner_optimizer,
     outer_optimizer,
     pretrain_optimizer,
+    state_sync_of,
 )
 from diloco_jax.sampler import Sampler
 from diloco_jax.train import train_diloco, train_sync
@@ -184,6 +185,7 @@ def run(
             outer_clip=cfg.outer_clip,
             weighting=cfg.weighting,
             anomaly=cfg.anomaly_skip or None,
+            state_sync=state_sync_of(cfg),
             **common,
         )
     elif algo == "sync":
