@@ -3,8 +3,16 @@
 from diloco_jax import checkpoint
 from diloco_jax.comm import payload_bytes, round_bytes
 from diloco_jax.compression import Compression, parse_compression
+from diloco_jax.faults import AnomalySkip
 from diloco_jax.inner import inner_loop, inner_step
-from diloco_jax.outer import delta_dtype, outer_init, outer_step, outer_update, worker_delta
+from diloco_jax.outer import (
+    clip_outer_norm,
+    delta_dtype,
+    outer_init,
+    outer_step,
+    outer_update,
+    worker_delta,
+)
 from diloco_jax.round import (
     DiLoCoState,
     default_inner_optimizer,
@@ -20,10 +28,12 @@ from diloco_jax.workers import WORKER_AXIS, Backend, make_backend
 __all__ = [
     "checkpoint",
     "WORKER_AXIS",
+    "AnomalySkip",
     "Backend",
     "Compression",
     "DiLoCoState",
     "Sampler",
+    "clip_outer_norm",
     "SyncState",
     "TrainResult",
     "default_inner_optimizer",
