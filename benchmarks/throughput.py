@@ -6,14 +6,17 @@ For each preset it times, after compiling and one warm-up call:
 - "sync M=1": the same step with one worker.
 Data is drawn in the graph by a `Sampler` (as the LM CLI does), so no host input is timed.
 
+`--modes` picks some of them (diloco, sync, sync1).
+
 Reported: tokens/s per worker, achieved FLOP/s of the device (all workers share it, vmap) from
 `model.flops_per_token` (PaLM's 6N + 12 L H K T training estimate), and MFU = achieved /
-peak FLOP/s, with peak looked up by `jax.devices()[0].device_kind` in `common.PEAK_FLOPS`
-("n/a" for CPUs and unlisted devices; `--peak-tflops` overrides). Absolute figures depend on
-the machine's load; the environment (incl. load average) is saved with the results.
+peak FLOP/s, with peak from `diloco_jax.lm.mfu`: the datasheet figure for the device kind, or
+on a CPU the FLOP/s of a 2048 x 2048 float32 matmul measured in this process ("n/a" for
+unlisted accelerators; `--peak-tflops` overrides). Absolute figures depend on the machine's
+load; the environment (incl. load average) is saved with the results.
 
   python benchmarks/throughput.py [--quick] [--presets micro,mini,tiny,small] [--dtype bfloat16]
-      [--profile DIR]
+      [--modes diloco,sync,sync1] [--profile DIR]
 """
 
 import argparse
@@ -28,6 +31,7 @@ import common
 import jax
 
 import diloco_jax as dj
+from diloco_jax.lm import mfu as mfu_lib
 
 NUM_WORKERS = 4
 BATCH_SIZE = 16  # sequences per worker per step (RunConfig's default)
@@ -35,6 +39,7 @@ BATCH_SIZE = 16  # sequences per worker per step (RunConfig's default)
 # steps, so both process the same tokens per worker)
 INNER_STEPS = {"micro": 20, "mini": 10, "tiny": 4, "small": 2, "60m": 2, "150m": 2, "400m": 2}
 CPU_PRESETS = ("micro", "mini", "tiny")
+MODES = ("diloco", "sync", "sync1")
 ACCELERATOR_PRESETS = ("micro", "mini", "tiny", "small")
 
 
@@ -72,23 +77,49 @@ def sync_runner(w: common.Workload, num_workers: int, steps: int) -> Callable[[]
     return run
 
 
+def runner(mode: str, w: common.Workload, inner_steps: int) -> tuple[str, int, Callable]:
+    """(row label, workers, run) for a --modes name."""
+    if mode == "diloco":
+        label = f"diloco M={NUM_WORKERS} H={inner_steps}"
+        return label, NUM_WORKERS, diloco_runner(w, inner_steps)
+    if mode == "sync":
+        return f"sync M={NUM_WORKERS}", NUM_WORKERS, sync_runner(w, NUM_WORKERS, inner_steps)
+    return "sync M=1", 1, sync_runner(w, 1, inner_steps)
+
+
 def measure(
-    w: common.Workload, mode: str, num_workers: int, run: Callable, steps: int, samples: int
+    w: common.Workload,
+    mode: str,
+    num_workers: int,
+    run: Callable,
+    steps: int,
+    samples: int,
+    peak: Callable[[], float | None],
 ) -> dict[str, Any]:
-    """Times `samples` calls of `run` (each `steps` steps per worker) after a warm-up call."""
+    """Times `samples` calls of `run` (each `steps` steps per worker) after a warm-up call,
+    each followed by a call of `peak`: the CPU's matmul yardstick is re-measured next to every
+    sample, so load that comes and goes on a shared machine hits both, and MFU is the median of
+    the per-sample ratios."""
     common.block(run())  # compile + warm-up
-    seconds = statistics.median(common.time_once(run) for _ in range(samples))
+    seconds, peaks = [], []
+    for _ in range(samples):
+        seconds.append(common.time_once(run))
+        peaks.append(peak())
     tokens_per_worker = steps * w.batch_size * w.tokens_per_example
     flops = steps * num_workers * w.batch_size * w.flops_per_example
+    ratios = [flops / s / p for s, p in zip(seconds, peaks, strict=True) if p is not None]
+    mfu = statistics.median(ratios) if len(ratios) == samples else None
     return {
         "preset": w.name,
         "mode": mode,
         "workers": num_workers,
         "batch_size": w.batch_size,
         "steps_per_sample": steps,
-        "seconds_per_sample": seconds,
-        "tokens_per_s_per_worker": tokens_per_worker / seconds,
-        "flops_per_s": flops / seconds,
+        "seconds_per_sample": statistics.median(seconds),
+        "tokens_per_s_per_worker": tokens_per_worker / statistics.median(seconds),
+        "flops_per_s": flops / statistics.median(seconds),
+        "peak_flops": None if None in peaks else statistics.median(peaks),
+        "mfu": mfu,
     }
 
 
@@ -101,10 +132,6 @@ def report_profile(run: Callable, directory: Path) -> None:
         lines.append("(no accelerator ops in the trace: CPU runs have no device plane)")
     lines += [f"{ms:10.3f} ms {share:6.1%}  {name}" for name, ms, share in ops]
     common.progress("\n".join(lines))
-
-
-def with_mfu(row: dict[str, Any], peak: float | None) -> dict[str, Any]:
-    return {**row, "peak_flops": peak, "mfu": row["flops_per_s"] / peak if peak else None}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -125,6 +152,9 @@ def main() -> None:
     parser.add_argument("--presets", default=None, help="comma-separated LM presets")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, some of {','.join(MODES)}"
+    )
     parser.add_argument("--samples", type=int, default=None, help="timed calls per mode")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override peak")
     parser.add_argument(
@@ -135,6 +165,9 @@ def main() -> None:
         "print its top accelerator ops",
     )
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes must be some of {','.join(MODES)}, got {args.modes!r}")
     print(common.header() + "\n")
     device = jax.devices()[0]
     if args.presets:
@@ -145,29 +178,33 @@ def main() -> None:
         presets = CPU_PRESETS if device.platform == "cpu" else ACCELERATOR_PRESETS
     samples = args.samples or (2 if args.quick else 3)
     if args.peak_tflops is not None:
-        peak = args.peak_tflops * 1e12
+        peak_fn = lambda: args.peak_tflops * 1e12
+    elif device.platform == "cpu":
+        peak_fn = mfu_lib.time_matmul  # re-measured next to every sample
     else:
-        peak = common.peak_flops(device.device_kind, args.dtype)
+        peak_fn = lambda: common.peak_flops(device, args.dtype)
 
     rows = []
     for preset in presets:
         w = common.lm_workload(preset, args.batch_size, args.dtype)
         H = INNER_STEPS.get(preset, 2)
-        runs = [
-            (f"diloco M={NUM_WORKERS} H={H}", NUM_WORKERS, diloco_runner(w, H)),
-            (f"sync M={NUM_WORKERS}", NUM_WORKERS, sync_runner(w, NUM_WORKERS, H)),
-            ("sync M=1", 1, sync_runner(w, 1, H)),
-        ]
-        for mode, workers, run in runs:
+        for mode, workers, run in (runner(m, w, H) for m in modes):
             common.progress(f"{preset} {mode}: compiling and timing")
-            rows.append(with_mfu(measure(w, mode, workers, run, H, samples), peak))
+            rows.append(measure(w, mode, workers, run, H, samples, peak_fn))
             common.progress("\n" + table(rows[-1:]))
             if args.profile:
                 report_profile(run, Path(args.profile) / re.sub(r"\W+", "_", f"{preset}_{mode}"))
 
-    peak_text = (
-        "n/a (no peak known for this device)" if peak is None else f"{peak / 1e12:g} TFLOP/s"
-    )
+    peaks = [r["peak_flops"] for r in rows if r["peak_flops"] is not None]
+    if not peaks:
+        peak_text = "n/a (no peak known for this device)"
+    elif device.platform == "cpu" and args.peak_tflops is None:
+        peak_text = (
+            f"{min(peaks) / 1e9:.0f}..{max(peaks) / 1e9:.0f} GFLOP/s (a 2048^2 float32 matmul, "
+            "re-measured after every sample; MFU = median of per-sample ratios)"
+        )
+    else:
+        peak_text = f"{peaks[0] / 1e12:.4g} TFLOP/s"
     print(f"Throughput on {device.device_kind} ({device.platform}), dtype {args.dtype}, peak ")
     print(f"{peak_text}; all workers share one device (vmap); medians of {samples} samples\n")
     print(table(rows))
