@@ -85,12 +85,19 @@ def _lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
     return Sampler(arrays, functools.partial(experiment.sample_windows, batch_size, seq_len))
 
 
-def lm_workload(preset: str, batch_size: int, dtype: str = "float32") -> Workload:
-    """The decoder LM preset `preset` of `diloco_jax.lm.model`, batch_size sequences a step."""
-    config = model_lib.get_config(preset, dtype=dtype)
+def lm_workload(
+    preset: str, batch_size: int, dtype: str = "float32", **model_overrides: Any
+) -> Workload:
+    """The decoder LM preset `preset` of `diloco_jax.lm.model`, batch_size sequences a step,
+    computing in `dtype` (parameters in float32 unless `param_dtype` is among the overrides,
+    which are ModelConfig fields)."""
+    config = model_lib.get_config(preset, dtype=dtype, **model_overrides)
     seq_len = config.seq_len
+    name = preset if dtype == "float32" else f"{preset}-{dtype}"
+    if config.param_dtype != "float32":
+        name += f"-params-{config.param_dtype}"
     return Workload(
-        name=preset if dtype == "float32" else f"{preset}-{dtype}",
+        name=name,
         loss_fn=model_lib.make_loss_fn(config),
         params=model_lib.init_params(config, jax.random.key(0)),
         batch_size=batch_size,

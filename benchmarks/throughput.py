@@ -21,6 +21,7 @@ load; the environment (incl. load average) is saved with the results.
 
 import argparse
 import functools
+import itertools
 import re
 import statistics
 from collections.abc import Callable
@@ -150,7 +151,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="micro only, fewer samples")
     parser.add_argument("--presets", default=None, help="comma-separated LM presets")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="comma-separated compute dtypes, e.g. float32,bfloat16 (each gets its rows)",
+    )
+    parser.add_argument(
+        "--param-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="parameter (master weight) dtype",
+    )  # fmt: skip
+    parser.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"])
+    parser.add_argument("--embedding", default="auto", choices=["auto", "gather", "onehot"])
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, some of {','.join(MODES)}"
@@ -168,6 +179,9 @@ def main() -> None:
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         parser.error(f"--modes must be some of {','.join(MODES)}, got {args.modes!r}")
+    dtypes = args.dtype.split(",")
+    if not set(dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--dtype must be some of float32,bfloat16, got {args.dtype!r}")
     print(common.header() + "\n")
     device = jax.devices()[0]
     if args.presets:
@@ -177,23 +191,27 @@ def main() -> None:
     else:
         presets = CPU_PRESETS if device.platform == "cpu" else ACCELERATOR_PRESETS
     samples = args.samples or (2 if args.quick else 3)
-    if args.peak_tflops is not None:
-        peak_fn = lambda: args.peak_tflops * 1e12
-    elif device.platform == "cpu":
-        peak_fn = mfu_lib.time_matmul  # re-measured next to every sample
-    else:
-        peak_fn = lambda: common.peak_flops(device, args.dtype)
 
+    def peak_fn(dtype: str) -> Callable[[], float | None]:
+        if args.peak_tflops is not None:
+            return lambda: args.peak_tflops * 1e12
+        if device.platform == "cpu":
+            return mfu_lib.time_matmul  # re-measured next to every sample
+        return lambda: common.peak_flops(device, dtype)
+
+    model_options = dict(
+        param_dtype=args.param_dtype, attention=args.attention, embedding=args.embedding
+    )
     rows = []
-    for preset in presets:
-        w = common.lm_workload(preset, args.batch_size, args.dtype)
+    for preset, dtype in itertools.product(presets, dtypes):
+        w = common.lm_workload(preset, args.batch_size, dtype, **model_options)
         H = INNER_STEPS.get(preset, 2)
         for mode, workers, run in (runner(m, w, H) for m in modes):
-            common.progress(f"{preset} {mode}: compiling and timing")
-            rows.append(measure(w, mode, workers, run, H, samples, peak_fn))
+            common.progress(f"{w.name} {mode}: compiling and timing")
+            rows.append(measure(w, mode, workers, run, H, samples, peak_fn(dtype)))
             common.progress("\n" + table(rows[-1:]))
             if args.profile:
-                report_profile(run, Path(args.profile) / re.sub(r"\W+", "_", f"{preset}_{mode}"))
+                report_profile(run, Path(args.profile) / re.sub(r"\W+", "_", f"{w.name}_{mode}"))
 
     peaks = [r["peak_flops"] for r in rows if r["peak_flops"] is not None]
     if not peaks:
@@ -205,10 +223,19 @@ def main() -> None:
         )
     else:
         peak_text = f"{peaks[0] / 1e12:.4g} TFLOP/s"
-    print(f"Throughput on {device.device_kind} ({device.platform}), dtype {args.dtype}, peak ")
-    print(f"{peak_text}; all workers share one device (vmap); medians of {samples} samples\n")
+    print(
+        f"Throughput on {device.device_kind} ({device.platform}), compute dtype {args.dtype}, "
+        f"params {args.param_dtype}, attention {args.attention}, embedding {args.embedding}, "
+        f"peak {peak_text}; all workers share one device (vmap); medians of {samples} samples\n"
+    )
     print(table(rows))
-    payload = {"quick": args.quick, "dtype": args.dtype, "samples": samples, "rows": rows}
+    payload = {
+        "quick": args.quick,
+        "dtype": args.dtype,
+        **model_options,
+        "samples": samples,
+        "rows": rows,
+    }
     print(f"\nwrote {common.write_results('throughput', payload)}")
 
 

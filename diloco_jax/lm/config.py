@@ -14,6 +14,9 @@ from diloco_jax.compression import parse_compression
 SHARDINGS = ("iid", "non_iid")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
 ALGOS = ("diloco", "sync")
+# Compute and parameter dtypes the CLI offers (the model also takes float16, on GPUs only and
+# without loss scaling, so it is left to library users).
+DTYPES = ("float32", "bfloat16")
 # The outer learning rate each outer optimizer gets unless one is given: the paper's
 # Nesterov(0.7, 0.9); plain SGD at 1.0 is parameter averaging (FedAvg); Adam rescales the
 # delta per coordinate, so it wants a step of the inner learning rate's order.
@@ -38,6 +41,10 @@ class RunConfig:
     rounds: int = 16  # R
     batch_size: int = 16  # sequences per worker per step
     seq_len: int = 128
+    dtype: str = "float32"  # compute dtype: activations and matmuls (diloco_jax.lm.model)
+    param_dtype: str = "float32"  # master weights, gradients, optimizer and DiLoCo state
+    attention: str = "auto"  # "auto" | "xla" | "cudnn" (model.attention_implementation)
+    embedding: str = "auto"  # "auto" | "gather" | "onehot" (model.embedding_implementation)
     # every run starts from one shared checkpoint trained this many steps by a single worker,
     # as the paper starts from a 24k-step pretrained model; 0 starts from random init
     pretrain_steps: int = 500
@@ -131,6 +138,7 @@ def _check_types(cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Raises ConfigError naming the first bad field."""
+    from diloco_jax.lm.model import ATTENTIONS, EMBEDDINGS
     from diloco_jax.lm.model import PRESETS as MODELS
     from diloco_jax.workers import BACKENDS
 
@@ -152,6 +160,18 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"seq_len={cfg.seq_len} exceeds model {cfg.model!r} context {MODELS[cfg.model].seq_len}"
         )
+    for name, choices in (
+        ("dtype", DTYPES),
+        ("param_dtype", DTYPES),
+        ("attention", ATTENTIONS),
+        ("embedding", EMBEDDINGS),
+    ):
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
+    try:
+        model_config(cfg)
+    except ValueError as e:  # combinations the model refuses, e.g. cudnn with float32
+        raise ConfigError(str(e)) from None
     if cfg.sharding not in SHARDINGS:
         raise ConfigError(f"sharding must be one of {SHARDINGS}, got {cfg.sharding!r}")
     if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
@@ -174,6 +194,19 @@ def validate(cfg: RunConfig) -> None:
         parse_compression(cfg.compression)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def model_config(cfg: RunConfig):
+    """The ModelConfig of cfg.model with the run's dtypes, attention and embedding."""
+    from diloco_jax.lm.model import get_config
+
+    return get_config(
+        cfg.model,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        attention=cfg.attention,
+        embedding=cfg.embedding,
+    )
 
 
 def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
