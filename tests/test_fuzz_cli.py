@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from diloco_jax.lm import cli
-from diloco_jax.lm.config import ConfigError, RunConfig, make_config, validate
+from diloco_jax.lm.config import PRESETS, ConfigError, RunConfig, make_config, validate
 
 FLAGS = [
     "--preset",
@@ -149,3 +149,8 @@ def test_make_config_accepts_only_valid_configs(overrides):
 def test_unknown_config_field_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown config fields"):
         make_config("micro", learning_rate=1.0)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_is_a_valid_config(preset):
+    validate(make_config(preset))

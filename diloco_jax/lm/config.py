@@ -97,6 +97,38 @@ PRESETS: dict[str, RunConfig] = {
     ),
     # the README's main job: under 15 minutes for `compare` on 2 CPU cores
     "default": RunConfig(),
+    # One H200 (141 GB) holding M = 4 workers in bf16 compute with float32 master weights:
+    # per-worker batches read from compiled memory (benchmarks/memory.py, "Accelerator
+    # settings" in benchmarks/README.md); the whole stdlib corpus (12 MB) so eval batches of
+    # 1024-byte windows fit. Not yet run on a GPU.
+    "h200_60m": RunConfig(
+        model="60m",
+        max_bytes=None,
+        workers=4,
+        inner_steps=50,
+        rounds=10,
+        batch_size=32,
+        seq_len=1024,
+        dtype="bfloat16",
+        pretrain_steps=200,
+        inner_lr=4e-4,
+        warmup_steps=50,
+        eval_batches=4,
+    ),
+    "h200_150m": RunConfig(
+        model="150m",
+        max_bytes=None,
+        workers=4,
+        inner_steps=50,
+        rounds=10,
+        batch_size=16,
+        seq_len=1024,
+        dtype="bfloat16",
+        pretrain_steps=200,
+        inner_lr=4e-4,
+        warmup_steps=50,
+        eval_batches=4,
+    ),
 }
 
 
