@@ -27,6 +27,7 @@ import optax
 
 from diloco_jax.lm import data as data_lib
 from diloco_jax.lm import experiment
+from diloco_jax.lm import mfu as mfu_lib
 from diloco_jax.lm import model as model_lib
 from diloco_jax.sampler import Sampler
 
@@ -84,12 +85,19 @@ def _lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
     return Sampler(arrays, functools.partial(experiment.sample_windows, batch_size, seq_len))
 
 
-def lm_workload(preset: str, batch_size: int, dtype: str = "float32") -> Workload:
-    """The decoder LM preset `preset` of `diloco_jax.lm.model`, batch_size sequences a step."""
-    config = model_lib.get_config(preset, dtype=dtype)
+def lm_workload(
+    preset: str, batch_size: int, dtype: str = "float32", **model_overrides: Any
+) -> Workload:
+    """The decoder LM preset `preset` of `diloco_jax.lm.model`, batch_size sequences a step,
+    computing in `dtype` (parameters in float32 unless `param_dtype` is among the overrides,
+    which are ModelConfig fields)."""
+    config = model_lib.get_config(preset, dtype=dtype, **model_overrides)
     seq_len = config.seq_len
+    name = preset if dtype == "float32" else f"{preset}-{dtype}"
+    if config.param_dtype != "float32":
+        name += f"-params-{config.param_dtype}"
     return Workload(
-        name=preset if dtype == "float32" else f"{preset}-{dtype}",
+        name=name,
         loss_fn=model_lib.make_loss_fn(config),
         params=model_lib.init_params(config, jax.random.key(0)),
         batch_size=batch_size,
@@ -325,46 +333,16 @@ def top_device_ops(xplane: str | os.PathLike, n: int = 12) -> list[tuple[str, fl
 
 
 # ---------------------------------------------------------------------------------------
-# Peak FLOP/s for MFU.
+# Peak FLOP/s for MFU: the table and the CPU matmul yardstick live in diloco_jax.lm.mfu (the
+# CLI reports MFU too); the scripts call them through here.
 
-# Dense (no sparsity) peak FLOP/s per chip, keyed by `jax.devices()[0].device_kind`.
-# "bf16": bfloat16 matmuls. "f32": float32 matmuls at JAX's default precision, which on
-# NVIDIA Ampere/Hopper lets XLA use TF32 tensor cores (so the TF32 peak is the ceiling) and on
-# TPU runs bf16 MXU passes (so the bf16 peak is the ceiling).
-# Sources (vendor datasheets; NVIDIA lists sparse figures, halved here for dense):
-#   H100 SXM5 / H200: NVIDIA H100 Tensor Core GPU datasheet and NVIDIA H200 datasheet
-#     (BF16 1,979 TFLOPS sparse -> 989.5 dense; TF32 989 sparse -> 494.5 dense).
-#   H100 PCIe: NVIDIA H100 datasheet (BF16 1,513 sparse -> 756; TF32 756 sparse -> 378).
-#   H100 NVL / H200 NVL: the same datasheets (BF16 1,671 sparse -> 835.5; TF32 835 -> 417.5).
-#   A100: NVIDIA A100 datasheet (BF16 312 dense; TF32 156 dense).
-#   L4: NVIDIA L4 datasheet (BF16 242 sparse -> 121; TF32 120 sparse -> 60).
-#   TPU v4 275, v5e ("TPU v5 lite") 197, v5p ("TPU v5") 459, v6e ("TPU v6 lite") 918 bf16
-#     TFLOP/s per chip: Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs).
-_TERA = 1e12
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "NVIDIA H200": {"bf16": 989.5 * _TERA, "f32": 494.5 * _TERA},
-    "NVIDIA H100 80GB HBM3": {"bf16": 989.5 * _TERA, "f32": 494.5 * _TERA},
-    "NVIDIA H200 NVL": {"bf16": 835.5 * _TERA, "f32": 417.5 * _TERA},
-    "NVIDIA H100 NVL": {"bf16": 835.5 * _TERA, "f32": 417.5 * _TERA},
-    "NVIDIA H100 PCIe": {"bf16": 756.0 * _TERA, "f32": 378.0 * _TERA},
-    "NVIDIA A100-SXM4-80GB": {"bf16": 312.0 * _TERA, "f32": 156.0 * _TERA},
-    "NVIDIA A100-SXM4-40GB": {"bf16": 312.0 * _TERA, "f32": 156.0 * _TERA},
-    "NVIDIA A100 80GB PCIe": {"bf16": 312.0 * _TERA, "f32": 156.0 * _TERA},
-    "NVIDIA L4": {"bf16": 121.0 * _TERA, "f32": 60.0 * _TERA},
-    "TPU v4": {"bf16": 275.0 * _TERA, "f32": 275.0 * _TERA},
-    "TPU v5 lite": {"bf16": 197.0 * _TERA, "f32": 197.0 * _TERA},
-    "TPU v5": {"bf16": 459.0 * _TERA, "f32": 459.0 * _TERA},
-    "TPU v6 lite": {"bf16": 918.0 * _TERA, "f32": 918.0 * _TERA},
-}
+PEAK_FLOPS = mfu_lib.PEAK_FLOPS
 
 
-def peak_flops(device_kind: str, dtype: str) -> float | None:
-    """Peak FLOP/s of one chip for `dtype` ("float32" or "bfloat16"), or None when the
-    device kind is not listed exactly (CPUs, other accelerators: pass a peak explicitly; a
-    near-miss name is not guessed, since e.g. H200 NVL and H200 SXM differ)."""
-    column = "bf16" if dtype in ("bfloat16", "float16") else "f32"
-    entry = PEAK_FLOPS.get(device_kind)
-    return entry[column] if entry else None
+def peak_flops(device: Any, dtype: str) -> float | None:
+    """Peak FLOP/s of one `device` computing in `dtype`: the datasheet figure for listed
+    accelerators, the measured large-matmul FLOP/s on a CPU, None otherwise."""
+    return mfu_lib.peak_flops(dtype, device=device)
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ import math
 import subprocess
 import sys
 
+import jax
 import matplotlib.image
+import orbax.checkpoint as ocp
 import pytest
 
 from diloco_jax.lm.cli import main
@@ -39,6 +41,10 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
                 "3",
                 "--rounds",
                 "2",
+                "--dtype",
+                "bfloat16",
+                "--checkpoint-every",
+                "1",
                 "--out",
                 str(out),
                 "--no-progress",
@@ -49,6 +55,9 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["inner_steps"] == 3 and config["data"]["spec"] == f"text:{corpus}"
     assert config["data"]["sha256"] and config["num_params"] > 0
+    # Mixed precision: bf16 compute, float32 master weights (the default param_dtype).
+    assert config["model"]["dtype"] == "bfloat16" and config["model"]["param_dtype"] == "float32"
+    assert config["implementations"] == {"attention": "xla", "embedding": "gather"}  # CPU
     records = _read_jsonl(out / "metrics.jsonl")
     pre = [r for r in records if r["run"] == "pretrain"]
     main_run = [r for r in records if r["run"] == "diloco"]
@@ -58,8 +67,27 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert main_run[-1]["bytes_communicated"] == 2 * 4 * config["num_params"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval_ppl"] == pytest.approx(math.exp(summary["final_eval_loss"]))
+    # Checkpoints hold float32 params and optimizer state (ints: step counts, the round).
+    for name in ("pretrain", "run"):
+        saved = out / "checkpoints" / name
+        step = max(int(p.name) for p in saved.iterdir() if p.name.isdigit())
+        fingerprint = json.loads((saved / str(step) / "metadata" / "metadata").read_text())
+        assert set(fingerprint["dtypes"].values()) == {"float32"}
+        state = ocp.StandardCheckpointer().metadata(saved / str(step) / "state").item_metadata
+        dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(state)}
+        assert "float32" in dtypes and dtypes <= {"float32", "int32"}, dtypes
+    # MFU fields: micro's 6N + attention by hand (D 32, F 128, 1 layer, 2 heads x 16, T 32).
+    n = 1 * (4 * 32 * 32 + 2 * 32 * 128) + 256 * 32
+    assert summary["model_flops_per_token"] == 6 * n + 12 * 1 * 32 * 32
+    # backend "auto" puts the 2 workers on 2 of conftest's fake CPU devices; a CPU's peak is
+    # its measured matmul rate whatever the device count.
+    assert summary["devices"] == min(2, jax.device_count()) and summary["peak_flops"] > 0
+    tokens_per_second = 2 * 6 * 4 * 32 / summary["wall_seconds"]  # M x H R x B x L
+    assert summary["tokens_per_second"] == pytest.approx(tokens_per_second)
+    achieved = summary["model_flops_per_token"] * tokens_per_second
+    assert summary["mfu"] == pytest.approx(achieved / summary["peak_flops"])
     printed = capsys.readouterr().out
-    assert "diloco: eval loss" in printed
+    assert "diloco: eval loss" in printed and "diloco: MFU " in printed
     assert f"model micro: {config['num_params']:,} parameters" in printed
 
 
@@ -102,6 +130,11 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             network["diloco"][bandwidth]["utilization"]
             > network["sync_data_parallel"][bandwidth]["utilization"]
         )
+    for run in runs.values():
+        assert run["mfu"] == pytest.approx(
+            run["model_flops_per_token"] * run["tokens_per_second"] / run["peak_flops"]
+        )
+    assert "| tokens/s | MFU |" in table
     for png in ("eval_loss_vs_tokens.png", "eval_loss_vs_bytes.png"):
         image = matplotlib.image.imread(out / png)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
@@ -123,6 +156,17 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--model", "gpt5"], "model must be one of"),
         (["train", "--preset", "micro", "--seq-len", "4096"], "exceeds model"),
         (["train", "--backend", "tpu"], "backend must be one of"),
+        (["train", "--dtype", "float16"], "invalid choice"),
+        (["train", "--param-dtype", "int8"], "invalid choice"),
+        (["train", "--attention", "cudnn"], "attention='cudnn' needs dtype bfloat16"),
+        (["train", "--embedding", "hash"], "invalid choice"),
+        pytest.param(
+            ["train", "--attention", "cudnn", "--dtype", "bfloat16"],
+            "attention='cudnn' needs an NVIDIA GPU",
+            marks=pytest.mark.skipif(
+                jax.devices()[0].platform == "gpu", reason="cudnn can run here"
+            ),
+        ),
         (["train", "--data", "text:/no/such/file.txt"], "--data text:/no/such/file.txt"),
         (["train", "--data", "s3://bucket"], "unknown data spec"),
         (

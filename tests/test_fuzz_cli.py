@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from diloco_jax.lm import cli
-from diloco_jax.lm.config import ConfigError, RunConfig, make_config, validate
+from diloco_jax.lm.config import PRESETS, ConfigError, RunConfig, make_config, validate
 
 FLAGS = [
     "--preset",
@@ -25,6 +25,10 @@ FLAGS = [
     "--model",
     "--batch-size",
     "--seq-len",
+    "--dtype",
+    "--param-dtype",
+    "--attention",
+    "--embedding",
     "--max-bytes",
     "--pretrain-steps",
     "--seed",
@@ -64,6 +68,14 @@ VALUES = st.one_of(
             "ü",
             "--",
             "--workers",
+            "float32",
+            "bfloat16",
+            "float16",
+            "auto",
+            "xla",
+            "cudnn",
+            "gather",
+            "onehot",
         ]
     ),
     st.text(max_size=12),
@@ -181,3 +193,8 @@ def test_any_output_path_is_created_or_fails_cleanly(tmp_path, out):
         assert sorted(str(p) for p in tmp_path.rglob("*")) == before
     else:
         assert made.is_dir() and os.access(made, os.W_OK)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_is_a_valid_config(preset):
+    validate(make_config(preset))

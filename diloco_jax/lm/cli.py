@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from diloco_jax.lm.config import ALGOS, OUTER_OPTIMIZERS, PRESETS, SHARDINGS, ConfigError
+from diloco_jax.lm.config import ALGOS, DTYPES, OUTER_OPTIMIZERS, PRESETS, SHARDINGS, ConfigError
 
 PROG = "diloco-jax"
 
@@ -43,6 +43,22 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model preset (micro, tiny, small, 60m, 150m, 400m, ...)")
     p.add_argument("--batch-size", type=int, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default float32)")
+    p.add_argument(
+        "--param-dtype",
+        choices=DTYPES,
+        help="dtype of parameters, gradients and optimizer state (default float32)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("auto", "xla", "cudnn"),
+        help="attention kernel: auto = cudnn on an NVIDIA GPU with bfloat16, else xla",
+    )
+    p.add_argument(
+        "--embedding",
+        choices=("auto", "gather", "onehot"),
+        help="token embedding: auto = onehot matmul on accelerators, gather on CPU",
+    )
     p.add_argument("--max-bytes", type=int, help="read at most this many bytes of data")
     p.add_argument("--pretrain-steps", type=int, help="shared 1-worker warm start (0: none)")
     p.add_argument("--compression", help="DiLoCo deltas as none|bf16|fp8|int8|int4|e3m0|...")
@@ -105,6 +121,10 @@ _CONFIG_FLAGS = (
     "model",
     "batch_size",
     "seq_len",
+    "dtype",
+    "param_dtype",
+    "attention",
+    "embedding",
     "max_bytes",
     "pretrain_steps",
     "compression",
@@ -219,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(str(e)) from None
         from diloco_jax.lm import experiment
 
+        experiment.check_model(run.cfg)
         corpus = experiment.load_corpus(run.cfg)
         create_out(run.out)  # last check before work starts: a bad input writes nothing
     except ConfigError as e:
@@ -295,7 +316,24 @@ def train_command(
         f"(ppl {summary['final_eval_ppl']:.3f}), sent {summary['bytes_communicated']:,} "
         f"bytes per worker, {summary['wall_seconds']:.0f}s -> {out}"
     )
+    print(mfu_line(algo, summary))
     return summary
+
+
+def mfu_line(name: str, summary: dict[str, Any]) -> str:
+    """'NAME: MFU x% (tokens/s, model TFLOP/s of peak TFLOP/s)' for a run's summary."""
+    achieved = summary["model_flops_per_token"] * summary["tokens_per_second"]
+    peak = summary["peak_flops"]
+    if peak is None:
+        return (
+            f"{name}: MFU n/a (no peak FLOP/s known for this device), "
+            f"{summary['tokens_per_second']:,.0f} tokens/s, {achieved / 1e12:.3g} model TFLOP/s"
+        )
+    return (
+        f"{name}: MFU {100 * summary['mfu']:.3g}% ({summary['tokens_per_second']:,.0f} tokens/s, "
+        f"{achieved / 1e12:.3g} model TFLOP/s of {peak / 1e12:.3g} peak; whole run, compiles "
+        "and evaluations included)"
+    )
 
 
 if __name__ == "__main__":

@@ -125,13 +125,15 @@ def summary_markdown(cfg: RunConfig, runs: dict[str, Record]) -> str:
         f"from a {cfg.pretrain_steps}-step warm start)",
         "",
         "| run | workers | communication rounds | payload bytes / worker | wire bytes / worker "
-        "| wall time (s) | compute & data | eval loss | eval perplexity |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| wall time (s) | tokens/s | MFU | compute & data | eval loss | eval perplexity |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in runs.items():
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.3g}%"
         lines.append(
             f"| {name} | {r['workers']} | {r['communication_rounds']:,} | "
             f"{r['bytes_communicated']:,} | {r['wire_bytes']:,} | {r['wall_seconds']:.0f} | "
+            f"{r['tokens_per_second']:,.0f} | {mfu} | "
             f"{r['tokens_seen'] / base['tokens_seen']:.0f}x | {r['final_eval_loss']:.4f} | "
             f"{r['final_eval_ppl']:.3f} |"
         )
@@ -139,7 +141,10 @@ def summary_markdown(cfg: RunConfig, runs: dict[str, Record]) -> str:
         "",
         "Perplexity is per byte (byte-level tokens). Every run takes the same steps per worker "
         "with the same per-worker batch; `compute & data` is total tokens relative to "
-        "sync_1worker. DiLoCo communicates every H steps, data parallelism every step.",
+        "sync_1worker. DiLoCo communicates every H steps, data parallelism every step. "
+        "tokens/s and MFU (model FLOPs per token x tokens/s over the device's peak FLOP/s; "
+        "on a CPU, a large float32 matmul's measured FLOP/s) cover each whole run, compiles "
+        "and evaluations included.",
         "",
     ]
     return "\n".join(lines)

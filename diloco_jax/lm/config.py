@@ -15,6 +15,9 @@ from diloco_jax.compression import parse_compression
 SHARDINGS = ("iid", "non_iid")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
 ALGOS = ("diloco", "sync")
+# Compute and parameter dtypes the CLI offers (the model also takes float16, on GPUs only and
+# without loss scaling, so it is left to library users).
+DTYPES = ("float32", "bfloat16")
 # The outer learning rate each outer optimizer gets unless one is given: the paper's
 # Nesterov(0.7, 0.9); plain SGD at 1.0 is parameter averaging (FedAvg); Adam rescales the
 # delta per coordinate, so it wants a step of the inner learning rate's order.
@@ -39,6 +42,10 @@ class RunConfig:
     rounds: int = 16  # R
     batch_size: int = 16  # sequences per worker per step
     seq_len: int = 128
+    dtype: str = "float32"  # compute dtype: activations and matmuls (diloco_jax.lm.model)
+    param_dtype: str = "float32"  # master weights, gradients, optimizer and DiLoCo state
+    attention: str = "auto"  # "auto" | "xla" | "cudnn" (model.attention_implementation)
+    embedding: str = "auto"  # "auto" | "gather" | "onehot" (model.embedding_implementation)
     # every run starts from one shared checkpoint trained this many steps by a single worker,
     # as the paper starts from a 24k-step pretrained model; 0 starts from random init
     pretrain_steps: int = 500
@@ -97,6 +104,38 @@ PRESETS: dict[str, RunConfig] = {
     ),
     # the README's main job: under 15 minutes for `compare` on 2 CPU cores
     "default": RunConfig(),
+    # One H200 (141 GB) holding M = 4 workers in bf16 compute with float32 master weights:
+    # per-worker batches read from compiled memory (benchmarks/memory.py, "Accelerator
+    # settings" in benchmarks/README.md); the whole stdlib corpus (12 MB) so eval batches of
+    # 1024-byte windows fit. Not yet run on a GPU.
+    "h200_60m": RunConfig(
+        model="60m",
+        max_bytes=None,
+        workers=4,
+        inner_steps=50,
+        rounds=10,
+        batch_size=32,
+        seq_len=1024,
+        dtype="bfloat16",
+        pretrain_steps=200,
+        inner_lr=4e-4,
+        warmup_steps=50,
+        eval_batches=4,
+    ),
+    "h200_150m": RunConfig(
+        model="150m",
+        max_bytes=None,
+        workers=4,
+        inner_steps=50,
+        rounds=10,
+        batch_size=16,
+        seq_len=1024,
+        dtype="bfloat16",
+        pretrain_steps=200,
+        inner_lr=4e-4,
+        warmup_steps=50,
+        eval_batches=4,
+    ),
 }
 
 
@@ -140,6 +179,7 @@ def _check_types(cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Raises ConfigError naming the first bad field."""
+    from diloco_jax.lm.model import ATTENTIONS, EMBEDDINGS
     from diloco_jax.lm.model import PRESETS as MODELS
     from diloco_jax.workers import BACKENDS
 
@@ -161,6 +201,18 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"seq_len={cfg.seq_len} exceeds model {cfg.model!r} context {MODELS[cfg.model].seq_len}"
         )
+    for name, choices in (
+        ("dtype", DTYPES),
+        ("param_dtype", DTYPES),
+        ("attention", ATTENTIONS),
+        ("embedding", EMBEDDINGS),
+    ):
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
+    try:
+        model_config(cfg)
+    except ValueError as e:  # combinations the model refuses, e.g. cudnn with float32
+        raise ConfigError(str(e)) from None
     if cfg.sharding not in SHARDINGS:
         raise ConfigError(f"sharding must be one of {SHARDINGS}, got {cfg.sharding!r}")
     if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
@@ -208,6 +260,19 @@ def state_sync_of(cfg: RunConfig) -> dict[str, int] | None:
             raise ConfigError(f"state_sync must look like 'mu=75,nu=150', got {cfg.state_sync!r}")
         out[name.strip()] = int(every)
     return out
+
+
+def model_config(cfg: RunConfig):
+    """The ModelConfig of cfg.model with the run's dtypes, attention and embedding."""
+    from diloco_jax.lm.model import get_config
+
+    return get_config(
+        cfg.model,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        attention=cfg.attention,
+        embedding=cfg.embedding,
+    )
 
 
 def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:

@@ -13,17 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.lm import data as data_lib
+from diloco_jax.lm import mfu as mfu_lib
 from diloco_jax.lm import model as model_lib
 from diloco_jax.lm.config import (
     ConfigError,
     RunConfig,
     inner_optimizer,
+    model_config,
     outer_optimizer,
     pretrain_optimizer,
     state_sync_of,
 )
 from diloco_jax.sampler import Sampler
 from diloco_jax.train import train_diloco, train_sync
+from diloco_jax.workers import make_backend
 
 Record = dict[str, Any]
 
@@ -108,9 +111,24 @@ def make_eval_fn(loss_fn: Callable, corpus: Corpus) -> Callable[[Any], dict[str,
     return eval_fn
 
 
+def check_model(cfg: RunConfig) -> dict[str, str]:
+    """The attention and embedding implementations cfg's model uses on this machine's first
+    device: {"attention": "xla" | "cudnn", "embedding": "gather" | "onehot"}. Raises
+    ConfigError when the run asks for one that can't run here (e.g. cudnn on a CPU)."""
+    model_cfg = model_config(cfg)
+    try:
+        return {
+            "attention": model_lib.attention_implementation(model_cfg),
+            "embedding": model_lib.embedding_implementation(model_cfg),
+        }
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def init_model(cfg: RunConfig) -> tuple[model_lib.ModelConfig, Any, Callable]:
-    """(model config, initial params, loss_fn) for cfg.model, seeded by cfg.seed."""
-    model_cfg = model_lib.get_config(cfg.model)
+    """(model config, initial params, loss_fn) for cfg.model with cfg's dtypes, attention and
+    embedding, seeded by cfg.seed."""
+    model_cfg = model_config(cfg)
     params = model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
     return model_cfg, params, model_lib.make_loss_fn(model_cfg)
 
@@ -152,11 +170,15 @@ def run(
     algo "sync": M = num_workers workers averaging gradients every step, for H x R steps,
     evaluated every H steps (the same points as DiLoCo's rounds).
     Every history entry gets "run", "workers", "tokens_per_worker", "wall_seconds" and, where
-    evaluated, "eval_loss". With `checkpoint_dir`, the run checkpoints every
-    `checkpoint_every` rounds (steps for sync) and resumes from a checkpoint found there.
+    evaluated, "eval_loss". The summary's throughput fields cover the whole call (compiles and
+    evaluations included): "tokens_per_second" (all workers), "model_flops_per_token"
+    (`model.flops_per_token` at cfg.seq_len), "peak_flops" (`mfu.peak_flops` for cfg.dtype on
+    the devices the workers use) and "mfu" (None where no peak is known). With
+    `checkpoint_dir`, the run checkpoints every `checkpoint_every` rounds (steps for sync) and
+    resumes from a checkpoint found there.
     """
     name = name or algo
-    _, init_params, loss_fn = init_model(cfg)
+    model_cfg, init_params, loss_fn = init_model(cfg)
     params = init_params if params is None else params
     sampler = make_sampler(cfg, corpus, num_workers, salt=0 if algo == "diloco" else 1)
     start = time.perf_counter()
@@ -225,7 +247,7 @@ def run(
         "wall_seconds": time.perf_counter() - start,
         "num_params": model_lib.count_params(params),
     }
-    summary["tokens_per_second"] = summary["tokens_seen"] / summary["wall_seconds"]
+    summary.update(throughput(cfg, model_cfg, num_workers, summary))
     return summary, history
 
 
@@ -235,6 +257,24 @@ def _outer_label(cfg: RunConfig) -> str:
     if cfg.outer_delay:
         label += f", {'eager' if cfg.eager else 'delay'} {cfg.outer_delay}"
     return label
+
+
+def throughput(
+    cfg: RunConfig, model_cfg: model_lib.ModelConfig, num_workers: int, summary: Record
+) -> Record:
+    """A run's tokens/s, model FLOPs per token, peak FLOP/s of the devices its workers use
+    (make_backend's choice for cfg.backend) and MFU."""
+    tokens_per_second = summary["tokens_seen"] / summary["wall_seconds"]
+    flops_per_token = model_lib.flops_per_token(model_cfg, cfg.seq_len)
+    num_devices = len(make_backend(cfg.backend, num_workers).devices)
+    peak = mfu_lib.peak_flops(cfg.dtype, num_devices=num_devices)
+    return {
+        "tokens_per_second": tokens_per_second,
+        "model_flops_per_token": flops_per_token,
+        "devices": num_devices,
+        "peak_flops": peak,
+        "mfu": mfu_lib.mfu(flops_per_token, tokens_per_second, peak),
+    }
 
 
 def pretrain(
@@ -267,12 +307,13 @@ def pretrain(
 
 
 def describe(cfg: RunConfig, corpus: Corpus) -> str:
-    """One line for the console: model size and data."""
-    model_cfg = model_lib.get_config(cfg.model)
+    """One line for the console: model size, precision and data."""
+    model_cfg = model_config(cfg)
     shapes = jax.eval_shape(model_lib.init_params, model_cfg, jax.random.key(0))
     info = corpus.info
     return (
-        f"model {cfg.model}: {model_lib.count_params(shapes):,} parameters; data {info['spec']}: "
+        f"model {cfg.model}: {model_lib.count_params(shapes):,} parameters ({cfg.param_dtype} "
+        f"params, {cfg.dtype} compute); data {info['spec']}: "
         f"{info['num_documents']:,} documents, {info['train_tokens']:,} train / "
         f"{info['val_tokens']:,} eval tokens ({cfg.sharding})"
     )
@@ -280,7 +321,7 @@ def describe(cfg: RunConfig, corpus: Corpus) -> str:
 
 def config_record(cfg: RunConfig, corpus: Corpus, **extra: Any) -> dict[str, Any]:
     """What a run folder's config.json holds: the config, the data and the environment."""
-    model_cfg = model_lib.get_config(cfg.model)
+    model_cfg = model_config(cfg)
     shapes = jax.eval_shape(model_lib.init_params, model_cfg, jax.random.key(0))
     return {
         "config": dataclasses.asdict(cfg),
@@ -290,5 +331,7 @@ def config_record(cfg: RunConfig, corpus: Corpus, **extra: Any) -> dict[str, Any
         "data": corpus.info,
         "jax_version": jax.__version__,
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "implementations": check_model(cfg),
         **extra,
     }

@@ -17,6 +17,16 @@ self-attention and a GELU MLP, a final RMSNorm, and an output projection TIED to
 embedding (logits = h @ E^T). Tying matches the DiLoCo paper's parameter counts (see
 `PRESETS`). No biases, no dropout.
 
+Precision follows the Flax convention: parameters (and so gradients and optimizer state) are
+stored in `param_dtype` (default float32) and cast to `dtype` for the computation, so
+`dtype="bfloat16"` runs every matmul in bfloat16 against float32 master weights. Attention
+scores and softmax, the logits and the loss are float32 whatever `dtype` is.
+
+Attention goes through `jax.nn.dot_product_attention` (`attention="auto"`: cuDNN flash
+attention on an NVIDIA GPU when dtype and head dim allow it, XLA otherwise). The token
+embedding is a one-hot matmul for small vocabularies on accelerators (`embedding="auto"`), so
+its gradient is a matmul rather than a scatter-add of every token's gradient into a few rows.
+
 Shape suffixes: B batch, L sequence, D d_model, H heads, K head dim, F d_ff, V vocab.
 """
 
@@ -34,7 +44,21 @@ from flax import nnx
 Params = dict[str, Any]
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_LOW_PRECISION = ("bfloat16", "float16")
+# Dots with float32 results from low-precision operands: inputs rounded to the compute dtype,
+# float32 accumulation (what jax.nn.dot_product_attention's XLA path uses for its scores).
+_LOW_PRECISION_DOT = {
+    "bfloat16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+    "float16": jax.lax.DotAlgorithmPreset.F16_F16_F32,
+}
 _POSITIONS = ("rotary", "learned")
+ATTENTIONS = ("auto", "xla", "cudnn")
+EMBEDDINGS = ("auto", "gather", "onehot")
+# embedding="auto" picks the one-hot matmul on accelerators up to this vocabulary size. It
+# costs 4 * V * D FLOPs per token (forward and the embedding's gradient) on top of the 6 * V * D
+# of the tied output projection, and saves a scatter-add of every token's gradient into V
+# rows, which serializes on a GPU when V is small. See benchmarks/README.md for figures.
+ONEHOT_MAX_VOCAB = 1024
 # GPT-2 style init: small normal weights keep logits near zero at init (loss ~ log V).
 _INIT_STD = 0.02
 _ROPE_BASE = 10_000.0
@@ -55,8 +79,19 @@ class ModelConfig:
         d_model must divide evenly). The paper's 60m/150m shapes use 16 heads x 64 with
         d_model 896, so num_heads * head_dim need not equal d_model.
       positions: "rotary" (RoPE on q/k, no position params) or "learned" (absolute table).
-      dtype: parameter and activation dtype name: "float32", "bfloat16" or "float16".
-        Attention softmax, logits and loss are always computed in float32.
+      dtype: compute dtype name ("float32", "bfloat16" or "float16"): activations and matmul
+        operands. Attention softmax, logits and loss are always computed in float32.
+        float16 runs on GPUs only (its float32-accumulating dots exist only there) and has no
+        loss scaling: prefer bfloat16.
+      param_dtype: dtype name the parameters are stored in (master weights; gradients and
+        optax state follow them). Default float32; set it equal to `dtype` to keep the
+        parameters themselves in bfloat16.
+      attention: "xla" (`jax.nn.dot_product_attention`'s XLA path), "cudnn" (cuDNN flash
+        attention: an NVIDIA GPU, dtype bfloat16/float16, head dim a multiple of 8 and at most
+        128, or 256 on Hopper and later) or "auto" (cudnn where it can run, else xla).
+      embedding: "gather" (table lookup; its gradient is a scatter-add), "onehot" (a one-hot
+        matmul; its gradient is a matmul) or "auto" (onehot on GPU / TPU for vocab_size <=
+        ONEHOT_MAX_VOCAB, else gather). Same values either way, up to float rounding.
     """
 
     vocab_size: int = 256
@@ -68,6 +103,9 @@ class ModelConfig:
     head_dim: int | None = None
     positions: str = "rotary"
     dtype: str = "float32"
+    param_dtype: str = "float32"
+    attention: str = "auto"
+    embedding: str = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -92,8 +130,25 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig: rotary positions need an even head dim, got {self.kv_size}"
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(
+                    f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}"
+                )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"ModelConfig.attention must be one of {ATTENTIONS}, got {self.attention!r}"
+            )
+        if self.embedding not in EMBEDDINGS:
+            raise ValueError(
+                f"ModelConfig.embedding must be one of {EMBEDDINGS}, got {self.embedding!r}"
+            )
+        if self.attention == "cudnn":
+            # The platform-independent half of cuDNN's limits; the device is checked when the
+            # model is traced (`attention_implementation`).
+            problem = _cudnn_problem(self, compute_capability=(9, 0))
+            if problem:
+                raise ValueError(f"ModelConfig.attention='cudnn' {problem}")
 
     @property
     def kv_size(self) -> int:
@@ -102,7 +157,12 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
+        """The compute dtype."""
         return jnp.dtype(self.dtype)
+
+    @property
+    def param_jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
 
 
 def _paper(d_model: int, num_layers: int, num_heads: int, head_dim: int) -> ModelConfig:
@@ -143,6 +203,77 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
+def _cuda_capability(device: jax.Device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of an NVIDIA GPU; None for any other device."""
+    if device.platform != "gpu":
+        return None
+    try:
+        major, minor = (int(part) for part in str(device.compute_capability).split("."))
+    except (AttributeError, ValueError):  # ROCm reports e.g. "gfx90a"
+        return None
+    return major, minor
+
+
+def _cudnn_problem(c: ModelConfig, compute_capability: tuple[int, int]) -> str | None:
+    """Why cuDNN flash attention can't run c's attention on a GPU of this capability, or None.
+    The limits are those `jax.nn.dot_product_attention(implementation="cudnn")` checks."""
+    if c.dtype not in _LOW_PRECISION:
+        return f"needs dtype bfloat16 or float16, got {c.dtype!r}"
+    max_head_dim = 256 if compute_capability >= (9, 0) else 128
+    if c.kv_size % 8 or c.kv_size > max_head_dim:
+        return (
+            f"needs a head dim that is a multiple of 8 and at most {max_head_dim} (compute "
+            f"capability {compute_capability[0]}.{compute_capability[1]}), got {c.kv_size}"
+        )
+    return None
+
+
+def attention_implementation(c: ModelConfig, device: jax.Device | None = None) -> str:
+    """The `implementation` passed to `jax.nn.dot_product_attention`: "xla" or "cudnn" (never
+    None, which means "xla" today but may change under us). Resolves c.attention for `device`
+    (default: `jax.devices()[0]`, where a jitted forward pass runs); raises ValueError naming
+    `attention` when "cudnn" was asked for and can't run there."""
+    if c.attention == "xla":
+        return "xla"
+    device = jax.devices()[0] if device is None else device
+    capability = _cuda_capability(device)
+    if capability is None:
+        problem = f"needs an NVIDIA GPU, got {device.platform} ({device.device_kind})"
+    else:
+        problem = _cudnn_problem(c, capability)
+    if problem is None:
+        return "cudnn"
+    if c.attention == "cudnn":
+        raise ValueError(f"ModelConfig.attention='cudnn' {problem}")
+    return "xla"
+
+
+def embedding_implementation(c: ModelConfig, device: jax.Device | None = None) -> str:
+    """c.embedding resolved for `device` (default `jax.devices()[0]`): "onehot" or "gather".
+    "auto" is onehot on accelerators for vocab_size <= ONEHOT_MAX_VOCAB, and gather on CPUs,
+    where the one-hot matmul measured slower (benchmarks/README.md)."""
+    if c.embedding != "auto":
+        return c.embedding
+    device = jax.devices()[0] if device is None else device
+    small = c.vocab_size <= ONEHOT_MAX_VOCAB
+    return "onehot" if small and device.platform != "cpu" else "gather"
+
+
+def _embed(c: ModelConfig, table_VxD: jax.Array, inputs_BxL: jax.Array) -> jax.Array:
+    """Token vectors in the compute dtype."""
+    if embedding_implementation(c) == "onehot":
+        onehot_BxLxV = jax.nn.one_hot(inputs_BxL, c.vocab_size, dtype=c.jnp_dtype)
+        # A float32 lookup must come out exact, not rounded to TF32 / bf16 passes (the GPU /
+        # TPU default precision for float32); bf16 / fp16 operands are exact as they are.
+        exact = jax.lax.Precision.HIGHEST if c.dtype == "float32" else None
+        return jnp.einsum(
+            "blv,vd->bld", onehot_BxLxV, table_VxD.astype(c.jnp_dtype), precision=exact
+        )
+    # Gather from the table in its own dtype and cast the rows: the gradient's scatter-add
+    # then accumulates in param_dtype (float32), not in bfloat16.
+    return jnp.take(table_VxD, inputs_BxL, axis=0).astype(c.jnp_dtype)
+
+
 def _rotary(x_BxLxHxK: jax.Array) -> jax.Array:
     """Rotates feature pairs (i, i + K/2) by position-dependent angles (RoPE)."""
     _, seq_len, _, k = x_BxLxHxK.shape
@@ -164,14 +295,15 @@ def _linear(d_in: int, d_out: int, std: float, c: ModelConfig, rngs: nnx.Rngs) -
         use_bias=False,
         kernel_init=nnx.initializers.normal(std),
         dtype=c.jnp_dtype,
-        param_dtype=c.jnp_dtype,
+        param_dtype=c.param_jnp_dtype,
         rngs=rngs,
     )
 
 
 def _rms_norm(c: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    # Statistics in float32 whatever the dtype (nnx.RMSNorm promotes them).
     return nnx.RMSNorm(
-        c.d_model, epsilon=1e-6, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype, rngs=rngs
+        c.d_model, epsilon=1e-6, dtype=c.jnp_dtype, param_dtype=c.param_jnp_dtype, rngs=rngs
     )
 
 
@@ -199,14 +331,15 @@ class Attention(nnx.Module):
         if c.positions == "rotary":
             q_BxLxHxK = _rotary(q_BxLxHxK)
             k_BxLxHxK = _rotary(k_BxLxHxK)
-        # Scores and softmax in float32: bf16 logits lose too much precision in the softmax.
-        s_BxHxLxL = jnp.einsum(
-            "bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32
-        ) / math.sqrt(c.kv_size)
-        causal_LxL = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-        s_BxHxLxL = jnp.where(causal_LxL, s_BxHxLxL, jnp.finfo(jnp.float32).min)
-        p_BxHxLxL = jax.nn.softmax(s_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
-        o_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", p_BxHxLxL, v_BxLxHxK)
+        # Both implementations take scores and softmax in float32 (bf16 scores lose too much
+        # precision in the softmax); cuDNN's flash kernel never materializes [B, H, L, L].
+        o_BxLxHxK = jax.nn.dot_product_attention(
+            q_BxLxHxK,
+            k_BxLxHxK,
+            v_BxLxHxK,
+            is_causal=True,
+            implementation=attention_implementation(c),
+        )
         return self.out(o_BxLxHxK.reshape(b, seq_len, c.num_heads * c.kv_size))
 
 
@@ -241,12 +374,13 @@ class Transformer(nnx.Module):
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         self.config = c
         embed_init = nnx.initializers.normal(_INIT_STD)
+        # nnx.Embed holds the tables; the lookups are `_embed` and plain slices.
         self.token_embed = nnx.Embed(
             c.vocab_size,
             c.d_model,
             embedding_init=embed_init,
             dtype=c.jnp_dtype,
-            param_dtype=c.jnp_dtype,
+            param_dtype=c.param_jnp_dtype,
             rngs=rngs,
         )
         if c.positions == "learned":
@@ -255,32 +389,37 @@ class Transformer(nnx.Module):
                 c.d_model,
                 embedding_init=embed_init,
                 dtype=c.jnp_dtype,
-                param_dtype=c.jnp_dtype,
+                param_dtype=c.param_jnp_dtype,
                 rngs=rngs,
             )
         self.blocks = nnx.List([Block(c, rngs) for _ in range(c.num_layers)])
         self.final_norm = _rms_norm(c, rngs)
 
     def __call__(self, inputs_BxL: jax.Array) -> jax.Array:
+        c = self.config
         seq_len = inputs_BxL.shape[1]
-        x_BxLxD = self.token_embed(inputs_BxL)
-        if self.config.positions == "learned":
-            x_BxLxD = x_BxLxD + self.position_embed.embedding[:seq_len][None].astype(x_BxLxD.dtype)
+        table_VxD = self.token_embed.embedding[...]
+        x_BxLxD = _embed(c, table_VxD, inputs_BxL)
+        if c.positions == "learned":
+            x_BxLxD = x_BxLxD + self.position_embed.embedding[:seq_len][None].astype(c.jnp_dtype)
         for block in self.blocks:
             x_BxLxD = block(x_BxLxD)
         h_BxLxD = self.final_norm(x_BxLxD)
-        # Tied output projection; accumulate in float32 so bf16 params still give f32 logits.
+        # Tied output projection in the compute dtype, accumulated and returned in float32.
+        # The dot algorithm keeps its backward pass in the compute dtype too: the logits'
+        # cotangent is float32, and without it both gradient matmuls would run in float32.
         return jnp.einsum(
             "bld,vd->blv",
-            h_BxLxD,
-            self.token_embed.embedding[...],
+            h_BxLxD.astype(c.jnp_dtype),
+            table_VxD.astype(c.jnp_dtype),
             preferred_element_type=jnp.float32,
+            precision=_LOW_PRECISION_DOT.get(c.dtype),
         )
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def init_params(config: ModelConfig, key: jax.Array) -> Params:
-    """Random initial parameters as a plain nested dict of arrays (dtype config.dtype).
+    """Random initial parameters as a plain nested dict of arrays (dtype config.param_dtype).
 
     Jitted (config static); works under vmap over `key`, and
     `jax.eval_shape(init_params, config, key)` gives shapes without allocating.
@@ -322,6 +461,12 @@ def apply(config: ModelConfig, params: Params, inputs_BxL: jax.Array) -> jax.Arr
     if not 1 <= inputs_BxL.shape[1] <= config.seq_len:
         raise ValueError(
             f"inputs_BxL length {inputs_BxL.shape[1]} must be in [1, seq_len={config.seq_len}]"
+        )
+    if config.dtype == "float16" and jax.devices()[0].platform != "gpu":
+        # jax's attention (and the logits) ask for F16_F16_F32 dots, which only GPUs have.
+        raise ValueError(
+            f"ModelConfig.dtype='float16' needs a GPU, got {jax.devices()[0].platform}; "
+            "use bfloat16"
         )
     graphdef, state_treedef, dict_treedef = _abstract_split(config)
     if jax.tree.structure(params) != dict_treedef:
