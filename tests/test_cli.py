@@ -177,6 +177,8 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--eager"], "eager=True needs outer_delay >= 1"),
         (["train", "--outer-clip", "0"], "outer_clip must be a number > 0"),
         (["train", "--state-sync", "mu"], "state_sync must look like"),
+        (["train", "--fragments", "3", "--inner-steps", "25"], "must be a multiple"),
+        (["train", "--merge-alpha", "0.5"], "need fragments"),
         (["compare", "--outer-delay", "3"], "outer_delay must be at most 2"),
         ([], "required"),
     ],

@@ -37,6 +37,9 @@ FLAGS = [
     "--outer-delay",
     "--outer-clip",
     "--state-sync",
+    "--fragments",
+    "--overlap-steps",
+    "--merge-alpha",
 ]
 VALUES = st.one_of(
     st.integers(-10, 10_000).map(str),

@@ -68,6 +68,9 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--outer-clip", type=float, help="EDiT: clip the mean delta's norm to this")
     p.add_argument("--state-sync", help="DES-LOC: average inner state fields, e.g. mu=75,nu=150")
+    p.add_argument("--fragments", type=int, help="Streaming DiLoCo: sync P fragments in turn")
+    p.add_argument("--overlap-steps", type=int, help="Streaming DiLoCo: tau")
+    p.add_argument("--merge-alpha", type=float, help="Streaming DiLoCo: alpha")
     p.add_argument(
         "--eager",
         action="store_true",
@@ -133,6 +136,9 @@ _CONFIG_FLAGS = (
     "eager",
     "outer_clip",
     "state_sync",
+    "fragments",
+    "overlap_steps",
+    "merge_alpha",
     "seed",
     "backend",
 )

@@ -11,6 +11,7 @@ import optax
 
 from diloco_jax import delay
 from diloco_jax.compression import parse_compression
+from diloco_jax.schedule import check_schedule
 
 SHARDINGS = ("iid", "non_iid")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
@@ -63,6 +64,9 @@ class RunConfig:
     weighting: str = "uniform"  # "uniform" | "norm_softmax" (EDiT; diloco_jax.faults)
     anomaly_skip: bool = False  # EDiT's EWMA z-score skip of outlier workers
     state_sync: str | None = None  # DES-LOC, e.g. "mu=75,nu=150" (diloco_jax.state_sync)
+    fragments: int | None = None  # Streaming DiLoCo's P (diloco_jax.schedule); None: off
+    overlap_steps: int = 0  # its tau
+    merge_alpha: float = 0.0  # its alpha
     seed: int = 0
     backend: str = "auto"
 
@@ -238,6 +242,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     if cfg.state_sync is not None:
         state_sync_of(cfg)
+    if cfg.fragments is not None:
+        at_least("fragments", 1)
+        if cfg.outer_delay:
+            raise ConfigError("fragments can't be combined with outer_delay")
+        try:
+            check_schedule(cfg.fragments, cfg.inner_steps, cfg.overlap_steps, cfg.merge_alpha)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif cfg.overlap_steps or cfg.merge_alpha:
+        raise ConfigError("overlap_steps and merge_alpha need fragments")
     if cfg.outer_clip is not None and not cfg.outer_clip > 0:
         raise ConfigError(f"outer_clip must be a number > 0, got {cfg.outer_clip!r}")
     if cfg.weighting not in ("uniform", "norm_softmax"):

@@ -208,6 +208,9 @@ def run(
             weighting=cfg.weighting,
             anomaly=cfg.anomaly_skip or None,
             state_sync=state_sync_of(cfg),
+            fragments=cfg.fragments,
+            overlap_steps=cfg.overlap_steps,
+            merge_alpha=cfg.merge_alpha,
             **common,
         )
     elif algo == "sync":
