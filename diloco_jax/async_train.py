@@ -241,8 +241,9 @@ def train_async(
     evaluate = jax.jit(eval_fn) if eval_fn is not None else None
 
     theta = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), device)
-    outer_state = outer_init(outer_optimizer, theta)
-    inner_states = [inner_optimizer.init(theta)] * num_workers  # immutable: safe to share
+    # Committed to the device like the programs' outputs, so each job length compiles once.
+    outer_state = jax.device_put(outer_init(outer_optimizer, theta), device)
+    inner_states = [jax.device_put(inner_optimizer.init(theta), device)] * num_workers
     # theta after k updates, kept while some job that started from it is still to run.
     waiting = collections.Counter(e.start_update for e in schedule.events)
     starts = {0: theta}
