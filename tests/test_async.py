@@ -1,6 +1,7 @@
 """train_async / async_schedule / dynamic_local_steps against hand-built schedules and NumPy
 references written here, and against train_diloco where they must agree."""
 
+import json
 import math
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 
 import diloco_jax as dj
 from diloco_jax import async_train
+from diloco_jax.lm.cli import main
 
 # Step times (1, 2, 3) s and H = 2: jobs of 2, 4 and 6 s. Worker 0 arrives at 2, 4, 6, ...,
 # worker 1 at 4, 8, 12, worker 2 at 6, 12. Ties share a window, applied in worker order,
@@ -391,3 +393,56 @@ def test_schedule_bad_input_names_the_argument(args, name):
         dj.async_schedule(*args)
     with pytest.raises(ValueError, match="^grace_seconds"):
         dj.async_schedule((1.0,), 2, 3, grace_seconds=-1.0)
+
+
+# ---------------------------------------------------------------------------- LM and CLI
+
+TEXT = "".join(
+    f"Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(400)
+)
+
+
+def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "micro", "--algo", "async", "--data", f"text:{corpus}"]
+    argv += ["--workers", "2", "--inner-steps", "3", "--rounds", "2", "--step-seconds", "1,2"]
+    argv += ["--dynamic-steps", "--outer-optimizer", "delayed_nesterov", "--dn-c", "0.1"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    runs = [r for r in records if r["run"] == "async"]
+    # DyLU at (1, 2) s per step with H = 3: jobs of 3 and 1 steps; the run stops at the
+    # first update that reaches DiLoCo's 2 x 3 x 2 = 12 inner steps.
+    assert summary["job_steps"] == [3, 1]
+    assert runs[-1]["total_steps"] >= 12 > runs[-2]["total_steps"]
+    assert summary["steps_per_worker"] == runs[-1]["total_steps"] / 2
+    assert summary["communication_rounds"] == len(runs)
+    assert summary["simulated_seconds"] == runs[-1]["time"]
+    assert [r["update"] for r in runs if "eval_loss" in r][-1] == len(runs) - 1
+    assert summary["outer"] == "delayed_nesterov 0.7" and summary["utilization"] == 1.0
+    assert "async: eval loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--algo", "async", "--step-seconds", "1,x"], "--step-seconds"),
+        (["--algo", "diloco", "--step-seconds", "1,2"], "need --algo async"),
+        (["--dynamic-steps"], "need --algo async"),
+        (["--algo", "async", "--step-seconds", "1,2,3"], "step_seconds"),
+        (["--algo", "async", "--step-seconds", "1,0"], "step_seconds"),
+        (["--algo", "async", "--dn-c", "0.1"], "dn_buffer and dn_c"),
+        (["--algo", "async", "--backend", "pmap"], "--backend"),
+        (["--algo", "async", "--checkpoint-every", "2"], "--checkpoint-every"),
+    ],
+)
+def test_cli_async_mistakes_are_one_line_exit_2(argv, message, tmp_path, capsys):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--preset", "micro", *argv, "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("diloco-jax: error:") and message in err
+    assert not out.exists()
