@@ -1,8 +1,18 @@
 """diloco-jax: DiLoCo (Douglas et al. 2023, arXiv 2311.08105) in JAX."""
 
 from diloco_jax import checkpoint
+from diloco_jax.async_train import (
+    AsyncEvent,
+    AsyncResult,
+    AsyncSchedule,
+    AsyncState,
+    async_schedule,
+    dynamic_local_steps,
+    train_async,
+)
 from diloco_jax.comm import payload_bytes, round_bytes
 from diloco_jax.compression import Compression, parse_compression
+from diloco_jax.delayed_nesterov import DelayedNesterovState, delayed_nesterov
 from diloco_jax.faults import AnomalySkip
 from diloco_jax.inner import inner_loop, inner_step
 from diloco_jax.outer import (
@@ -29,17 +39,25 @@ __all__ = [
     "checkpoint",
     "WORKER_AXIS",
     "AnomalySkip",
+    "AsyncEvent",
+    "AsyncResult",
+    "AsyncSchedule",
+    "AsyncState",
     "Backend",
     "Compression",
+    "DelayedNesterovState",
     "DiLoCoState",
     "Sampler",
     "clip_outer_norm",
     "SyncState",
     "TrainResult",
+    "async_schedule",
     "default_inner_optimizer",
     "default_outer_optimizer",
+    "delayed_nesterov",
     "delta_dtype",
     "diloco_round",
+    "dynamic_local_steps",
     "init_state",
     "init_sync_state",
     "inner_loop",
@@ -52,6 +70,7 @@ __all__ = [
     "payload_bytes",
     "round_bytes",
     "sync_step",
+    "train_async",
     "train_diloco",
     "train_sync",
     "worker_delta",

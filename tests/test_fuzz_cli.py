@@ -40,6 +40,11 @@ FLAGS = [
     "--fragments",
     "--overlap-steps",
     "--merge-alpha",
+    "--algo",
+    "--step-seconds",
+    "--dynamic-steps",
+    "--dn-buffer",
+    "--dn-c",
 ]
 VALUES = st.one_of(
     st.integers(-10, 10_000).map(str),
@@ -79,6 +84,12 @@ VALUES = st.one_of(
             "cudnn",
             "gather",
             "onehot",
+            "async",
+            "delayed_nesterov",
+            "0.58,0.75,1.51,3.33",
+            "1,2",
+            "1,nan",
+            "1,,2",
         ]
     ),
     st.text(max_size=12),

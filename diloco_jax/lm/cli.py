@@ -98,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="one run of DiLoCo or the synchronous baseline")
     train.add_argument("--algo", choices=ALGOS, default="diloco")
     train.add_argument(
+        "--step-seconds",
+        type=_seconds_list,
+        help="--algo async: simulated seconds per inner step of each worker, e.g. 0.58,0.75",
+    )
+    train.add_argument(
+        "--dynamic-steps",
+        action="store_true",
+        default=None,
+        help="--algo async: DyLU, slower workers take proportionally fewer steps per job",
+    )
+    train.add_argument("--dn-buffer", type=int, help="delayed_nesterov: buffer N (default M)")
+    train.add_argument("--dn-c", type=float, help="delayed_nesterov: c (default 0)")
+    train.add_argument(
         "--checkpoint-every",
         type=int,
         help="checkpoint every K rounds into OUT/checkpoints; rerunning resumes from there",
@@ -111,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds_list(text: str) -> tuple[float, ...]:
+    """'a,b,c' -> (a, b, c) as floats (checked further by the config)."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
+
+
+_ASYNC_FLAGS = ("step_seconds", "dynamic_steps")
 _CONFIG_FLAGS = (
     "preset",
     "workers",
@@ -141,6 +163,9 @@ _CONFIG_FLAGS = (
     "merge_alpha",
     "seed",
     "backend",
+    *_ASYNC_FLAGS,
+    "dn_buffer",
+    "dn_c",
 )
 
 
@@ -199,8 +224,15 @@ def parse(argv: list[str] | None = None) -> Invocation:
     from diloco_jax.lm import config
 
     args = build_parser().parse_args(argv)
-    overrides = {k: getattr(args, k) for k in _CONFIG_FLAGS if k != "preset"}
+    overrides = {k: getattr(args, k, None) for k in _CONFIG_FLAGS if k != "preset"}
     cfg = config.make_config(args.preset, **overrides)
+    algo = getattr(args, "algo", None)
+    if algo != "async" and any(getattr(args, k, None) is not None for k in _ASYNC_FLAGS):
+        raise ConfigError("--step-seconds and --dynamic-steps need --algo async")
+    if algo == "async" and cfg.backend not in ("auto", "vmap"):
+        raise ConfigError(f"--algo async runs on --backend auto or vmap, got {cfg.backend!r}")
+    if algo == "async" and getattr(args, "checkpoint_every", None) is not None:
+        raise ConfigError("--checkpoint-every is not supported with --algo async")
     default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
     every = getattr(args, "checkpoint_every", None)
     if every is not None and every < 1:

@@ -11,18 +11,19 @@ import optax
 
 from diloco_jax import delay
 from diloco_jax.compression import parse_compression
+from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.schedule import check_schedule
 
 SHARDINGS = ("iid", "non_iid")
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
-ALGOS = ("diloco", "sync")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "delayed_nesterov")
+ALGOS = ("diloco", "sync", "async")
 # Compute and parameter dtypes the CLI offers (the model also takes float16, on GPUs only and
 # without loss scaling, so it is left to library users).
 DTYPES = ("float32", "bfloat16")
 # The outer learning rate each outer optimizer gets unless one is given: the paper's
 # Nesterov(0.7, 0.9); plain SGD at 1.0 is parameter averaging (FedAvg); Adam rescales the
 # delta per coordinate, so it wants a step of the inner learning rate's order.
-DEFAULT_OUTER_LR = {"nesterov": 0.7, "sgd": 1.0, "adam": 1e-3}
+DEFAULT_OUTER_LR = {"nesterov": 0.7, "sgd": 1.0, "adam": 1e-3, "delayed_nesterov": 0.7}
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,13 @@ class RunConfig:
     fragments: int | None = None  # Streaming DiLoCo's P (diloco_jax.schedule); None: off
     overlap_steps: int = 0  # its tau
     merge_alpha: float = 0.0  # its alpha
+    # async only: simulated seconds per inner step of each worker (None: 1.0 for every one),
+    # and dynamic local updates (DyLU: fewer steps per job for slower workers)
+    step_seconds: tuple[float, ...] | None = None
+    dynamic_steps: bool = False
+    # outer_optimizer "delayed_nesterov": its buffer N (None: the number of workers) and c
+    dn_buffer: int | None = None
+    dn_c: float = 0.0
     seed: int = 0
     backend: str = "auto"
 
@@ -169,6 +177,11 @@ def _check_types(cfg: RunConfig) -> None:
             ok = isinstance(value, bool)
         elif isinstance(value, bool):
             ok = False
+        elif declared.startswith("tuple[float"):
+            ok = isinstance(value, tuple) and all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+                for x in value
+            )
         elif declared.startswith("int"):
             ok = isinstance(value, int)
         elif declared.startswith("float"):
@@ -235,6 +248,19 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction!r}")
     if cfg.drop_probability is not None and not 0 <= cfg.drop_probability <= 1:
         raise ConfigError(f"drop_probability must be in [0, 1], got {cfg.drop_probability!r}")
+    if cfg.step_seconds is not None and (
+        len(cfg.step_seconds) != cfg.workers or not all(s > 0 for s in cfg.step_seconds)
+    ):
+        raise ConfigError(
+            f"step_seconds must be {cfg.workers} numbers > 0 (one per worker), "
+            f"got {cfg.step_seconds!r}"
+        )
+    if cfg.dn_buffer is not None:
+        at_least("dn_buffer", 1)
+    if cfg.dn_c < 0:
+        raise ConfigError(f"dn_c must be a finite number >= 0, got {cfg.dn_c!r}")
+    if (cfg.dn_buffer is not None or cfg.dn_c) and cfg.outer_optimizer != "delayed_nesterov":
+        raise ConfigError("dn_buffer and dn_c apply to outer_optimizer 'delayed_nesterov' only")
     try:
         parse_compression(cfg.compression)
         delay.check(cfg.outer_delay, cfg.eager)
@@ -308,8 +334,11 @@ def pretrain_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 
 def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """The outer optimizer: Nesterov SGD (momentum 0.9), plain SGD, or Adam (b2 0.95)."""
+    """The outer optimizer: Nesterov SGD (momentum 0.9), plain SGD, Adam (b2 0.95), or
+    Delayed Nesterov (momentum 0.9, buffer dn_buffer or the number of workers, c = dn_c)."""
     lr = cfg.resolved_outer_lr
+    if cfg.outer_optimizer == "delayed_nesterov":
+        return delayed_nesterov(lr, 0.9, buffer_size=cfg.dn_buffer or cfg.workers, c=cfg.dn_c)
     if cfg.outer_optimizer == "nesterov":
         return optax.sgd(lr, momentum=0.9, nesterov=True)
     if cfg.outer_optimizer == "sgd":

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax.async_train import async_schedule, train_async
 from diloco_jax.lm import data as data_lib
 from diloco_jax.lm import mfu as mfu_lib
 from diloco_jax.lm import model as model_lib
@@ -140,11 +141,14 @@ def _recorder(
     start = time.perf_counter()
 
     def record(entry: Record) -> None:
+        steps = entry["steps"]
+        if "total_steps" in entry:  # async: jobs differ in length; the mean over workers
+            steps = entry["steps_per_worker"] = entry["total_steps"] / num_workers
         entry.update(
             run=name,
             workers=num_workers,
             wall_seconds=time.perf_counter() - start,
-            tokens_per_worker=entry["steps"] * cfg.batch_size * cfg.seq_len,
+            tokens_per_worker=round(steps * cfg.batch_size * cfg.seq_len),
         )
         if on_record is not None:
             on_record(entry)
@@ -169,6 +173,10 @@ def run(
     algo "diloco": M = num_workers workers, H = cfg.inner_steps, R = cfg.rounds.
     algo "sync": M = num_workers workers averaging gradients every step, for H x R steps,
     evaluated every H steps (the same points as DiLoCo's rounds).
+    algo "async": asynchronous DiLoCo (`train_async`) on the simulated clock of
+    cfg.step_seconds (cfg.dynamic_steps: DyLU), each arriving delta applied with the outer
+    optimizer, for as many server updates as it takes to match DiLoCo's total inner steps
+    (M x H x R summed over workers: equal compute and tokens), evaluated every M updates.
     Every history entry gets "run", "workers", "tokens_per_worker", "wall_seconds" and, where
     evaluated, "eval_loss". The summary's throughput fields cover the whole call (compiles and
     evaluations included): "tokens_per_second" (all workers), "model_flops_per_token"
@@ -180,7 +188,8 @@ def run(
     name = name or algo
     model_cfg, init_params, loss_fn = init_model(cfg)
     params = init_params if params is None else params
-    sampler = make_sampler(cfg, corpus, num_workers, salt=0 if algo == "diloco" else 1)
+    # async draws DiLoCo's stream: job j of worker m sees round j's batches of worker m.
+    sampler = make_sampler(cfg, corpus, num_workers, salt=1 if algo == "sync" else 0)
     start = time.perf_counter()
     common = dict(
         num_workers=num_workers,
@@ -224,22 +233,24 @@ def run(
             eval_every=cfg.inner_steps,
             **common,
         )
+    elif algo == "async":
+        result, seconds = _run_async(cfg, loss_fn, params, sampler, num_workers, common)
     else:
-        raise ConfigError(f"algo must be 'diloco' or 'sync', got {algo!r}")
+        raise ConfigError(f"algo must be one of 'diloco', 'sync', 'async', got {algo!r}")
     history = result.history
     final = [h for h in history if "eval_loss" in h][-1]
     last = history[-1]
     summary = {
         "algo": algo,
         "workers": num_workers,
-        "inner_steps": cfg.inner_steps if algo == "diloco" else 1,
-        "outer": _outer_label(cfg) if algo == "diloco" else "-",
+        "inner_steps": cfg.inner_steps if algo != "sync" else 1,
+        "outer": _outer_label(cfg) if algo != "sync" else "-",
         "sharding": cfg.sharding if num_workers > 1 else "-",
-        "compression": cfg.compression if algo == "diloco" else "-",
-        "steps_per_worker": last["steps"],
-        "communication_rounds": cfg.rounds
-        if algo == "diloco"
-        else (cfg.total_steps if num_workers > 1 else 0),
+        "compression": {"diloco": cfg.compression, "async": "none"}.get(algo, "-"),
+        "steps_per_worker": last.get("steps_per_worker", last["steps"]),
+        "communication_rounds": {"diloco": cfg.rounds, "async": len(history)}.get(
+            algo, cfg.total_steps if num_workers > 1 else 0
+        ),
         "final_eval_loss": final["eval_loss"],
         "final_eval_ppl": math.exp(final["eval_loss"]),
         "final_train_loss": last["loss"],
@@ -251,7 +262,52 @@ def run(
         "num_params": model_lib.count_params(params),
     }
     summary.update(throughput(cfg, model_cfg, num_workers, summary))
+    if algo == "async":
+        summary.update(
+            step_seconds=list(seconds),
+            dynamic_steps=cfg.dynamic_steps,
+            job_steps=sorted({h["steps"] for h in history}, reverse=True),
+            simulated_seconds=result.elapsed_seconds,
+            utilization=result.utilization,
+        )
     return summary, history
+
+
+def _run_async(cfg: RunConfig, loss_fn, params, sampler, num_workers: int, common: dict):
+    """train_async for as many updates as it takes to reach DiLoCo's M x H x R inner steps
+    (summed over workers). Returns (result, step_seconds)."""
+    seconds = cfg.step_seconds or (1.0,) * num_workers
+    if len(seconds) != num_workers:
+        raise ConfigError(f"step_seconds must hold {num_workers} numbers, got {seconds!r}")
+    if common["checkpoint_dir"] is not None:
+        raise ConfigError("checkpoints are not supported with algo 'async'")
+    if cfg.backend not in ("auto", "vmap"):
+        raise ConfigError(f"algo 'async' runs on backend auto or vmap, got {cfg.backend!r}")
+    budget = num_workers * cfg.total_steps
+    # Every job takes >= 1 step, so `budget` updates always reach the budget.
+    events = async_schedule(
+        seconds, cfg.inner_steps, budget, dynamic_steps=cfg.dynamic_steps
+    ).events
+    done, num_updates = 0, 0
+    while done < budget:
+        done += events[num_updates].steps
+        num_updates += 1
+    result = train_async(
+        loss_fn,
+        params,
+        sampler,
+        num_workers=num_workers,
+        inner_steps=cfg.inner_steps,
+        num_updates=num_updates,
+        step_seconds=seconds,
+        dynamic_steps=cfg.dynamic_steps,
+        inner_optimizer=inner_optimizer(cfg),
+        outer_optimizer=outer_optimizer(cfg),
+        eval_fn=common["eval_fn"],
+        eval_every=num_workers,
+        callback=common["callback"],
+    )
+    return result, seconds
 
 
 def _outer_label(cfg: RunConfig) -> str:

@@ -52,7 +52,7 @@ class RunLog:
     def __call__(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
-        steps = record["steps"]
+        steps = record.get("steps_per_worker", record["steps"])  # async: a mean over workers
         self._bar.update(steps - self._done)
         self._done = steps
         seconds = max(record.get("wall_seconds", 0.0), 1e-9)

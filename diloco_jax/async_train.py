@@ -1,0 +1,439 @@
+"""Asynchronous DiLoCo (Liu et al. 2024, arXiv 2401.09135): workers of different speeds send
+their deltas whenever they finish, and a server applies each one as it arrives.
+
+A deterministic event simulation on one simulated clock:
+
+- worker m takes `step_seconds[m]` simulated seconds per inner step and h_m steps per job:
+  H, or with dynamic local updates (DyLU) floor(H v_m / max v), v = 1 / step_seconds (at
+  least 1), so every worker's job takes about as long as the fastest worker's H steps;
+- the server applies each finished job's delta, theta_start - theta_m (against the theta
+  that worker started from, in the widened delta dtype of `diloco_jax.outer`), with the outer
+  optimizer, in completion order (ties by worker index);
+- the worker restarts from the current theta at once; with `grace_seconds` > 0 the server
+  waits that long after a window's first arrival: every job finishing inside the window is
+  applied before any of them restarts, and they all restart when the window closes. Jobs
+  that finish at exactly the same instant always share a window.
+
+The schedule depends only on the step times, so `async_schedule` computes it up front in
+plain Python; `train_async` then runs each job as one compiled program (one per job length,
+a `lax.scan` of h_m inner steps) and each outer update as another, in schedule order.
+A job is computed when the server applies it, from the theta it started from (kept until
+then), so a worker's inner optimizer state passes from job to job in order and jobs still
+running when training stops are never computed.
+"""
+
+import collections
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from diloco_jax.comm import round_bytes
+from diloco_jax.distributed import to_host
+from diloco_jax.inner import LossFn, inner_loop
+from diloco_jax.outer import outer_init, outer_update, worker_delta
+from diloco_jax.round import default_inner_optimizer, default_outer_optimizer, stack_workers
+from diloco_jax.sampler import Sampler
+from diloco_jax.train import _check_int, _check_params, _optimizer
+
+Record = dict[str, Any]
+
+
+class AsyncEvent(NamedTuple):
+    """One server update of the simulation.
+
+    update: its index (0-based). worker, job: whose job it applies, and which of that
+    worker's jobs (0-based). steps: the job's inner steps. start, time: simulated seconds
+    when the job started and when it arrived (the server applies it then). start_update:
+    server updates applied before the job started (it started from theta after that many).
+    staleness: update - start_update, the server updates applied while it ran.
+    """
+
+    update: int
+    worker: int
+    job: int
+    steps: int
+    start: float
+    time: float
+    start_update: int
+    staleness: int
+
+
+class AsyncSchedule(NamedTuple):
+    """events: the server updates in order. elapsed_seconds: the simulated time of the last
+    one (0 with none). utilization: busy worker-seconds / (M x elapsed_seconds), 0 with no
+    updates; a worker is busy while it runs a job (jobs still running at the end count up to
+    elapsed_seconds) and idle while it waits for its grace window to close."""
+
+    events: tuple[AsyncEvent, ...]
+    elapsed_seconds: float
+    utilization: float
+
+
+class AsyncState(NamedTuple):
+    """params: theta. outer_opt_state: the outer optimizer's state (delta dtype).
+    inner_opt_state: each worker's inner optimizer state, leaves stacked [M, ...].
+    update: server updates applied."""
+
+    params: Any
+    outer_opt_state: Any
+    inner_opt_state: Any
+    update: int
+
+
+class AsyncResult(NamedTuple):
+    """params: final theta; state: AsyncState; history: one dict per server update;
+    elapsed_seconds and utilization: as in `AsyncSchedule`."""
+
+    params: Any
+    state: AsyncState
+    history: list[Record]
+    elapsed_seconds: float
+    utilization: float
+
+
+def dynamic_local_steps(step_seconds: Sequence[float], inner_steps: int) -> tuple[int, ...]:
+    """DyLU step counts: h_m = floor(H v_m / max v), v = 1 / step_seconds, at least 1.
+
+    step_seconds: M positive finite floats. inner_steps: H >= 1. A ratio within 1e-9 below
+    an integer counts as that integer (e.g. 3 x 0.1 / 0.3 is 3 steps, not 2).
+    """
+    seconds = _checked_step_seconds(step_seconds)
+    _check_int("inner_steps", inner_steps, 1)
+    speeds = [1.0 / s for s in seconds]
+    fastest = max(speeds)
+    return tuple(max(1, math.floor(inner_steps * v / fastest + 1e-9)) for v in speeds)
+
+
+def async_schedule(
+    step_seconds: Sequence[float],
+    inner_steps: int,
+    num_updates: int,
+    *,
+    grace_seconds: float = 0.0,
+    dynamic_steps: bool = False,
+) -> AsyncSchedule:
+    """The event order of `train_async` (see the module docstring), in plain Python.
+
+    Args:
+      step_seconds: M positive finite floats, worker m's simulated seconds per inner step.
+      inner_steps: H >= 1. num_updates: server updates to simulate, >= 0.
+      grace_seconds: >= 0; 0 restarts each worker at its arrival (exact ties share a window).
+      dynamic_steps: DyLU step counts (`dynamic_local_steps`) instead of H for every worker.
+
+    Returns:
+      AsyncSchedule(events, elapsed_seconds, utilization). Raises ValueError naming a bad
+      argument.
+    """
+    seconds = _checked_step_seconds(step_seconds)
+    _check_int("inner_steps", inner_steps, 1)
+    _check_int("num_updates", num_updates, 0)
+    grace = _checked_grace(grace_seconds)
+    num_workers = len(seconds)
+    steps = (
+        dynamic_local_steps(seconds, inner_steps) if dynamic_steps else (inner_steps,) * num_workers
+    )
+    # Per worker, its job in flight: (start, finish, start_update, job index).
+    running = {m: (0.0, steps[m] * seconds[m], 0, 0) for m in range(num_workers)}
+    spans = []  # (start, finish) of every job that was applied or is still running
+    events: list[AsyncEvent] = []
+    while len(events) < num_updates:
+        first = min(finish for _, finish, _, _ in running.values())
+        close = first + grace
+        window = sorted((finish, m) for m, (_, finish, _, _) in running.items() if finish <= close)
+        applied = []
+        for finish, m in window[: num_updates - len(events)]:
+            start, _, start_update, job = running[m]
+            update = len(events)
+            events.append(
+                AsyncEvent(
+                    update, m, job, steps[m], start, finish, start_update, update - start_update
+                )
+            )
+            spans.append((start, finish))
+            applied.append(m)
+        for m in applied:  # restart when the window closes, from theta after all of it
+            running[m] = (close, close + steps[m] * seconds[m], len(events), running[m][3] + 1)
+    if not events:
+        return AsyncSchedule((), 0.0, 0.0)
+    elapsed = events[-1].time
+    spans += [(start, finish) for start, finish, _, _ in running.values()]
+    busy = sum(max(0.0, min(finish, elapsed) - start) for start, finish in spans)
+    return AsyncSchedule(tuple(events), elapsed, busy / (num_workers * elapsed))
+
+
+def train_async(
+    loss_fn: LossFn,
+    params: Any,
+    data: Any,
+    *,
+    num_workers: int,
+    inner_steps: int,
+    num_updates: int,
+    step_seconds: Sequence[float],
+    grace_seconds: float = 0.0,
+    dynamic_steps: bool = False,
+    inner_optimizer: optax.GradientTransformation | None = None,
+    outer_optimizer: optax.GradientTransformation | None = None,
+    eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
+    eval_every: int = 1,
+    callback: Callable[[Record], None] | None = None,
+    backend: str = "auto",
+    devices: "list[jax.Device] | None" = None,
+) -> AsyncResult:
+    """Trains with asynchronous DiLoCo for `num_updates` server updates (simulated clock).
+
+    Args:
+      loss_fn: (params, batch) -> float scalar; batch is one worker's batch for one step.
+      params: initial theta, any pytree of float arrays. Never mutated or donated.
+      data: a `Sampler` (job j of worker m, step h draws `sample(arrays, j, m, h)`), or an
+        indexable sequence of rounds, each a batch pytree with leaves [M, H, ...]: worker m's
+        job j uses rounds[j][m] (its first h_m steps), as round j of `train_diloco` would.
+      num_workers: M >= 1. inner_steps: H >= 1. num_updates: >= 0.
+      step_seconds: M positive finite floats, simulated seconds per inner step of each worker.
+      grace_seconds, dynamic_steps: see `async_schedule`.
+      inner_optimizer: default AdamW(4e-4, b1=0.9, b2=0.95, weight_decay=0.1); its state
+        stays with its worker across jobs.
+      outer_optimizer: applied once per arrival; default SGD(0.7, momentum=0.9,
+        nesterov=True) (async DiLoCo as in the paper's baseline); `delayed_nesterov` is the
+        paper's fix.
+      eval_fn: optional jittable params -> dict of scalars, run every `eval_every` updates
+        and after the last; its values join that update's history entry.
+      callback: called with each history entry as it is recorded.
+      backend, devices: "auto" or "vmap": jobs run one at a time (each depends on the theta
+        its worker started from) on the first of `devices` (default `jax.devices()`).
+
+    Returns:
+      AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has
+      "update", "time" (simulated seconds at its arrival), "worker", "steps" (the job's
+      inner steps), "total_steps" (inner steps of every job applied so far), "staleness",
+      "loss" (the job's mean inner loss), "bytes_communicated" and "wire_bytes" (cumulative
+      bytes each worker sent, averaged over the M workers: a delta of |theta| x itemsize
+      bytes in float32 or wider to the server per applied job; the server's reply is not
+      counted), "worker_bytes" (each worker's own cumulative bytes, [M]). Same inputs give
+      bit-identical results.
+    """
+    _check_int("num_workers", num_workers, 1)
+    _check_int("inner_steps", inner_steps, 1)
+    _check_int("num_updates", num_updates, 0)
+    _check_int("eval_every", eval_every, 1)
+    seconds = _checked_step_seconds(step_seconds, num_workers)
+    if not isinstance(dynamic_steps, bool):
+        raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
+    _check_params(params)
+    inner_optimizer = _optimizer("inner_optimizer", inner_optimizer, default_inner_optimizer)
+    outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
+    device = _device(backend, devices)
+    schedule = async_schedule(
+        seconds,
+        inner_steps,
+        num_updates,
+        grace_seconds=grace_seconds,
+        dynamic_steps=dynamic_steps,
+    )
+    job_data = _job_data(data, num_workers, inner_steps, schedule.events, device)
+    run_job, apply_delta = _programs(loss_fn, inner_optimizer, outer_optimizer)
+    evaluate = jax.jit(eval_fn) if eval_fn is not None else None
+
+    theta = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), device)
+    # Committed to the device like the programs' outputs, so each job length compiles once.
+    outer_state = jax.device_put(outer_init(outer_optimizer, theta), device)
+    inner_states = [jax.device_put(inner_optimizer.init(theta), device)] * num_workers
+    # theta after k updates, kept while some job that started from it is still to run.
+    waiting = collections.Counter(e.start_update for e in schedule.events)
+    starts = {0: theta}
+    per_job = round_bytes(params)
+    sent = [0] * num_workers
+    total_steps = 0
+    history: list[Record] = []
+    pending = None
+
+    def finish(entry: Record, loss: jax.Array, evals: Any) -> None:
+        entry["loss"] = float(loss)
+        if evals is not None:
+            entry.update({k: float(v) for k, v in to_host(evals).items()})
+        history.append(entry)
+        if callback is not None:
+            callback(entry)
+
+    for e in schedule.events:
+        start = starts[e.start_update]
+        waiting[e.start_update] -= 1
+        if not waiting[e.start_update]:
+            del starts[e.start_update]
+        delta, inner_states[e.worker], loss = run_job(
+            start,
+            inner_states[e.worker],
+            job_data(e),
+            jnp.int32(e.job),
+            jnp.int32(e.worker),
+            num_steps=e.steps,
+        )
+        theta, outer_state = apply_delta(theta, outer_state, delta)
+        if waiting[e.update + 1]:
+            starts[e.update + 1] = theta
+        sent[e.worker] += per_job
+        total_steps += e.steps
+        done = e.update + 1
+        due = evaluate is not None and (done % eval_every == 0 or done == num_updates)
+        entry = {
+            "update": e.update,
+            "time": e.time,
+            "worker": e.worker,
+            "steps": e.steps,
+            "total_steps": total_steps,
+            "staleness": e.staleness,
+            "bytes_communicated": round(sum(sent) / num_workers),
+            "wire_bytes": round(sum(sent) / num_workers),
+            "worker_bytes": list(sent),
+        }
+        # Pull the previous update's metrics only now, so the host never stalls the device.
+        if pending is not None:
+            finish(*pending)
+        pending = (entry, loss, evaluate(theta) if due else None)
+    if pending is not None:
+        finish(*pending)
+    state = AsyncState(theta, outer_state, stack_trees(inner_states), num_updates)
+    return AsyncResult(theta, state, history, schedule.elapsed_seconds, schedule.utilization)
+
+
+def stack_trees(trees: Sequence[Any]) -> Any:
+    """[tree_0, ..., tree_{M-1}] -> one tree with leaves stacked [M, ...]."""
+    if all(t is trees[0] for t in trees):  # never updated: one broadcast, as init_state
+        return stack_workers(trees[0], len(trees))
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _job(loss_fn, inner_optimizer, params, opt_state, data, job, worker, *, num_steps):
+    """One job of one worker: `num_steps` inner steps from `params` (its theta_start).
+    Returns (delta theta_start - theta_m in the delta dtype, new inner state, mean loss)."""
+    if isinstance(data, Sampler):
+        batches = functools.partial(_sample, data, job, worker)
+    else:
+        batches = data  # leaves [num_steps, ...]
+    new_params, opt_state, losses = inner_loop(
+        loss_fn, inner_optimizer, params, opt_state, batches, num_steps=num_steps
+    )
+    return worker_delta(params, new_params), opt_state, jnp.mean(losses)
+
+
+def _sample(sampler: Sampler, job, worker, step):
+    return sampler.sample(sampler.arrays, job, worker, step)
+
+
+def _apply(outer_optimizer, params, outer_state, delta):
+    return outer_update(outer_optimizer, params, outer_state, delta)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_programs(loss_fn, inner_optimizer, outer_optimizer):
+    run_job = jax.jit(
+        functools.partial(_job, loss_fn, inner_optimizer), static_argnames=("num_steps",)
+    )
+    return run_job, jax.jit(functools.partial(_apply, outer_optimizer))
+
+
+def _programs(loss_fn, inner_optimizer, outer_optimizer):
+    """(jitted job: one program per job length, jitted outer update); cached per
+    (loss_fn, optimizers) so repeated runs reuse the compilations."""
+    try:
+        return _cached_programs(loss_fn, inner_optimizer, outer_optimizer)
+    except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
+        return _cached_programs.__wrapped__(loss_fn, inner_optimizer, outer_optimizer)
+
+
+def _job_data(
+    data: Any, num_workers: int, inner_steps: int, events: Sequence[AsyncEvent], device
+) -> Callable[[AsyncEvent], Any]:
+    """event -> that job's data on `device`: the Sampler (placed once), or worker m's first
+    h_m steps of round j. Checks up front that the rounds cover every job."""
+    if isinstance(data, Sampler):
+        placed = jax.device_put(data, device)
+        return lambda e: placed
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise ValueError(
+            "data must be a Sampler or an indexable sequence of rounds (leaves [M, H, ...]), "
+            f"got {type(data).__name__}"
+        )
+    needed = 1 + max((e.job for e in events), default=-1)
+    if len(data) < needed:
+        raise ValueError(
+            f"data has {len(data)} rounds; the schedule runs up to {needed} jobs per worker"
+        )
+    lead = (num_workers, inner_steps)
+
+    def of(e: AsyncEvent) -> Any:
+        batch = data[e.job]
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ValueError(f"data round {e.job} has no arrays")
+        for leaf in leaves:
+            if tuple(np.shape(leaf))[:2] != lead:
+                raise ValueError(
+                    f"data round {e.job}: every leaf must have leading dims [num_workers, "
+                    f"inner_steps] = {lead}, got shape {np.shape(leaf)}"
+                )
+        mine = jax.tree.map(lambda x: np.asarray(x)[e.worker, : e.steps], batch)
+        return jax.device_put(mine, device)
+
+    return of
+
+
+def _device(backend: str, devices) -> jax.Device:
+    if backend not in ("auto", "vmap"):
+        raise ValueError(
+            f"backend must be 'auto' or 'vmap' for train_async (jobs run one at a time on one "
+            f"device), got {backend!r}"
+        )
+    devices = jax.devices() if devices is None else list(devices)
+    if not devices:
+        raise ValueError("devices must hold at least one device")
+    return devices[0]
+
+
+def _checked_step_seconds(step_seconds: Any, num_workers: int | None = None) -> tuple[float, ...]:
+    """step_seconds as floats, checked: one finite number > 0 per worker (`num_workers` of
+    them when given, else at least one). Raises ValueError naming step_seconds."""
+    try:
+        seconds = tuple(step_seconds)
+    except TypeError:
+        raise ValueError(
+            f"step_seconds must be a sequence of numbers, one per worker, got {step_seconds!r}"
+        ) from None
+    if not seconds or (num_workers is not None and len(seconds) != num_workers):
+        want = "at least one" if num_workers is None else f"num_workers = {num_workers}"
+        raise ValueError(
+            f"step_seconds must hold one number per worker ({want}), got {len(seconds)}"
+        )
+    for s in seconds:
+        if isinstance(s, bool) or not isinstance(s, int | float | np.number):
+            raise ValueError(f"step_seconds must hold numbers, got {s!r}")
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(f"step_seconds must be finite and > 0, got {s!r}")
+    return tuple(float(s) for s in seconds)
+
+
+def _checked_grace(grace_seconds: Any) -> float:
+    if (
+        isinstance(grace_seconds, bool)
+        or not isinstance(grace_seconds, int | float | np.number)
+        or not (math.isfinite(grace_seconds) and grace_seconds >= 0)
+    ):
+        raise ValueError(f"grace_seconds must be a finite number >= 0, got {grace_seconds!r}")
+    return float(grace_seconds)
+
+
+__all__ = [
+    "AsyncEvent",
+    "AsyncResult",
+    "AsyncSchedule",
+    "AsyncState",
+    "async_schedule",
+    "dynamic_local_steps",
+    "train_async",
+]
