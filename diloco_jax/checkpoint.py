@@ -191,7 +191,7 @@ def restore(
             check_metadata(metadata, expected_metadata, where=f"{where} (step {step})")
             check_state_matches(saved_tree, like_state, where=f"{where} (step {step})")
             try:
-                state = _read_state(manager, step, like_state)
+                state = _read_state(manager, step, like_state, saved_tree)
                 _verify_checksums(state, checksums)
             except Exception as error:
                 failures.append(_skip(where, step, error))
@@ -281,10 +281,23 @@ def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict, d
     return metadata, checksums
 
 
-def _read_state(manager: ocp.CheckpointManager, step: int, like_state: Any) -> Any:
+def _read_state(
+    manager: ocp.CheckpointManager, step: int, like_state: Any, saved_tree: Any
+) -> Any:
     target = jax.tree.map(_restore_target, like_state)
-    args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
-    return manager.restore(step, args=args)[STATE]
+    fields = getattr(like_state, "_fields", None)
+    if fields is None or not hasattr(saved_tree, "keys"):
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
+        return manager.restore(step, args=args)[STATE]
+    # A state type that gained fields since the checkpoint was written (None in this run,
+    # absent on disk): restore the saved fields by name, keep the rest as this run has them.
+    saved = set(saved_tree.keys())
+    by_name = {name: getattr(target, name) for name in fields if name in saved}
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(by_name)})
+    restored = manager.restore(step, args=args)[STATE]
+    return type(like_state)(
+        **{name: restored.get(name, getattr(like_state, name)) for name in fields}
+    )
 
 
 def _restore_target(leaf: Any) -> Any:

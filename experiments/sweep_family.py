@@ -1,0 +1,183 @@
+"""The DiLoCo family on equal terms: one preset, one warm start, the same data and the same
+inner steps per worker for every method; eval loss, the wire bytes each worker sends, and
+the compute utilization each would keep on a 1 Gbit/s and a 100 Mbit/s network.
+
+Methods (each with its paper's own knobs where they differ from DiLoCo's):
+- diloco: Nesterov(0.7, 0.9) outer, exact all-reduce;
+- streaming_int4: Streaming DiLoCo, 5 fragments, tau = 1, int4 deltas with error feedback;
+- sparseloco: chunked top-k (3.1%) 2-bit deltas, error feedback with decay 0.95, outer
+  SGD(1.0) (Sarfi et al. 2025);
+- muloco / muloco_int4_ef: Muon inner optimizer on the hidden matrices, outer Nesterov(0.7,
+  momentum 0.6) (Therien et al. 2025), exact or int4 with error feedback;
+- des_loc: Adam moments averaged every 3H (mu) and 6H (nu) steps, params plainly averaged
+  (outer SGD(1.0)) (Iacob et al. 2025);
+- edit_clip: EDiT's clip of the mean delta (Cheng et al. 2024) at the median delta norm of a
+  DiLoCo round here;
+- eager: eager outer updates with a one-round delay (Kale et al. 2025);
+- async_dn_dylu: asynchronous DiLoCo with Delayed Nesterov and dynamic local updates (Liu et
+  al. 2024) at the paper's step times, to DiLoCo's total inner steps;
+- sync_1worker, sync_data_parallel: the baselines.
+
+Utilization: netsim's t_round = H t_step + latency + 8 x wire bytes / bandwidth (eager: the
+max of the two), from the measured step time of one worker and each run's wire bytes per
+sync (the synchronous methods' workers run at equal speed); async: per job of its mean
+length, times the utilization of its own simulated clock (its workers run at the paper's
+unequal step times, which it is built for).
+
+Writes results/family.md, results/family.json and results/family.png.
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from sweep import RESULTS  # noqa: E402
+
+from diloco_jax import netsim  # noqa: E402
+from diloco_jax.lm import experiment  # noqa: E402
+from diloco_jax.lm.config import make_config  # noqa: E402
+
+STEP_SECONDS = (0.58, 0.75, 1.51, 3.33)
+BANDWIDTHS = {"1 Gbit/s": 1e9, "100 Mbit/s": 100e6}
+CLIP = 0.0  # set from the DiLoCo run's delta norms (see main)
+
+
+def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
+    """label -> (algo, config overrides)."""
+    h = base.inner_steps
+    return {
+        "diloco": ("diloco", {}),
+        "streaming_int4": (
+            "diloco",
+            {"fragments": 5, "overlap_steps": 1, "compression": "int4,ef=1"},
+        ),
+        "sparseloco": (
+            "diloco",
+            {"compression": "sparseloco", "outer_optimizer": "sgd", "outer_lr": 1.0},
+        ),
+        "muloco": ("diloco", {"inner_optimizer": "muon", "outer_momentum": 0.6}),
+        "muloco_int4_ef": (
+            "diloco",
+            {"inner_optimizer": "muon", "outer_momentum": 0.6, "compression": "int4,ef=1"},
+        ),
+        "des_loc": (
+            "diloco",
+            {"state_sync": f"mu={3 * h},nu={6 * h}", "outer_optimizer": "sgd", "outer_lr": 1.0},
+        ),
+        "edit_clip": ("diloco", {"outer_clip": CLIP}),
+        "eager": ("diloco", {"outer_delay": 1, "eager": True}),
+        "async_dn_dylu": (
+            "async",
+            {
+                "outer_optimizer": "delayed_nesterov",
+                "dynamic_steps": True,
+                "step_seconds": STEP_SECONDS,
+            },
+        ),
+        "sync_1worker": ("sync", {}),
+        "sync_data_parallel": ("sync", {}),
+    }
+
+
+def utilization(label: str, summary: dict, history: list, base, step_seconds: float) -> dict:
+    """Compute utilization at each of BANDWIDTHS from the run's wire bytes per sync."""
+    if label == "sync_1worker":
+        return dict.fromkeys(BANDWIDTHS, 1.0)
+    if summary["algo"] == "sync":
+        steps, syncs = 1, base.total_steps
+    elif summary["algo"] == "async":
+        steps = statistics.mean(h["steps"] for h in history)
+        syncs = len(history) / base.workers  # jobs per worker
+    else:
+        steps, syncs = base.inner_steps, base.rounds
+    wire = summary["wire_bytes"] / syncs
+    overlap = label == "eager"
+    out = {}
+    for name, bw in BANDWIDTHS.items():
+        u = netsim.utilization(step_seconds, steps, wire, bw, overlap=overlap)
+        out[name] = u * summary.get("utilization", 1.0)
+    return out
+
+
+def main() -> None:
+    global CLIP
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="quick")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = make_config(args.preset, workers=len(STEP_SECONDS))
+    corpus = experiment.load_corpus(base)
+    params, _ = experiment.pretrain(base, corpus)
+    summaries, histories = {}, {}
+    for label, (algo, overrides) in runs(base).items():
+        if label == "edit_clip":  # clip at the median outer-gradient norm DiLoCo saw
+            CLIP = statistics.median(h["outer_grad_norm"] for h in histories["diloco"])
+            overrides = {"outer_clip": CLIP}
+        cfg = make_config(args.preset, workers=len(STEP_SECONDS), **overrides)
+        workers = 1 if label == "sync_1worker" else cfg.workers
+        summaries[label], histories[label] = experiment.run(
+            cfg, corpus, algo, workers, name=label, params=params
+        )
+        print(f"{label}: eval loss {summaries[label]['final_eval_loss']:.4f}", flush=True)
+    times = [h["wall_seconds"] for h in histories["sync_1worker"]]
+    step_seconds = statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+    for label, summary in summaries.items():
+        summary["utilization_at"] = utilization(
+            label, summary, histories[label], base, step_seconds
+        )
+    table = _table(base, summaries, step_seconds)
+    (out / "family.md").write_text(table)
+    record = {"step_seconds": step_seconds, "clip": CLIP, "runs": summaries}
+    (out / "family.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    _plot(histories, out / "family.png")
+    print(table)
+
+
+def _table(base, summaries: dict[str, dict], step_seconds: float) -> str:
+    lines = [
+        "## The DiLoCo family on equal terms",
+        "",
+        f"Base: `quick` preset ({base.model} model), M={base.workers}, H={base.inner_steps}, "
+        f"R={base.rounds}, one {base.pretrain_steps}-step warm start; utilization from a "
+        f"measured {step_seconds * 1e3:.1f} ms step.",
+        "",
+        "| run | inner / outer | deltas sent as | wire bytes / worker | eval loss | "
+        + " | ".join(f"utilization at {b}" for b in BANDWIDTHS)
+        + " |",
+        "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in BANDWIDTHS) + " |",
+    ]
+    for label, s in summaries.items():
+        util = " | ".join(f"{s['utilization_at'][b]:.0%}" for b in BANDWIDTHS)
+        lines.append(
+            f"| {label} | {s.get('inner', 'adamw')} / {s['outer']} | {s['compression']} | "
+            f"{s['wire_bytes']:,} | {s['final_eval_loss']:.4f} | {util} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(histories: dict[str, list[dict]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for label, history in histories.items():
+        points = [(h["tokens_per_worker"], h["eval_loss"]) for h in history if "eval_loss" in h]
+        style = "--" if label.startswith("sync") else "-"
+        ax.plot(*zip(*points, strict=True), style, marker="o", ms=2, label=label)
+    ax.set_xlabel("tokens per worker")
+    ax.set_ylabel("eval loss (nats / byte)")
+    ax.set_title("The DiLoCo family, equal inner steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
