@@ -880,8 +880,9 @@ def compressed_mean(
     """Mean of ``tree`` over ``axis_name`` with every worker's leaves sent compressed.
 
     For use inside ``jax.vmap(axis_name=...)``, ``shard_map`` or ``pmap``. Each leaf is encoded
-    (after adding the residual when error feedback is on), the payload is ``lax.all_gather``-ed,
-    every worker's slice is decoded and the slices are averaged in float32; the mean is returned
+    (after adding the residual, decayed by SparseLoCo's beta, when error feedback is on), the
+    payload is ``lax.all_gather``-ed, every worker's slice is decoded and the slices are
+    averaged in float32 (per contributor if the compression says so); the mean is returned
     in the leaf's dtype. Kind ``"none"`` uses ``lax.pmean`` directly (bit-identical to it).
 
     Returns ``(mean_tree, new_residual)``. With error feedback, ``new_residual`` is this worker's
