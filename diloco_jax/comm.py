@@ -44,8 +44,8 @@ def round_bytes(params: Any, compression: "str | Compression | None" = None) -> 
     * no compression (None / "none"): the deltas in their delta dtype (float32, or float64
       params' float64), the all-reduce operand: |θ| x itemsize;
     * a lossy kind: every leaf's payload, the all_gather operand: integer codes, float32
-      scales, int32 indices / packed masks, block padding included
-      (`compression.tree_payload_bytes`).
+      scales, int32 indices / packed masks, block padding included; SparseLoCo's per-block
+      offsets, packed 2-bit codes and float32 levels (`compression.tree_payload_bytes`).
 
     Not included: the 4-byte all-reduce of the round's mean loss, and the 1 / M of the
     gathered result a worker receives back from each peer. With k workers on a device the

@@ -51,15 +51,34 @@ of it and the padding is sent and counted):
   plus the kept float32 values in position order, which is cheaper than int32 indices whenever
   more than 1/32 of the entries are kept.
 
+* ``"sparseloco"``: SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706), as the authors' code
+  (tplr-ai/SparseLoCo) does it. The leaf, viewed as a matrix (a vector as one row, a higher
+  rank leaf as (prod(shape[:-1]), shape[-1])), is cut into blocks of h x w, each dim split by
+  its largest divisor <= 64 (:func:`sparseloco_block_shape`); every block keeps its
+  ``k = max(1, round(h * w * top_k / 4096))`` largest-magnitude values (``top_k`` in
+  [1, 4096], default 128: 3.1%). Payload: the kept values' offsets inside their block in the
+  smallest unsigned type that holds them (uint8 for blocks up to 256 elements, else uint16),
+  [blocks, k]; and with ``quant`` (default) their 2-bit codes, four per uint8, with the leaf's
+  four float32 levels (:func:`statistical_quantize`), else their float32 values. Error
+  feedback is always on, with decay ``beta`` in [0, 1) (default 0.95): see below. The outer
+  step is the caller's outer optimizer: the paper's is ``optax.sgd(1.0)`` (no momentum; the
+  error feedback replaces it).
+
+``per_contributor=True`` (sparse kinds): the gathered payloads are averaged per coordinate
+over the workers that sent it (:func:`decode_mean`), not over all M; a coordinate nobody sent
+is 0.
+
 ``keep_fraction`` must be in (0, 1] for ``topk``/``sign_prune`` and is rejected for other kinds;
 ``block_size`` is only used by the block-scaled kinds (fp8, int8, int4, e3m0). In ``k`` the product
 ``keep_fraction * n`` is rounded up after forgiving float noise of 1e-6 (so 0.3 * 10 keeps 3).
 
-Error feedback (``error_feedback=True``): each worker compresses ``x + residual`` and keeps
-``new_residual = (x + residual) - decode(payload)`` for the next round, so what is dropped is
-delayed instead of lost. With ``error_feedback=False`` the residual argument is ignored and the
-returned residual is all zeros (:func:`compress_with_feedback`) or mirrors the argument
-(:func:`compressed_mean`: zeros if a residual tree was passed, ``None`` if not).
+Error feedback (``error_feedback=True``): each worker compresses ``value = x + residual`` and
+keeps ``new_residual = value - decode(payload)`` for the next round, so what is dropped is
+delayed instead of lost. SparseLoCo decays it: ``value = x + beta * residual``
+(``Compression.feedback_decay``; 1, no multiplication at all, for every other kind). With
+``error_feedback=False`` the residual argument is ignored and the returned residual is all
+zeros (:func:`compress_with_feedback`) or mirrors the argument (:func:`compressed_mean`:
+zeros if a residual tree was passed, ``None`` if not).
 
 :class:`Compression` is a frozen (hashable) dataclass rather than a NamedTuple so that it is not
 a pytree: close over it or pass it as a static argument of ``jax.jit``.
@@ -77,8 +96,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-KINDS = ("none", "bf16", "fp8", "int8", "int4", "e3m0", "sign_prune", "topk")
-SPARSE_KINDS = ("sign_prune", "topk")
+KINDS = ("none", "bf16", "fp8", "int8", "int4", "e3m0", "sign_prune", "topk", "sparseloco")
+FRACTION_KINDS = ("sign_prune", "topk")  # the kinds that keep a keep_fraction of each leaf
+SPARSE_KINDS = (*FRACTION_KINDS, "sparseloco")
 BLOCK_KINDS = ("fp8", "int8", "int4", "e3m0")
 DENSE_KINDS = ("bf16", *BLOCK_KINDS)
 NIBBLE_KINDS = ("int4", "e3m0")
@@ -96,6 +116,13 @@ _E3M0_GRID = np.array([0.0] + [2.0 ** (e - 7) for e in range(1, 8)], np.float32)
 # Rounding thresholds: |x|/s >= _E3M0_EDGES[e - 1] means exponent field >= e (midpoints).
 _E3M0_EDGES = np.array([2.0**-7] + [0.75 * 2.0 ** (e - 7) for e in range(2, 8)], np.float32)
 
+# SparseLoCo (Sarfi et al. 2025): blocks of at most CHUNK x CHUNK; top_k counts per CHUNK**2.
+SPARSELOCO_CHUNK = 64
+SPARSELOCO_TOP_K = 128  # of 4096: 3.1%, the paper's density
+SPARSELOCO_BETA = 0.95  # error-feedback decay
+_SL_BINS = 4  # 2-bit codes
+_SL_SIGMAS = 6.0  # the quantizer's range, in standard deviations of the centered values
+
 
 @dataclasses.dataclass(frozen=True)
 class Compression:
@@ -108,6 +135,30 @@ class Compression:
     # Not in the repr: checkpoint fingerprints of runs made before it existed (all "gather")
     # must match; `train_diloco` fingerprints a two-stage exchange separately.
     exchange: str = dataclasses.field(default="auto", repr=False)
+    # SparseLoCo's options (None for other kinds; filled with the paper's defaults for
+    # "sparseloco"): kept values per 4096-element block, error-feedback decay, 2-bit values.
+    # In the repr only when set (`__repr__`), so other kinds' fingerprints stay as they were.
+    top_k: int | None = dataclasses.field(default=None, repr=False)
+    beta: float | None = dataclasses.field(default=None, repr=False)
+    quant: bool | None = dataclasses.field(default=None, repr=False)
+    # Sparse kinds: average each coordinate over the workers that sent it, not over all M.
+    per_contributor: bool = dataclasses.field(default=False, repr=False)
+
+    def __repr__(self) -> str:
+        shown = [f for f in dataclasses.fields(self) if f.repr]
+        extra = [
+            f
+            for f in dataclasses.fields(self)
+            if not f.repr and f.name != "exchange" and getattr(self, f.name) != f.default
+        ]
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown + extra)
+        return f"{type(self).__name__}({body})"
+
+    @property
+    def feedback_decay(self) -> float:
+        """beta of the error feedback, value = delta + beta * residual: SparseLoCo's `beta`,
+        1 (the plain residual) for every other kind."""
+        return self.beta if self.kind == "sparseloco" else 1.0
 
     @property
     def resolved_exchange(self) -> str:
@@ -121,7 +172,18 @@ class Compression:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"compression: unknown kind {self.kind!r}; expected one of {KINDS}")
-        if self.kind in SPARSE_KINDS:
+        self._check_sparseloco()
+        if not isinstance(self.per_contributor, bool | np.bool_):
+            raise ValueError(
+                f"compression: per_contributor must be a bool, got {self.per_contributor!r}"
+            )
+        object.__setattr__(self, "per_contributor", bool(self.per_contributor))
+        if self.per_contributor and self.kind not in SPARSE_KINDS:
+            raise ValueError(
+                f"compression: per_contributor needs a sparse kind {SPARSE_KINDS}, not "
+                f"{self.kind!r} (every worker sends every coordinate of a dense kind)"
+            )
+        if self.kind in FRACTION_KINDS:
             f = self.keep_fraction
             if f is None or isinstance(f, bool) or not isinstance(f, int | float):
                 raise ValueError(
@@ -134,7 +196,7 @@ class Compression:
             object.__setattr__(self, "keep_fraction", float(f))
         elif self.keep_fraction is not None:
             raise ValueError(
-                f"compression: keep_fraction is only used by {SPARSE_KINDS}, "
+                f"compression: keep_fraction is only used by {FRACTION_KINDS}, "
                 f"not by kind {self.kind!r}"
             )
         b = self.block_size
@@ -156,6 +218,35 @@ class Compression:
                 f"{self.kind!r} (every worker's sparse indices differ: use 'gather')"
             )
 
+    def _check_sparseloco(self) -> None:
+        """Validates top_k / beta / quant (SparseLoCo's alone) and fills their defaults;
+        SparseLoCo always feeds its error back (beta = 0 keeps no memory of it)."""
+        if self.kind != "sparseloco":
+            for name in ("top_k", "beta", "quant"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"compression: {name} is only used by 'sparseloco', not by {self.kind!r}"
+                    )
+            return
+        top_k = SPARSELOCO_TOP_K if self.top_k is None else self.top_k
+        most = SPARSELOCO_CHUNK**2
+        if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer):
+            raise ValueError(f"compression: top_k must be an integer in [1, {most}], got {top_k!r}")
+        if not 1 <= top_k <= most:
+            raise ValueError(f"compression: top_k must be in [1, {most}], got {top_k!r}")
+        beta = SPARSELOCO_BETA if self.beta is None else self.beta
+        if isinstance(beta, bool) or not isinstance(beta, int | float | np.floating):
+            raise ValueError(f"compression: beta must be a float in [0, 1), got {beta!r}")
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"compression: beta must be in [0, 1), got {beta!r}")
+        quant = True if self.quant is None else self.quant
+        if not isinstance(quant, bool | np.bool_):
+            raise ValueError(f"compression: quant must be a bool, got {quant!r}")
+        object.__setattr__(self, "top_k", int(top_k))
+        object.__setattr__(self, "beta", float(beta))
+        object.__setattr__(self, "quant", bool(quant))
+        object.__setattr__(self, "error_feedback", True)
+
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -164,14 +255,21 @@ _FALSE = ("0", "false", "no", "off")
 def parse_compression(spec: str | Compression | None) -> Compression:
     """Builds a validated :class:`Compression`.
 
-    ``None`` means ``"none"``. Strings are ``kind[:keep_fraction][,key=value...]`` with keys
-    ``keep_fraction`` (alias ``k``), ``error_feedback`` (alias ``ef``; true/false/yes/no/on/off/
-    1/0), ``block_size`` (alias ``block``) and ``exchange`` (auto/two_stage/gather), e.g.
-    ``"int8"``, ``"topk:0.01"``, ``"int4,block_size=64,error_feedback=true"``,
-    ``"sign_prune:0.5,ef=1"``, ``"int8,exchange=gather"``. A ``Compression``
-    is re-validated and returned. Raises ``ValueError`` (message starting ``compression:``) on
-    an unknown kind or option, a keep_fraction missing / outside (0, 1] for topk/sign_prune or
-    given to another kind, or a block_size < 1.
+    ``None`` means ``"none"``. Strings are ``kind[:head][,key=value...]``. ``head`` is either
+    a number (the keep_fraction of topk / sign_prune, the top_k of sparseloco) or the first
+    ``key=value`` option. Keys: ``keep_fraction`` (alias ``k``), ``error_feedback`` (alias
+    ``ef``), ``block_size`` (alias ``block``), ``exchange`` (auto/two_stage/gather), and for
+    sparse kinds ``per_contributor``; for sparseloco ``top_k`` (alias ``topk``), ``beta``
+    (alias ``error_decay``) and ``quant`` (alias ``quantize``). Booleans are
+    true/false/yes/no/on/off/1/0. E.g. ``"int8"``, ``"topk:0.01"``,
+    ``"int4,block_size=64,error_feedback=true"``, ``"sign_prune:0.5,ef=1"``,
+    ``"int8,exchange=gather"``, ``"sparseloco"``, ``"sparseloco:top_k=64,beta=0.9"``,
+    ``"sparseloco,top_k=4096,quant=0,per_contributor=1"``. A ``Compression`` is re-validated
+    and returned. Raises ``ValueError`` (message starting ``compression:`` and naming the
+    option) on an unknown kind or option, a keep_fraction missing / outside (0, 1] for
+    topk/sign_prune or given to another kind, a block_size < 1, a top_k outside [1, 4096], a
+    beta outside [0, 1), an option of another kind, or error_feedback off for sparseloco
+    (it always feeds back; beta=0 keeps no memory).
     """
     if spec is None:
         return Compression("none")
@@ -181,38 +279,57 @@ def parse_compression(spec: str | Compression | None) -> Compression:
         raise ValueError(f"compression: expected a str, Compression or None, got {spec!r}")
     parts = [p.strip() for p in spec.strip().split(",")]
     head, opts = parts[0], parts[1:]
+    kind = head.split(":", 1)[0].strip().lower()
     kwargs: dict[str, Any] = {}
     if ":" in head:
-        head, frac = head.split(":", 1)
-        kwargs["keep_fraction"] = _parse_float(frac, spec)
-    kind = head.strip().lower()
+        first = head.split(":", 1)[1].strip()
+        if "=" in first:
+            opts = [first, *opts]
+        elif kind == "sparseloco":
+            kwargs["top_k"] = _parse_number(int, "top_k", first, spec)
+        else:
+            kwargs["keep_fraction"] = _parse_number(float, "keep_fraction", first, spec)
     for opt in opts:
         if "=" not in opt:
             raise ValueError(f"compression: expected key=value, got {opt!r} in {spec!r}")
         key, val = (s.strip().lower() for s in opt.split("=", 1))
-        if key in ("keep_fraction", "k"):
-            kwargs["keep_fraction"] = _parse_float(val, spec)
-        elif key in ("error_feedback", "ef"):
+        name = _ALIASES.get(key, key)
+        if name in ("keep_fraction", "beta"):
+            kwargs[name] = _parse_number(float, name, val, spec)
+        elif name in ("block_size", "top_k"):
+            kwargs[name] = _parse_number(int, name, val, spec)
+        elif name in ("error_feedback", "quant", "per_contributor"):
             if val not in _TRUE + _FALSE:
-                raise ValueError(f"compression: bad error_feedback {val!r} in {spec!r}")
-            kwargs["error_feedback"] = val in _TRUE
-        elif key == "exchange":
-            kwargs["exchange"] = val
-        elif key in ("block_size", "block"):
-            try:
-                kwargs["block_size"] = int(val)
-            except ValueError:
-                raise ValueError(f"compression: bad block_size {val!r} in {spec!r}") from None
+                raise ValueError(f"compression: bad {name} {val!r} in {spec!r}")
+            kwargs[name] = val in _TRUE
+        elif name == "exchange":
+            kwargs[name] = val
         else:
             raise ValueError(f"compression: unknown option {key!r} in {spec!r}")
+    if kind == "sparseloco" and kwargs.get("error_feedback") is False:
+        raise ValueError(
+            f"compression: error_feedback is always on for sparseloco (beta=0 keeps no "
+            f"memory of what was dropped), got {spec!r}"
+        )
     return Compression(kind, **kwargs)
 
 
-def _parse_float(s: str, spec: str) -> float:
+_ALIASES = {
+    "k": "keep_fraction",
+    "ef": "error_feedback",
+    "block": "block_size",
+    "topk": "top_k",
+    "error_decay": "beta",
+    "quantize": "quant",
+}
+
+
+def _parse_number(cast: type, name: str, s: str, spec: str) -> Any:
+    """``cast(s)`` (int or float), or a ValueError naming option `name`."""
     try:
-        return float(s)
+        return cast(s)
     except ValueError:
-        raise ValueError(f"compression: bad keep_fraction {s!r} in {spec!r}") from None
+        raise ValueError(f"compression: bad {name} {s!r} in {spec!r}") from None
 
 
 # ----------------------------------------------------------------------------- static sizes
@@ -270,6 +387,174 @@ def _restore(flat: jax.Array, shape: Sequence[int], dtype) -> jax.Array:
     return flat[: _size(shape)].reshape(tuple(shape)).astype(dtype)
 
 
+# ----------------------------------------------------------------------------- sparseloco
+# SparseLoCo's codec (Sarfi et al. 2025, arXiv 2508.15706; the rules of the authors' code,
+# tplr-ai/SparseLoCo): a leaf viewed as a matrix is cut into blocks, the top k of each block
+# by |value| are kept, their offsets inside the block travel in the smallest unsigned type
+# and their values as float32 or as 2-bit codes of a per-leaf statistical quantizer.
+
+
+def _largest_divisor_at_most(n: int, most: int) -> int:
+    """The largest divisor of n that is <= most (n itself when n <= most; 1 for n = 0)."""
+    if n <= most:
+        return max(n, 1)
+    return next(d for d in range(most, 0, -1) if n % d == 0)
+
+
+def _matrix_view(shape: Sequence[int]) -> tuple[int, int]:
+    """The (rows, cols) a leaf is chunked as: a scalar (1, 1), a vector (1, n), a matrix
+    itself, and a higher-rank leaf (prod(shape[:-1]), shape[-1]) (the authors' code handles
+    only 1-D and 2-D leaves; this extends it the way fan-in is usually counted)."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) <= 1:
+        return 1, _size(shape)
+    return _size(shape[:-1]), shape[-1]
+
+
+def sparseloco_block_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The block a leaf of ``shape`` is cut into: each dim of its matrix view (see
+    `_matrix_view`) split by its largest divisor <= 64, as the authors' ``_get_smaller_split``
+    does. 1-D and 0-D leaves: ``(w,)``; others ``(h, w)``. E.g. (128, 96) -> (64, 48),
+    (100, 30) -> (50, 30), (7,) -> (7,), (200,) -> (50,); a prime dim > 64 gets blocks of 1
+    along it (every element of such a vector is then its own block)."""
+    rows, cols = _matrix_view(shape)
+    w = _largest_divisor_at_most(cols, SPARSELOCO_CHUNK)
+    if len(tuple(shape)) <= 1:
+        return (w,)
+    return _largest_divisor_at_most(rows, SPARSELOCO_CHUNK), w
+
+
+def sparseloco_k(block_len: int, top_k: int) -> int:
+    """Values kept per block of ``block_len`` elements: ``max(1, round(block_len * top_k /
+    4096))`` with Python's round (half to even), as the authors' code; at most block_len."""
+    return min(block_len, max(1, round(block_len * top_k / SPARSELOCO_CHUNK**2)))
+
+
+def _sl_geometry(shape: Sequence[int], top_k: int) -> tuple[int, int, int, int, int]:
+    """(rows, cols, h, w, k) of a leaf: its matrix view, block and values kept per block."""
+    rows, cols = _matrix_view(shape)
+    block = sparseloco_block_shape(shape)
+    h, w = (1, *block) if len(block) == 1 else block
+    return rows, cols, h, w, sparseloco_k(h * w, top_k)
+
+
+def _sl_offset_dtype(block_len: int):
+    """The smallest unsigned integer type that holds every offset 0..block_len-1."""
+    return jnp.uint8 if block_len <= 256 else jnp.uint16
+
+
+def _to_chunks(x: jax.Array, rows: int, cols: int, h: int, w: int) -> jax.Array:
+    """float32 [num_blocks, h*w]: block (i, j) of the [rows, cols] view is row
+    i * (cols // w) + j, its elements in row-major order (einops "(y h) (x w) -> (y x) (h w)")."""
+    xm = jnp.ravel(x).astype(jnp.float32).reshape(rows // h, h, cols // w, w)
+    return xm.transpose(0, 2, 1, 3).reshape(-1, h * w)
+
+
+def _from_chunks(chunks: jax.Array, shape: Sequence[int], h: int, w: int) -> jax.Array:
+    """Inverse of `_to_chunks`: the leaf of ``shape`` (float32)."""
+    rows, cols = _matrix_view(shape)
+    xm = chunks.reshape(rows // h, cols // w, h, w).transpose(0, 2, 1, 3)
+    return xm.reshape(tuple(int(d) for d in shape))
+
+
+def _pack_2bit(codes: jax.Array) -> jax.Array:
+    """uint8 values in [0, 4) -> uint8, four per byte (element 4i in the lowest two bits)."""
+    codes = codes.astype(jnp.uint8)
+    codes = jnp.pad(codes, (0, -codes.shape[0] % 4)).reshape(-1, 4)
+    return codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+
+
+def _unpack_2bit(packed: jax.Array, count: int) -> jax.Array:
+    shifts = jnp.asarray([0, 2, 4, 6], jnp.uint8)
+    return ((packed[:, None] >> shifts) & 0x3).reshape(-1)[:count]
+
+
+def statistical_quantize(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """SparseLoCo's 2-bit quantizer of one leaf's kept values, as the authors' code does it.
+
+    values: float32 [n]. shift = mean; c = values - shift; sigma = ||c|| / sqrt(n - 1) (0 for
+    n <= 1); scale = 6 sigma / 4 (1 when that is 0 or not finite); code = clip(round(c /
+    scale + 2), 0, 3), round half to even. So the bins are c / scale in (-inf, -1.5),
+    [-1.5, -0.5), [-0.5, 0.5], (0.5, inf) (up to ties): asymmetric, every kept value above
+    +0.75 sigma shares one level. Each bin decodes to the mean of the c in it, plus shift.
+
+    Returns (uint8 codes [n] in [0, 4), float32 levels [4]: each bin's decoded value, 0 +
+    shift for an empty bin). The authors send shift and the bin means and add them at the
+    receiver; sending their float32 sums is the same numbers (the same one addition).
+    """
+    n = values.shape[0]
+    if n == 0:
+        return jnp.zeros((0,), jnp.uint8), jnp.zeros((_SL_BINS,), jnp.float32)
+    shift = jnp.mean(values)
+    centered = values - shift
+    if n > 1:
+        sigma = jnp.sqrt(jnp.sum(centered * centered)) / np.float32(math.sqrt(n - 1))
+    else:
+        sigma = jnp.float32(0)
+    scale = np.float32(_SL_SIGMAS) * sigma / np.float32(_SL_BINS)
+    scale = jnp.where((scale == 0) | ~jnp.isfinite(scale), jnp.float32(1), scale)
+    codes = jnp.clip(jnp.round(centered / scale + _SL_BINS // 2), 0, _SL_BINS - 1)
+    codes = codes.astype(jnp.uint8)
+    sums = jnp.zeros((_SL_BINS,), jnp.float32).at[codes].add(centered)
+    counts = jnp.zeros((_SL_BINS,), jnp.float32).at[codes].add(1.0)
+    means = jnp.where(counts > 0, sums / jnp.where(counts > 0, counts, 1.0), 0.0)
+    return codes, means + shift
+
+
+def _encode_sparseloco(x: jax.Array, c: Compression) -> Payload:
+    """Per block, the k largest |x|: {"offsets": [blocks, k] uint8/uint16 offsets inside the
+    block, and "codes": uint8 [ceil(blocks * k / 4)] 2-bit codes + "levels": float32 [4]
+    (quant), or "values": float32 [blocks, k] (no quant)}."""
+    rows, cols, h, w, k = _sl_geometry(x.shape, c.top_k)
+    chunks = _to_chunks(x, rows, cols, h, w)
+    _, idx = lax.top_k(jnp.abs(chunks), k)
+    values = jnp.take_along_axis(chunks, idx, axis=1)
+    payload = {"offsets": idx.astype(_sl_offset_dtype(h * w))}
+    if not c.quant:
+        return payload | {"values": values}
+    codes, levels = statistical_quantize(values.reshape(-1))
+    return payload | {"codes": _pack_2bit(codes), "levels": levels}
+
+
+def _sl_scatter(payload: Payload, values: jax.Array, shape: Sequence[int], top_k: int):
+    """The leaf (float32, ``shape``) holding ``values`` [blocks, k] at the payload's offsets
+    and zeros elsewhere."""
+    _, _, h, w, _ = _sl_geometry(shape, top_k)
+    idx = payload["offsets"].astype(jnp.int32)
+    rows = jnp.arange(idx.shape[0])[:, None]
+    chunks = jnp.zeros((idx.shape[0], h * w), jnp.float32).at[rows, idx].set(values)
+    return _from_chunks(chunks, shape, h, w)
+
+
+def _decode_sparseloco(payload: Payload, c: Compression, shape: Sequence[int]) -> jax.Array:
+    if c.quant:
+        num_blocks, k = payload["offsets"].shape
+        codes = _unpack_2bit(payload["codes"], num_blocks * k).reshape(num_blocks, k)
+        values = payload["levels"][codes]
+    else:
+        values = payload["values"]
+    return _sl_scatter(payload, values, shape, c.top_k)
+
+
+def sent_mask(
+    payload: Payload, compression: Compression | str | None, shape: Sequence[int]
+) -> jax.Array:
+    """float32 0/1 of ``shape``: which coordinates a payload carries (a sent value may
+    decode to 0; this marks it all the same). All ones for the dense kinds."""
+    c = parse_compression(compression)
+    shape = tuple(int(d) for d in shape)
+    n = _size(shape)
+    if c.kind == "sparseloco":
+        ones = jnp.ones(payload["offsets"].shape, jnp.float32)
+        return _sl_scatter(payload, ones, shape, c.top_k)
+    if c.kind == "topk":
+        flat = jnp.zeros((n,), jnp.float32).at[payload["indices"]].set(1.0)
+        return flat.reshape(shape)
+    if c.kind == "sign_prune":
+        return jnp.unpackbits(payload["mask"], count=n).astype(jnp.float32).reshape(shape)
+    return jnp.ones(shape, jnp.float32)
+
+
 # ----------------------------------------------------------------------------- encode / decode
 
 
@@ -283,7 +568,9 @@ def encode(x: jax.Array, compression: Compression | str | None) -> Payload:
     if kind == "bf16":
         codes = lax.bitcast_convert_type(jnp.ravel(x).astype(jnp.bfloat16), jnp.uint16)
         return {"codes": codes}
-    if kind in SPARSE_KINDS:
+    if kind == "sparseloco":
+        return _encode_sparseloco(x, c)
+    if kind in FRACTION_KINDS:
         flat = jnp.ravel(x).astype(jnp.float32)
         n = flat.shape[0]
         k = num_kept(n, c.keep_fraction)
@@ -346,6 +633,8 @@ def decode(
     if kind == "bf16":
         y = lax.bitcast_convert_type(payload["codes"], jnp.bfloat16).astype(jnp.float32)
         return _restore(y, shape, dtype)
+    if kind == "sparseloco":
+        return _decode_sparseloco(payload, c, shape).astype(dtype)
     if kind == "topk":
         flat = jnp.zeros((n,), jnp.float32).at[payload["indices"]].set(payload["values"])
         return _restore(flat, shape, dtype)
@@ -467,8 +756,11 @@ def init_residual(tree: PyTree) -> PyTree:
 def compress_with_feedback(
     x: jax.Array, residual: jax.Array | None, compression: Compression | str | None
 ) -> tuple[Payload, jax.Array]:
-    """Encodes ``x + residual`` and returns ``(payload, (x + residual) - decode(payload))``.
+    """Encodes ``value = x + beta * residual`` and returns ``(payload, value -
+    decode(payload))``: what was dropped, as the receiver decodes what was sent.
 
+    ``beta`` is ``compression.feedback_decay``: SparseLoCo's decay in [0, 1), 1 for every
+    other kind (then ``value = x + residual``, with no multiplication, as it always was).
     With ``error_feedback=False`` the residual is ignored (may be ``None``), ``x`` alone is
     encoded and the returned residual is float32 zeros shaped like ``x``. A ``None`` residual
     with error feedback on counts as zeros.
@@ -479,7 +771,9 @@ def compress_with_feedback(
         return encode(x, c), jnp.zeros(x.shape, jnp.float32)
     value = x.astype(jnp.float32)
     if residual is not None:
-        value = value + residual.astype(jnp.float32)
+        r = residual.astype(jnp.float32)
+        decay = c.feedback_decay
+        value = value + (r if decay == 1.0 else np.float32(decay) * r)
     payload = encode(value, c)
     return payload, value - decode(payload, c, x.shape, jnp.float32)
 
@@ -515,6 +809,8 @@ def decode_mean(
     compression: Compression | str | None,
     like: PyTree,
     weights: jax.Array | None = None,
+    *,
+    per_contributor: bool | None = None,
 ) -> PyTree:
     """Mean over workers of their payloads, decoded.
 
@@ -526,12 +822,17 @@ def decode_mean(
       weights: optional float32 [M] >= 0: the weighted mean sum_m w_m x_m / sum_m w_m instead,
         where a worker of weight 0 is left out (its payload is masked, never multiplied: it
         may decode to anything); zeros where every weight is 0.
+      per_contributor: divide each coordinate by the number (the weight sum) of the workers
+        whose payload carries it (:func:`sent_mask`), not by M (the weight sum of all): a
+        coordinate nobody sent is 0. None: ``compression.per_contributor``. With every
+        coordinate sent by every worker it is the plain mean.
 
     Returns:
       ``like``-shaped tree: every worker's payload decoded to float32, averaged in float32
       and cast to the leaf's dtype.
     """
     c = parse_compression(compression)
+    per = c.per_contributor if per_contributor is None else bool(per_contributor)
     like_leaves, treedef = jax.tree.flatten(like)
     if weights is not None:
         weights = weights.astype(jnp.float32)
@@ -541,7 +842,10 @@ def decode_mean(
     for payload, x in zip(treedef.flatten_up_to(gathered), like_leaves, strict=True):
         shape = tuple(jnp.shape(x))
         decoded = jax.vmap(lambda p, shape=shape: decode(p, c, shape, jnp.float32))(payload)
-        if weights is None:
+        if per:
+            sent = jax.vmap(lambda p, shape=shape: sent_mask(p, c, shape))(payload)
+            mean = _contributor_mean(decoded, sent, weights)
+        elif weights is None:
             mean = jnp.mean(decoded, axis=0)
         else:
             w = weights.reshape((-1,) + (1,) * len(shape))
@@ -549,6 +853,19 @@ def decode_mean(
             mean = jnp.where(total > 0, summed / safe_total, 0.0)
         means.append(mean.astype(x.dtype))
     return treedef.unflatten(means)
+
+
+def _contributor_mean(decoded: jax.Array, sent: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """Per coordinate, sum_m w_m x_m / sum_m w_m over the workers m that sent it (w = 1 when
+    `weights` is None; a worker of weight 0 is masked out, never multiplied); 0 where none
+    did. decoded, sent: float32 [M, ...] (sent 0/1); weights: float32 [M] or None."""
+    if weights is None:
+        summed, count = jnp.sum(decoded, axis=0), jnp.sum(sent, axis=0)
+    else:
+        w = weights.reshape((-1,) + (1,) * (decoded.ndim - 1))
+        summed = jnp.sum(jnp.where(w > 0, decoded * w, 0.0), axis=0)
+        count = jnp.sum(jnp.where(w > 0, sent * w, 0.0), axis=0)
+    return jnp.where(count > 0, summed / jnp.where(count > 0, count, 1.0), 0.0)
 
 
 # ----------------------------------------------------------------------------- collective
@@ -563,8 +880,9 @@ def compressed_mean(
     """Mean of ``tree`` over ``axis_name`` with every worker's leaves sent compressed.
 
     For use inside ``jax.vmap(axis_name=...)``, ``shard_map`` or ``pmap``. Each leaf is encoded
-    (after adding the residual when error feedback is on), the payload is ``lax.all_gather``-ed,
-    every worker's slice is decoded and the slices are averaged in float32; the mean is returned
+    (after adding the residual, decayed by SparseLoCo's beta, when error feedback is on), the
+    payload is ``lax.all_gather``-ed, every worker's slice is decoded and the slices are
+    averaged in float32 (per contributor if the compression says so); the mean is returned
     in the leaf's dtype. Kind ``"none"`` uses ``lax.pmean`` directly (bit-identical to it).
 
     Returns ``(mean_tree, new_residual)``. With error feedback, ``new_residual`` is this worker's

@@ -16,10 +16,12 @@ Five exchanges, picked by compression and by whether the round weighs workers:
 - exact, weighted: each worker sends `where(included, w Δ, 0)` and `where(included, w, 0)`;
   two all-reduces, the first divided by the second (`jnp.where`, not a product, zeroes a left
   out delta: 0 * NaN is NaN);
-- gather (sparse codecs; dense ones with `exchange="gather"`): each worker encodes Δ (+ its
-  residual under error feedback) into integer payloads (`compression.encode_tree`), the
-  payloads are all-gathered and every device decodes all M and averages in float32; each
-  device receives M - 1 payloads, so its wire bytes grow linearly with M;
+- gather (sparse codecs, SparseLoCo's among them; dense ones with `exchange="gather"`): each
+  worker encodes Δ (+ its residual, decayed by SparseLoCo's beta, under error feedback) into
+  integer payloads (`compression.encode_tree`), the payloads are all-gathered and every
+  device decodes all M and averages in float32 (with `per_contributor`, each coordinate over
+  the workers that sent it: `compression.decode_mean`); each device receives M - 1 payloads,
+  so its wire bytes grow linearly with M;
 - gather, weighted: each worker encodes `where(included, Δ, 0)` and sends its payload with
   its weight; both are all-gathered and the decoded deltas' weighted mean is taken. A left-out
   worker keeps its residual (it sent nothing);

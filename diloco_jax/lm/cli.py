@@ -61,7 +61,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-bytes", type=int, help="read at most this many bytes of data")
     p.add_argument("--pretrain-steps", type=int, help="shared 1-worker warm start (0: none)")
-    p.add_argument("--compression", help="DiLoCo deltas as none|bf16|fp8|int8|int4|e3m0|...")
+    p.add_argument("--compression", help="DiLoCo deltas as none|bf16|int8|int4|sparseloco|...")
     p.add_argument("--drop-probability", type=float, help="simulated drops of worker deltas")
     p.add_argument(
         "--outer-delay", type=int, help="apply each round's mean D rounds late (0, 1 or 2)"
