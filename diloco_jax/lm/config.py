@@ -11,9 +11,11 @@ import optax
 
 from diloco_jax import delay
 from diloco_jax.compression import parse_compression
+from diloco_jax.optimizers import muon_inner_optimizer
 
 SHARDINGS = ("iid", "non_iid")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
+INNER_OPTIMIZERS = ("adamw", "muon")
 ALGOS = ("diloco", "sync")
 # The outer learning rate each outer optimizer gets unless one is given: the paper's
 # Nesterov(0.7, 0.9); plain SGD at 1.0 is parameter averaging (FedAvg); Adam rescales the
@@ -45,6 +47,10 @@ class RunConfig:
     inner_lr: float = 3e-3  # AdamW peak, warmup then cosine decay over H x R steps
     warmup_steps: int = 20
     weight_decay: float = 0.1
+    # "muon": MuLoCo's Muon (peak muon_lr, same schedule) on the hidden matrices; the
+    # embedding and the norms keep AdamW at inner_lr
+    inner_optimizer: str = "adamw"
+    muon_lr: float = 0.02
     outer_optimizer: str = "nesterov"
     outer_lr: float | None = None  # None: DEFAULT_OUTER_LR[outer_optimizer]
     eval_batches: int = 8
@@ -167,6 +173,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if not cfg.inner_lr > 0:
         raise ConfigError(f"inner_lr must be a finite number > 0, got {cfg.inner_lr!r}")
+    if cfg.inner_optimizer not in INNER_OPTIMIZERS:
+        raise ConfigError(
+            f"inner_optimizer must be one of {INNER_OPTIMIZERS}, got {cfg.inner_optimizer!r}"
+        )
+    if not cfg.muon_lr > 0:
+        raise ConfigError(f"muon_lr must be a finite number > 0, got {cfg.muon_lr!r}")
     if cfg.weight_decay < 0:
         raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay!r}")
     if not cfg.resolved_outer_lr > 0:
@@ -184,15 +196,29 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("eager can't be combined with drop_probability (see diloco_jax.delay)")
 
 
-def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW(b1 0.9, b2 0.95) with linear warmup then cosine decay to 10% over H x R steps."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def inner_schedule(cfg: RunConfig, peak: float) -> optax.Schedule:
+    """Linear warmup from 0 to `peak`, then cosine decay to peak / 10 over H x R steps."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
-        peak_value=cfg.inner_lr,
+        peak_value=peak,
         warmup_steps=min(cfg.warmup_steps, cfg.total_steps - 1),
         decay_steps=cfg.total_steps,
-        end_value=cfg.inner_lr / 10,
+        end_value=peak / 10,
     )
+
+
+def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """AdamW(b1 0.9, b2 0.95) at `inner_schedule(cfg, cfg.inner_lr)`; with inner_optimizer
+    "muon", MuLoCo's Muon (diloco_jax.optimizers) on the hidden matrices at
+    `inner_schedule(cfg, cfg.muon_lr)` (weight decay 0.01, the authors') and that same AdamW on
+    the embedding and the norms."""
+    schedule = inner_schedule(cfg, cfg.inner_lr)
+    if cfg.inner_optimizer == "muon":
+        return muon_inner_optimizer(
+            inner_schedule(cfg, cfg.muon_lr),
+            adamw_learning_rate=schedule,
+            adamw_weight_decay=cfg.weight_decay,
+        )
     return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
