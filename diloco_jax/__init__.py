@@ -15,6 +15,14 @@ from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delayed_nesterov import DelayedNesterovState, delayed_nesterov
 from diloco_jax.faults import AnomalySkip
 from diloco_jax.inner import inner_loop, inner_step
+from diloco_jax.optimizers import (
+    DION_NS_COEFFS,
+    default_is_hidden_matrix,
+    muon_inner_optimizer,
+    muon_labels,
+    ns_coefficients,
+    scale_by_fan_ratio,
+)
 from diloco_jax.outer import (
     clip_outer_norm,
     delta_dtype,
@@ -43,6 +51,7 @@ __all__ = [
     "AsyncResult",
     "AsyncSchedule",
     "AsyncState",
+    "DION_NS_COEFFS",
     "Backend",
     "Compression",
     "DelayedNesterovState",
@@ -53,6 +62,7 @@ __all__ = [
     "TrainResult",
     "async_schedule",
     "default_inner_optimizer",
+    "default_is_hidden_matrix",
     "default_outer_optimizer",
     "delayed_nesterov",
     "delta_dtype",
@@ -63,12 +73,16 @@ __all__ = [
     "inner_loop",
     "inner_step",
     "make_backend",
+    "muon_inner_optimizer",
+    "muon_labels",
+    "ns_coefficients",
     "outer_init",
     "outer_step",
     "outer_update",
     "parse_compression",
     "payload_bytes",
     "round_bytes",
+    "scale_by_fan_ratio",
     "sync_step",
     "train_async",
     "train_diloco",

@@ -281,9 +281,7 @@ def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict, d
     return metadata, checksums
 
 
-def _read_state(
-    manager: ocp.CheckpointManager, step: int, like_state: Any, saved_tree: Any
-) -> Any:
+def _read_state(manager: ocp.CheckpointManager, step: int, like_state: Any, saved_tree: Any) -> Any:
     target = jax.tree.map(_restore_target, like_state)
     fields = getattr(like_state, "_fields", None)
     if fields is None or not hasattr(saved_tree, "keys"):

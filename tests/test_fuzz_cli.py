@@ -20,8 +20,11 @@ FLAGS = [
     "--data",
     "--sharding",
     "--inner-lr",
+    "--inner-optimizer",
+    "--muon-lr",
     "--outer-lr",
     "--outer-optimizer",
+    "--outer-momentum",
     "--model",
     "--batch-size",
     "--seq-len",
@@ -59,6 +62,8 @@ VALUES = st.one_of(
             "nesterov",
             "sgd",
             "adam",
+            "adamw",
+            "muon",
             "vmap",
             "pmap",
             "auto",
@@ -160,6 +165,8 @@ def test_make_config_accepts_only_valid_configs(overrides):
     for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
         assert isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1
     assert math.isfinite(cfg.inner_lr) and cfg.inner_lr > 0
+    assert math.isfinite(cfg.muon_lr) and cfg.muon_lr > 0
+    assert cfg.inner_optimizer in ("adamw", "muon")
     assert math.isfinite(cfg.resolved_outer_lr) and cfg.resolved_outer_lr > 0
 
 

@@ -10,7 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from diloco_jax.lm.config import ALGOS, DTYPES, OUTER_OPTIMIZERS, PRESETS, SHARDINGS, ConfigError
+from diloco_jax.lm.config import (
+    ALGOS,
+    DTYPES,
+    INNER_OPTIMIZERS,
+    OUTER_OPTIMIZERS,
+    PRESETS,
+    SHARDINGS,
+    ConfigError,
+)
 
 PROG = "diloco-jax"
 
@@ -38,8 +46,15 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="stdlib | text:PATH | hf:NAME[:CONFIG[:SPLIT]]")
     p.add_argument("--sharding", choices=SHARDINGS, help="worker data regime")
     p.add_argument("--inner-lr", type=float, help="inner AdamW peak learning rate")
+    p.add_argument(
+        "--inner-optimizer",
+        choices=INNER_OPTIMIZERS,
+        help="adamw, or muon (MuLoCo: Muon on the hidden matrices, AdamW on the rest)",
+    )
+    p.add_argument("--muon-lr", type=float, help="Muon's peak learning rate (default 0.02)")
     p.add_argument("--outer-lr", type=float, help="outer learning rate")
     p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS)
+    p.add_argument("--outer-momentum", type=float, help="outer (delayed) Nesterov momentum")
     p.add_argument("--model", help="model preset (micro, tiny, small, 60m, 150m, 400m, ...)")
     p.add_argument("--batch-size", type=int, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -141,8 +156,11 @@ _CONFIG_FLAGS = (
     "data",
     "sharding",
     "inner_lr",
+    "inner_optimizer",
+    "muon_lr",
     "outer_lr",
     "outer_optimizer",
+    "outer_momentum",
     "model",
     "batch_size",
     "seq_len",

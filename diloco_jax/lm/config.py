@@ -12,10 +12,12 @@ import optax
 from diloco_jax import delay
 from diloco_jax.compression import parse_compression
 from diloco_jax.delayed_nesterov import delayed_nesterov
+from diloco_jax.optimizers import muon_inner_optimizer
 from diloco_jax.schedule import check_schedule
 
 SHARDINGS = ("iid", "non_iid")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "delayed_nesterov")
+INNER_OPTIMIZERS = ("adamw", "muon")
 ALGOS = ("diloco", "sync", "async")
 # Compute and parameter dtypes the CLI offers (the model also takes float16, on GPUs only and
 # without loss scaling, so it is left to library users).
@@ -54,7 +56,12 @@ class RunConfig:
     inner_lr: float = 3e-3  # AdamW peak, warmup then cosine decay over H x R steps
     warmup_steps: int = 20
     weight_decay: float = 0.1
+    # "muon": MuLoCo's Muon (peak muon_lr, same schedule) on the hidden matrices; the
+    # embedding and the norms keep AdamW at inner_lr
+    inner_optimizer: str = "adamw"
+    muon_lr: float = 0.02
     outer_optimizer: str = "nesterov"
+    outer_momentum: float = 0.9  # of nesterov / delayed_nesterov (MuLoCo's recipe: 0.6)
     outer_lr: float | None = None  # None: DEFAULT_OUTER_LR[outer_optimizer]
     eval_batches: int = 8
     compression: str = "none"  # how DiLoCo's deltas travel (diloco_jax.compression)
@@ -240,6 +247,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if not cfg.inner_lr > 0:
         raise ConfigError(f"inner_lr must be a finite number > 0, got {cfg.inner_lr!r}")
+    if cfg.inner_optimizer not in INNER_OPTIMIZERS:
+        raise ConfigError(
+            f"inner_optimizer must be one of {INNER_OPTIMIZERS}, got {cfg.inner_optimizer!r}"
+        )
+    if not cfg.muon_lr > 0:
+        raise ConfigError(f"muon_lr must be a finite number > 0, got {cfg.muon_lr!r}")
     if cfg.weight_decay < 0:
         raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay!r}")
     if not cfg.resolved_outer_lr > 0:
@@ -266,8 +279,12 @@ def validate(cfg: RunConfig) -> None:
         delay.check(cfg.outer_delay, cfg.eager)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if not 0 <= cfg.outer_momentum < 1:
+        raise ConfigError(f"outer_momentum must be in [0, 1), got {cfg.outer_momentum!r}")
     if cfg.state_sync is not None:
         state_sync_of(cfg)
+        if cfg.inner_optimizer != "adamw":
+            raise ConfigError("state_sync averages AdamW's moments: it needs inner_optimizer adamw")
     if cfg.fragments is not None:
         at_least("fragments", 1)
         if cfg.outer_delay:
@@ -315,15 +332,29 @@ def model_config(cfg: RunConfig):
     )
 
 
-def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW(b1 0.9, b2 0.95) with linear warmup then cosine decay to 10% over H x R steps."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def inner_schedule(cfg: RunConfig, peak: float) -> optax.Schedule:
+    """Linear warmup from 0 to `peak`, then cosine decay to peak / 10 over H x R steps."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
-        peak_value=cfg.inner_lr,
+        peak_value=peak,
         warmup_steps=min(cfg.warmup_steps, cfg.total_steps - 1),
         decay_steps=cfg.total_steps,
-        end_value=cfg.inner_lr / 10,
+        end_value=peak / 10,
     )
+
+
+def inner_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """AdamW(b1 0.9, b2 0.95) at `inner_schedule(cfg, cfg.inner_lr)`; with inner_optimizer
+    "muon", MuLoCo's Muon (diloco_jax.optimizers) on the hidden matrices at
+    `inner_schedule(cfg, cfg.muon_lr)` (weight decay 0.01, the authors') and that same AdamW on
+    the embedding and the norms."""
+    schedule = inner_schedule(cfg, cfg.inner_lr)
+    if cfg.inner_optimizer == "muon":
+        return muon_inner_optimizer(
+            inner_schedule(cfg, cfg.muon_lr),
+            adamw_learning_rate=schedule,
+            adamw_weight_decay=cfg.weight_decay,
+        )
     return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
 
 
@@ -334,13 +365,16 @@ def pretrain_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 
 def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """The outer optimizer: Nesterov SGD (momentum 0.9), plain SGD, Adam (b2 0.95), or
-    Delayed Nesterov (momentum 0.9, buffer dn_buffer or the number of workers, c = dn_c)."""
+    """The outer optimizer: Nesterov SGD (momentum cfg.outer_momentum, 0.9), plain SGD, Adam
+    (b2 0.95), or Delayed Nesterov (momentum cfg.outer_momentum, buffer dn_buffer or the
+    number of workers, c = dn_c)."""
     lr = cfg.resolved_outer_lr
     if cfg.outer_optimizer == "delayed_nesterov":
-        return delayed_nesterov(lr, 0.9, buffer_size=cfg.dn_buffer or cfg.workers, c=cfg.dn_c)
+        return delayed_nesterov(
+            lr, cfg.outer_momentum, buffer_size=cfg.dn_buffer or cfg.workers, c=cfg.dn_c
+        )
     if cfg.outer_optimizer == "nesterov":
-        return optax.sgd(lr, momentum=0.9, nesterov=True)
+        return optax.sgd(lr, momentum=cfg.outer_momentum, nesterov=True)
     if cfg.outer_optimizer == "sgd":
         return optax.sgd(lr)
     return optax.adam(lr, b1=0.9, b2=0.95)

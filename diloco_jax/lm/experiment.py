@@ -245,6 +245,7 @@ def run(
         "workers": num_workers,
         "inner_steps": cfg.inner_steps if algo != "sync" else 1,
         "outer": _outer_label(cfg) if algo != "sync" else "-",
+        "inner": cfg.inner_optimizer,
         "sharding": cfg.sharding if num_workers > 1 else "-",
         "compression": {"diloco": cfg.compression, "async": "none"}.get(algo, "-"),
         "steps_per_worker": last.get("steps_per_worker", last["steps"]),
@@ -313,6 +314,8 @@ def _run_async(cfg: RunConfig, loss_fn, params, sampler, num_workers: int, commo
 def _outer_label(cfg: RunConfig) -> str:
     """e.g. "nesterov 0.7", "nesterov 0.7, delay 1", "nesterov 0.7, eager 2"."""
     label = f"{cfg.outer_optimizer} {cfg.resolved_outer_lr:g}"
+    if cfg.outer_optimizer in ("nesterov", "delayed_nesterov") and cfg.outer_momentum != 0.9:
+        label += f" (momentum {cfg.outer_momentum:g})"
     if cfg.outer_delay:
         label += f", {'eager' if cfg.eager else 'delay'} {cfg.outer_delay}"
     return label
