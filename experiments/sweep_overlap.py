@@ -17,6 +17,7 @@ if __name__ == "__main__":
             "delayed_1": {"outer_delay": 1},
             "delayed_1_lr_0.35": {"outer_delay": 1, "outer_lr": 0.35},
             "eager_1": {"outer_delay": 1, "eager": True},
+            "eager_1_lr_0.35": {"outer_delay": 1, "eager": True, "outer_lr": 0.35},
             "eager_2": {"outer_delay": 2, "eager": True},
         },
     )
