@@ -263,9 +263,16 @@ def _reference_for(options, params, data):
     )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("backend", ["vmap", "shard_map", "pmap"])
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+MATRIX = [
+    (config, backend, dtype)
+    for config in sorted(CONFIGS)
+    for backend in ("vmap", "shard_map", "pmap")
+    for dtype in ("float32", "float64")
+    if not (backend == "pmap" and dtype == "float64")  # pmap's layout is shard_map's: kept fast
+]
+
+
+@pytest.mark.parametrize("config, backend, dtype", MATRIX)
 def test_round_matches_numpy_reference(config, backend, dtype):
     options, nan = CONFIGS[config]
     params, data = init_params(dtype), make_data(dtype, nan)
