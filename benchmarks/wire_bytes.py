@@ -31,7 +31,7 @@ import diloco_jax as dj  # noqa: E402
 from diloco_jax import comm, hlo  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-SPECS = ("none", "bf16", "fp8", "int8", "int4", "e3m0", "topk:0.01", "sign_prune:0.5")
+SPECS = ("none", "bf16", "fp8", "int8", "int4", "e3m0", "topk:0.01", "sign_prune:0.5", "sparseloco")
 PARAMS = {"w": jnp.zeros((256, 64), jnp.float32), "b": jnp.zeros((64,), jnp.float32)}
 
 
