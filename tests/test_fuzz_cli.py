@@ -37,6 +37,8 @@ FLAGS = [
     "--outer-delay",
     "--outer-clip",
     "--state-sync",
+    "--tokenizer",
+    "--tensorboard",
 ]
 VALUES = st.one_of(
     st.integers(-10, 10_000).map(str),
@@ -76,6 +78,12 @@ VALUES = st.one_of(
             "cudnn",
             "gather",
             "onehot",
+            "bytes",
+            "bpe:300",
+            "bpe:256",
+            "bpe:",
+            "bpe:x",
+            "bpe:-5",
         ]
     ),
     st.text(max_size=12),
