@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -321,7 +322,11 @@ def plot_ratios(results: dict[str, dict[str, Any]], path: Path) -> None:
         xs, ys = zip(*sorted(points), strict=True)
         ax.plot(xs, ys, marker="o", label=f"DiLoCo M={m}")
     ax.axhline(1.0, ls="--", color="gray", label="data-parallel")
+    for size, r in results.items():
+        ax.annotate(size, (r["plan"]["num_params"], 1.0), textcoords="offset points",
+                    xytext=(0, -12), ha="center", fontsize=8, color="gray")  # fmt: skip
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no overlapping labels
     ax.set_xlabel("parameters (log)")
     ax.set_ylabel("final eval loss, DiLoCo / data-parallel")
     ax.set_title("DiLoCo vs data-parallel against model size")
