@@ -48,6 +48,8 @@ FLAGS = [
     "--dynamic-steps",
     "--dn-buffer",
     "--dn-c",
+    "--tokenizer",
+    "--tensorboard",
 ]
 VALUES = st.one_of(
     st.integers(-10, 10_000).map(str),
@@ -95,6 +97,12 @@ VALUES = st.one_of(
             "1,2",
             "1,nan",
             "1,,2",
+            "bytes",
+            "bpe:300",
+            "bpe:256",
+            "bpe:",
+            "bpe:x",
+            "bpe:-5",
         ]
     ),
     st.text(max_size=12),

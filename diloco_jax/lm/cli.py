@@ -44,6 +44,10 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
     p.add_argument("--rounds", type=int, help="R, communication rounds (steps = H x R)")
     p.add_argument("--data", help="stdlib | text:PATH | hf:NAME[:CONFIG[:SPLIT]]")
+    p.add_argument(
+        "--tokenizer",
+        help="bytes (default) | bpe:VOCAB, byte-level BPE trained on the train split (cached)",
+    )
     p.add_argument("--sharding", choices=SHARDINGS, help="worker data regime")
     p.add_argument("--inner-lr", type=float, help="inner AdamW peak learning rate")
     p.add_argument(
@@ -96,6 +100,11 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="auto | vmap | shard_map | pmap")
     p.add_argument("--out", help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard event files, one folder per run, under OUT/tensorboard/",
+    )
 
 
 def _distributed_flags(p: argparse.ArgumentParser) -> None:
@@ -154,6 +163,7 @@ _CONFIG_FLAGS = (
     "inner_steps",
     "rounds",
     "data",
+    "tokenizer",
     "sharding",
     "inner_lr",
     "inner_optimizer",
@@ -234,6 +244,7 @@ class Invocation:
     checkpoint_every: int | None
     progress: bool
     distributed: tuple[str, int, int] | None = None
+    tensorboard: bool = False
 
 
 def parse(argv: list[str] | None = None) -> Invocation:
@@ -263,6 +274,7 @@ def parse(argv: list[str] | None = None) -> Invocation:
         every,
         not args.no_progress,
         _distributed_args(args),
+        args.tensorboard,
     )
 
 
@@ -303,11 +315,22 @@ def main(argv: list[str] | None = None) -> int:
     print(experiment.describe(run.cfg, corpus))
     if run.command == "train":
         out, shared = _process_out(run.out)
-        train_command(run.cfg, corpus, run.algo, out, run.progress, run.checkpoint_every, shared)
+        train_command(
+            run.cfg,
+            corpus,
+            run.algo,
+            out,
+            run.progress,
+            run.checkpoint_every,
+            shared,
+            tensorboard=run.tensorboard,
+        )
     else:
         from diloco_jax.lm.compare import compare_command
 
-        compare_command(run.cfg, corpus, run.out, progress=run.progress)
+        compare_command(
+            run.cfg, corpus, run.out, progress=run.progress, tensorboard=run.tensorboard
+        )
     return 0
 
 
@@ -333,6 +356,7 @@ def train_command(
     progress: bool = True,
     checkpoint_every: int | None = None,
     checkpoint_root: Path | None = None,
+    tensorboard: bool = False,
 ) -> dict[str, Any]:
     """One run into `out`: config.json first, metrics.jsonl as it trains, summary.json last.
 
@@ -340,21 +364,25 @@ def train_command(
     same command after an interruption resumes there, and metrics.jsonl is rewritten whole at
     the end, so it ends up as an uninterrupted run's. `checkpoint_root` (default `out`) holds
     the checkpoints folder instead: the shared OUT of every process of a multi-process run.
+    With `tensorboard`, the pretrain's and the run's scalars also go to out/tensorboard/pretrain
+    and out/tensorboard/ALGO (rewritten whole at the end of a checkpointed run, like
+    metrics.jsonl).
     """
-    from diloco_jax.lm import experiment
+    from diloco_jax.lm import experiment, tblog
     from diloco_jax.lm.runlog import RunLog, write_json, write_jsonl
 
+    tb = lambda name: tblog.run_dir(out, name) if tensorboard else None
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", experiment.config_record(cfg, corpus, algo=algo))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     root = out if checkpoint_root is None else checkpoint_root
     ckpt = (lambda name: str(root / "checkpoints" / name)) if checkpoint_every else (lambda _: None)
-    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
+    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress, tb("pretrain")) as log:
         params, pre_history = experiment.pretrain(
             cfg, corpus, on_record=log, checkpoint_dir=ckpt("pretrain")
         )
-    with RunLog(metrics, cfg.total_steps, f"{algo} M={cfg.workers}", progress) as log:
+    with RunLog(metrics, cfg.total_steps, f"{algo} M={cfg.workers}", progress, tb(algo)) as log:
         summary, history = experiment.run(
             cfg,
             corpus,
@@ -366,6 +394,9 @@ def train_command(
             checkpoint_every=checkpoint_every or 1,
         )
     write_jsonl(metrics, pre_history + history)
+    if tensorboard and checkpoint_every:  # a resumed run logged only its last part live
+        tblog.write_history(tb("pretrain"), pre_history)
+        tblog.write_history(tb(algo), history)
     write_json(out / "summary.json", summary)
     print(
         f"{algo}: eval loss {summary['final_eval_loss']:.4f} "

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_jax import netsim
-from diloco_jax.lm import experiment
+from diloco_jax.lm import experiment, tblog
 from diloco_jax.lm.config import RunConfig
 from diloco_jax.lm.plots import plot_eval_vs_bytes, plot_eval_vs_tokens
 from diloco_jax.lm.runlog import RunLog, write_json
@@ -25,18 +25,26 @@ def runs_of(cfg: RunConfig) -> dict[str, tuple[str, int]]:
     }
 
 
-def compare_command(cfg: RunConfig, corpus: experiment.Corpus, out: Path, progress: bool = True):
+def compare_command(
+    cfg: RunConfig,
+    corpus: experiment.Corpus,
+    out: Path,
+    progress: bool = True,
+    tensorboard: bool = False,
+):
     """Runs the three runs into `out`: config.json, metrics.jsonl (all runs, a "run" field
-    each), summary.json, summary.md, eval_loss_vs_tokens.png, eval_loss_vs_bytes.png."""
+    each), summary.json, summary.md, eval_loss_vs_tokens.png, eval_loss_vs_bytes.png, and with
+    `tensorboard` the event files of each run (pretrain too) in out/tensorboard/RUN/."""
+    tb = lambda name: tblog.run_dir(out, name) if tensorboard else None
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", experiment.config_record(cfg, corpus, runs=runs_of(cfg)))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     summaries, histories = {}, {}
-    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress) as log:
+    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress, tb("pretrain")) as log:
         params, _ = experiment.pretrain(cfg, corpus, on_record=log)
     for name, (algo, workers) in runs_of(cfg).items():
-        with RunLog(metrics, cfg.total_steps, f"{name} M={workers}", progress) as log:
+        with RunLog(metrics, cfg.total_steps, f"{name} M={workers}", progress, tb(name)) as log:
             summaries[name], histories[name] = experiment.run(
                 cfg, corpus, algo, workers, name=name, params=params, on_record=log
             )
@@ -49,8 +57,9 @@ def compare_command(cfg: RunConfig, corpus: experiment.Corpus, out: Path, progre
     write_json(out / "summary.json", summary)
     table = summary_markdown(cfg, summaries) + "\n" + network_markdown(network)
     (out / "summary.md").write_text(table)
-    plot_eval_vs_tokens(histories, out / "eval_loss_vs_tokens.png")
-    plot_eval_vs_bytes(histories, out / "eval_loss_vs_bytes.png")
+    unit = "nats / byte" if cfg.tokenizer == "bytes" else "nats / token"
+    plot_eval_vs_tokens(histories, out / "eval_loss_vs_tokens.png", unit)
+    plot_eval_vs_bytes(histories, out / "eval_loss_vs_bytes.png", unit)
     print(table)
     print(f"wrote {out}/summary.json, summary.md, metrics.jsonl and 2 plots")
     return summary
@@ -116,6 +125,16 @@ def network_markdown(network: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _units(cfg: RunConfig) -> str:
+    """What a token is, for the table's note."""
+    if cfg.tokenizer == "bytes":
+        return "Eval loss and perplexity are per byte (byte-level tokens)."
+    return (
+        f"Eval loss and perplexity are per token ({cfg.tokenizer}); bits per byte = total "
+        "nats over the eval text / (ln 2 x its UTF-8 bytes), comparable across tokenizers."
+    )
+
+
 def summary_markdown(cfg: RunConfig, runs: dict[str, Record]) -> str:
     """A table shaped like the paper's Table 2: communication, time, compute & data, ppl."""
     base = runs["sync_1worker"]
@@ -125,8 +144,9 @@ def summary_markdown(cfg: RunConfig, runs: dict[str, Record]) -> str:
         f"from a {cfg.pretrain_steps}-step warm start)",
         "",
         "| run | workers | communication rounds | payload bytes / worker | wire bytes / worker "
-        "| wall time (s) | tokens/s | MFU | compute & data | eval loss | eval perplexity |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| wall time (s) | tokens/s | MFU | compute & data | eval loss | eval perplexity "
+        "| eval bits/byte |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in runs.items():
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.3g}%"
@@ -135,11 +155,11 @@ def summary_markdown(cfg: RunConfig, runs: dict[str, Record]) -> str:
             f"{r['bytes_communicated']:,} | {r['wire_bytes']:,} | {r['wall_seconds']:.0f} | "
             f"{r['tokens_per_second']:,.0f} | {mfu} | "
             f"{r['tokens_seen'] / base['tokens_seen']:.0f}x | {r['final_eval_loss']:.4f} | "
-            f"{r['final_eval_ppl']:.3f} |"
+            f"{r['final_eval_ppl']:.3f} | {r['final_eval_bits_per_byte']:.4f} |"
         )
     lines += [
         "",
-        "Perplexity is per byte (byte-level tokens). Every run takes the same steps per worker "
+        f"{_units(cfg)} Every run takes the same steps per worker "
         "with the same per-worker batch; `compute & data` is total tokens relative to "
         "sync_1worker. DiLoCo communicates every H steps, data parallelism every step. "
         "tokens/s and MFU (model FLOPs per token x tokens/s over the device's peak FLOP/s; "

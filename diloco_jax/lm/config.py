@@ -12,6 +12,7 @@ import optax
 from diloco_jax import delay
 from diloco_jax.compression import parse_compression
 from diloco_jax.delayed_nesterov import delayed_nesterov
+from diloco_jax.lm.tokenizer import parse_spec
 from diloco_jax.optimizers import muon_inner_optimizer
 from diloco_jax.schedule import check_schedule
 
@@ -38,6 +39,7 @@ class RunConfig:
 
     model: str = "tiny"  # a diloco_jax.lm.model preset
     data: str = "stdlib"  # "stdlib" | "text:PATH" | "hf:NAME[:CONFIG[:SPLIT]]"
+    tokenizer: str = "bytes"  # "bytes" | "bpe:VOCAB" (diloco_jax.lm.tokenizer); sets the vocab
     max_bytes: int | None = 4_000_000  # read at most this many bytes of the source
     val_fraction: float = 0.05  # documents held out for evaluation
     sharding: str = "iid"  # "iid" | "non_iid"
@@ -234,6 +236,7 @@ def validate(cfg: RunConfig) -> None:
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
     try:
+        parse_spec(cfg.tokenizer)
         model_config(cfg)
     except ValueError as e:  # combinations the model refuses, e.g. cudnn with float32
         raise ConfigError(str(e)) from None
@@ -320,11 +323,13 @@ def state_sync_of(cfg: RunConfig) -> dict[str, int] | None:
 
 
 def model_config(cfg: RunConfig):
-    """The ModelConfig of cfg.model with the run's dtypes, attention and embedding."""
+    """The ModelConfig of cfg.model with the run's vocabulary (the tokenizer's), dtypes,
+    attention and embedding."""
     from diloco_jax.lm.model import get_config
 
     return get_config(
         cfg.model,
+        vocab_size=parse_spec(cfg.tokenizer).vocab_size,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         attention=cfg.attention,

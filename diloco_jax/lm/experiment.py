@@ -16,6 +16,7 @@ from diloco_jax.async_train import async_schedule, train_async
 from diloco_jax.lm import data as data_lib
 from diloco_jax.lm import mfu as mfu_lib
 from diloco_jax.lm import model as model_lib
+from diloco_jax.lm import tokenizer as tokenizer_lib
 from diloco_jax.lm.config import (
     ConfigError,
     RunConfig,
@@ -34,26 +35,49 @@ Record = dict[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """Byte tokens of the train split (with document starts) and fixed eval batches."""
+    """Tokens of the train split (with document starts) and fixed eval batches."""
 
     train_tokens: np.ndarray  # int32 [N]
     doc_starts: np.ndarray  # int64 [D], first token of each train document
     eval_batches: dict[str, np.ndarray]  # {"inputs", "targets"}: int32 [num_batches, B, L]
-    info: dict[str, Any]  # source description, split sizes
+    # source description, split sizes, "tokenizer" (tokenizer.Tokenizer.info), and
+    # "eval_tokens" / "eval_bytes": the eval targets and the UTF-8 bytes they stand for
+    info: dict[str, Any]
+
+    @property
+    def eval_bytes_per_token(self) -> float:
+        """UTF-8 bytes per eval target token (exactly 1.0 for the byte tokenizer)."""
+        return self.info["eval_bytes"] / self.info["eval_tokens"]
+
+
+def bits_per_byte(loss_per_token: float, bytes_per_token: float) -> float:
+    """Mean loss in nats per token -> bits per byte of the text those tokens encode: total nats
+    / (ln 2 x bytes). For byte-level tokens (bytes_per_token 1) it is loss / ln 2."""
+    return loss_per_token / (math.log(2) * bytes_per_token)
 
 
 def load_corpus(cfg: RunConfig) -> Corpus:
-    """Loads `cfg.data`, splits it by document, builds the train stream and eval batches.
+    """Loads `cfg.data`, splits it by document, tokenizes it with `cfg.tokenizer` (a BPE
+    tokenizer is trained on the train split, or loaded from its cache), and builds the train
+    stream and eval batches.
 
-    Raises ConfigError (one line, naming the problem) for a bad source or too little data.
+    Raises ConfigError (one line, naming the problem) for a bad source, too little data, or
+    a corpus too small for the BPE vocabulary.
     """
     try:
         source = data_lib.load_source(cfg.data, max_bytes=cfg.max_bytes)
         train_docs, val_docs = data_lib.split_documents(
             source.documents, cfg.val_fraction, cfg.seed
         )
-        train_tokens, doc_starts = data_lib.concat_documents(train_docs)
-        val_tokens, _ = data_lib.concat_documents(val_docs)
+    except ValueError as e:
+        raise ConfigError(f"--data {cfg.data}: {e}") from None
+    try:
+        tokenizer = tokenizer_lib.get_tokenizer(cfg.tokenizer, train_docs)
+    except ValueError as e:
+        raise ConfigError(f"--tokenizer {cfg.tokenizer}: {e}") from None
+    try:
+        train_tokens, doc_starts = data_lib.concat_documents(tokenizer.encode_documents(train_docs))
+        val_tokens, _ = data_lib.concat_documents(tokenizer.encode_documents(val_docs))
         evals = data_lib.eval_batches(val_tokens, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
         # Fails early when a shard can't hold a window (non_iid with too little data).
         data_lib.worker_shards(
@@ -67,6 +91,9 @@ def load_corpus(cfg: RunConfig) -> Corpus:
         val_documents=len(val_docs),
         train_tokens=int(len(train_tokens)),
         val_tokens=int(len(val_tokens)),
+        tokenizer=tokenizer.info,
+        eval_tokens=int(evals["targets"].size),
+        eval_bytes=int(tokenizer.byte_lengths[evals["targets"]].sum()),
     )
     evals = {k: np.asarray(v) for k, v in evals.items()}
     return Corpus(train_tokens, doc_starts, evals, info)
@@ -102,7 +129,7 @@ def make_sampler(cfg: RunConfig, corpus: Corpus, num_workers: int, salt: int) ->
 
 
 def make_eval_fn(loss_fn: Callable, corpus: Corpus) -> Callable[[Any], dict[str, jax.Array]]:
-    """params -> {"eval_loss": mean loss over the fixed eval batches} (nats per byte)."""
+    """params -> {"eval_loss": mean loss over the fixed eval batches} (nats per token)."""
     evals = jax.tree.map(jnp.asarray, corpus.eval_batches)
 
     def eval_fn(params):
@@ -135,10 +162,18 @@ def init_model(cfg: RunConfig) -> tuple[model_lib.ModelConfig, Any, Callable]:
 
 
 def _recorder(
-    cfg: RunConfig, name: str, num_workers: int, on_record: Callable[[Record], None] | None
+    cfg: RunConfig,
+    corpus: Corpus,
+    name: str,
+    num_workers: int,
+    on_record: Callable[[Record], None] | None,
 ) -> Callable[[Record], None]:
-    """A train_* callback that tags each history entry with the run and its token count."""
+    """A train_* callback that tags each history entry with the run, its token count, the
+    throughput so far ("tokens_per_second" of all workers and "mfu", as in the summary but up
+    to this entry) and, where evaluated, "eval_bits_per_byte"."""
     start = time.perf_counter()
+    flops_per_token = model_lib.flops_per_token(model_config(cfg), cfg.seq_len)
+    peak = peak_flops(cfg, num_workers)
 
     def record(entry: Record) -> None:
         steps = entry["steps"]
@@ -150,6 +185,15 @@ def _recorder(
             wall_seconds=time.perf_counter() - start,
             tokens_per_worker=round(steps * cfg.batch_size * cfg.seq_len),
         )
+        tokens_per_second = entry["tokens_per_worker"] * num_workers / entry["wall_seconds"]
+        entry.update(
+            tokens_per_second=tokens_per_second,
+            mfu=mfu_lib.mfu(flops_per_token, tokens_per_second, peak),
+        )
+        if "eval_loss" in entry:
+            entry["eval_bits_per_byte"] = bits_per_byte(
+                entry["eval_loss"], corpus.eval_bytes_per_token
+            )
         if on_record is not None:
             on_record(entry)
 
@@ -167,12 +211,14 @@ def run(
     on_record: Callable[[Record], None] | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 1,
+    eval_every: int = 1,
 ) -> tuple[Record, list[Record]]:
     """Trains one run from `params` (default: a fresh init) and returns (summary, history).
 
     algo "diloco": M = num_workers workers, H = cfg.inner_steps, R = cfg.rounds.
     algo "sync": M = num_workers workers averaging gradients every step, for H x R steps,
-    evaluated every H steps (the same points as DiLoCo's rounds).
+    evaluated every H steps (the same points as DiLoCo's rounds). `eval_every` > 1 evaluates
+    every that many rounds (H x that many steps for sync) instead, and always at the end.
     algo "async": asynchronous DiLoCo (`train_async`) on the simulated clock of
     cfg.step_seconds (cfg.dynamic_steps: DyLU), each arriving delta applied with the outer
     optimizer, for as many server updates as it takes to match DiLoCo's total inner steps
@@ -195,7 +241,7 @@ def run(
         num_workers=num_workers,
         backend=cfg.backend,
         eval_fn=make_eval_fn(loss_fn, corpus),
-        callback=_recorder(cfg, name, num_workers, on_record),
+        callback=_recorder(cfg, corpus, name, num_workers, on_record),
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
     )
@@ -220,6 +266,7 @@ def run(
             fragments=cfg.fragments,
             overlap_steps=cfg.overlap_steps,
             merge_alpha=cfg.merge_alpha,
+            eval_every=eval_every,
             **common,
         )
     elif algo == "sync":
@@ -230,7 +277,7 @@ def run(
             sampler,
             num_steps=cfg.total_steps,
             optimizer=inner_optimizer(cfg),
-            eval_every=cfg.inner_steps,
+            eval_every=cfg.inner_steps * eval_every,
             **common,
         )
     elif algo == "async":
@@ -254,6 +301,7 @@ def run(
         ),
         "final_eval_loss": final["eval_loss"],
         "final_eval_ppl": math.exp(final["eval_loss"]),
+        "final_eval_bits_per_byte": final["eval_bits_per_byte"],
         "final_train_loss": last["loss"],
         "bytes_communicated": last["bytes_communicated"],
         "wire_bytes": last["wire_bytes"],
@@ -328,15 +376,21 @@ def throughput(
     (make_backend's choice for cfg.backend) and MFU."""
     tokens_per_second = summary["tokens_seen"] / summary["wall_seconds"]
     flops_per_token = model_lib.flops_per_token(model_cfg, cfg.seq_len)
-    num_devices = len(make_backend(cfg.backend, num_workers).devices)
-    peak = mfu_lib.peak_flops(cfg.dtype, num_devices=num_devices)
+    peak = peak_flops(cfg, num_workers)
     return {
         "tokens_per_second": tokens_per_second,
         "model_flops_per_token": flops_per_token,
-        "devices": num_devices,
+        "devices": len(make_backend(cfg.backend, num_workers).devices),
         "peak_flops": peak,
         "mfu": mfu_lib.mfu(flops_per_token, tokens_per_second, peak),
     }
+
+
+def peak_flops(cfg: RunConfig, num_workers: int) -> float | None:
+    """`mfu.peak_flops` for cfg.dtype on the devices `num_workers` workers use (make_backend's
+    choice for cfg.backend)."""
+    num_devices = len(make_backend(cfg.backend, num_workers).devices)
+    return mfu_lib.peak_flops(cfg.dtype, num_devices=num_devices)
 
 
 def pretrain(
@@ -361,7 +415,7 @@ def pretrain(
         backend=cfg.backend,
         eval_fn=make_eval_fn(loss_fn, corpus),
         eval_every=cfg.pretrain_steps,
-        callback=_recorder(cfg, "pretrain", 1, on_record),
+        callback=_recorder(cfg, corpus, "pretrain", 1, on_record),
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=cfg.pretrain_steps,
     )
@@ -378,6 +432,7 @@ def describe(cfg: RunConfig, corpus: Corpus) -> str:
         f"params, {cfg.dtype} compute); data {info['spec']}: "
         f"{info['num_documents']:,} documents, {info['train_tokens']:,} train / "
         f"{info['val_tokens']:,} eval tokens ({cfg.sharding})"
+        + ("" if cfg.tokenizer == "bytes" else f"; tokenizer {cfg.tokenizer}")
     )
 
 
@@ -391,6 +446,7 @@ def config_record(cfg: RunConfig, corpus: Corpus, **extra: Any) -> dict[str, Any
         "model": dataclasses.asdict(model_cfg),
         "num_params": model_lib.count_params(shapes),
         "data": corpus.info,
+        "tokenizer": corpus.info["tokenizer"],
         "jax_version": jax.__version__,
         "devices": [str(d) for d in jax.devices()],
         "device_kind": jax.devices()[0].device_kind,

@@ -35,10 +35,23 @@ def _human_bytes(n: float) -> str:
 
 class RunLog:
     """Appends each record to `metrics_path` (flushed, one JSON object a line) and advances a
-    progress bar showing loss, eval loss, tokens/s, bytes communicated and the ETA."""
+    progress bar showing loss, eval loss, tokens/s, bytes communicated and the ETA. With
+    `tensorboard` (a folder), each record's scalars also go there (lm/tblog.py)."""
 
-    def __init__(self, metrics_path: Path, total: int, desc: str, progress: bool = True):
+    def __init__(
+        self,
+        metrics_path: Path,
+        total: int,
+        desc: str,
+        progress: bool = True,
+        tensorboard: Path | None = None,
+    ):
         self._file = open(metrics_path, "a")  # noqa: SIM115 - closed in close()
+        self._tensorboard = None
+        if tensorboard is not None:
+            from diloco_jax.lm.tblog import TensorBoardLog
+
+            self._tensorboard = TensorBoardLog(tensorboard)
         self._bar = tqdm(
             total=total,
             desc=desc,
@@ -52,6 +65,8 @@ class RunLog:
     def __call__(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard(record)
         steps = record.get("steps_per_worker", record["steps"])  # async: a mean over workers
         self._bar.update(steps - self._done)
         self._done = steps
@@ -66,6 +81,8 @@ class RunLog:
     def close(self) -> None:
         self._bar.close()
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def __enter__(self) -> "RunLog":
         return self

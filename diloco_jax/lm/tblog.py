@@ -1,0 +1,74 @@
+"""TensorBoard event files of LM runs, written with tensorboardX.
+
+Each run (pretrain, diloco, sync_1worker, sync_data_parallel, ...) writes its own folder
+OUT/tensorboard/RUN/, so `tensorboard --logdir OUT/tensorboard` overlays DiLoCo and the
+baselines on one chart per tag. The x axis is steps per worker (a DiLoCo round shows at its last
+inner step), and every scalar is a field of the run's metrics.jsonl record (SCALARS), stored as
+float32 as TensorBoard does.
+"""
+
+from pathlib import Path
+from typing import Any
+
+# metrics.jsonl field -> TensorBoard tag.
+SCALARS = {
+    "loss": "train/loss",
+    "eval_loss": "eval/loss",
+    "eval_bits_per_byte": "eval/bits_per_byte",
+    "outer_grad_norm": "diloco/outer_grad_norm",
+    "bytes_communicated": "communication/bytes_communicated",
+    "wire_bytes": "communication/wire_bytes",
+    "tokens_per_second": "throughput/tokens_per_second",
+    "mfu": "throughput/mfu",
+}
+_EVENT_PREFIX = "events.out.tfevents."
+
+
+def run_dir(out: Path, name: str) -> Path:
+    """OUT/tensorboard/NAME: the event folder of run NAME."""
+    return Path(out) / "tensorboard" / name
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The TensorBoard tags and values of one metrics record: the SCALARS fields it has that
+    are numbers (None, e.g. an unknown MFU, is left out; NaN and inf are kept)."""
+    out = {}
+    for key, tag in SCALARS.items():
+        value = record.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[tag] = float(value)
+    return out
+
+
+class TensorBoardLog:
+    """Writes one run's records as scalars into `folder`, replacing event files an earlier
+    run left there (so rerunning a command into the same OUT doesn't stack two runs)."""
+
+    def __init__(self, folder: Path, flush_secs: int = 10):
+        from tensorboardX import SummaryWriter  # imported only when TensorBoard is asked for
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob(f"{_EVENT_PREFIX}*"):
+            old.unlink()
+        self._writer = SummaryWriter(logdir=str(folder), flush_secs=flush_secs)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        for tag, value in scalars(record).items():
+            self._writer.add_scalar(tag, value, global_step=record["steps"])
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def __enter__(self) -> "TensorBoardLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_history(folder: Path, history: list[dict[str, Any]]) -> None:
+    """Rewrites `folder` with a whole history (a resumed run's, once it is complete)."""
+    with TensorBoardLog(folder) as log:
+        for record in history:
+            log(record)
