@@ -18,8 +18,8 @@ As the paper does, the outer learning rate is tuned per size (and per M) over a 
 table keeps the lr with the lowest final eval loss and reports DiLoCo / data-parallel. Eval loss
 is nats per byte on the same held-out stdlib windows for every run and size.
 
-  python sweep_model_size.py           # micro, mini, tiny, small
-  python sweep_model_size.py --quick   # micro, mini, tiny
+  python sweep_model_size.py           # micro, mini, tiny, small at 0.5 tokens per parameter
+  python sweep_model_size.py --quick   # micro, mini, tiny at 0.2 tokens per parameter
 
 writes results/model_size{,_quick}.{md,json,png}: the table, every run's summary and the plan,
 and the ratio against parameter count.
@@ -53,7 +53,10 @@ QUICK_SIZES = ("micro", "mini", "tiny")
 GLOBAL_BATCH = {"micro": 4, "mini": 8, "tiny": 16, "small": 32}
 SEQ_LEN = 32  # micro's context, so every size sees the same windows
 INNER_STEPS = 10  # H, fixed across sizes as in the paper
-TOKENS_PER_PARAM = 0.2
+# Tokens per parameter: 100x and 40x below Chinchilla's 20, what 2 CPU cores allow (the default
+# sweep took about 80 minutes, --quick about 6; see experiments/README.md).
+TOKENS_PER_PARAM = 0.5
+QUICK_TOKENS_PER_PARAM = 0.2
 WORKER_COUNTS = (1, 2, 4)
 # Nesterov momentum 0.9 steps 10 x lr times the mean delta once its momentum has built up: 0.1 is
 # plain averaging, 0.4 the lookahead of 4 deltas. A pilot over 0.1-1.0 on micro, mini and tiny
@@ -358,7 +361,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"sizes {', '.join(QUICK_SIZES)}")
     parser.add_argument("--sizes", nargs="+", choices=SIZES, help="model sizes to run")
-    parser.add_argument("--tokens-per-param", type=float, default=TOKENS_PER_PARAM)
+    parser.add_argument(
+        "--tokens-per-param",
+        type=float,
+        help=f"default {TOKENS_PER_PARAM} ({QUICK_TOKENS_PER_PARAM} with --quick)",
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=list(WORKER_COUNTS))
     parser.add_argument("--lr-grid", type=float, nargs="+", default=list(LR_GRID))
     parser.add_argument("--out", default=str(RESULTS), help="output folder")
@@ -384,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the sweep and writes NAME.md, NAME.json and NAME.png into --out."""
     args = parse_args(argv)
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    if args.tokens_per_param is None:
+        args.tokens_per_param = QUICK_TOKENS_PER_PARAM if args.quick else TOKENS_PER_PARAM
     name = args.name or ("model_size_quick" if args.quick else "model_size")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

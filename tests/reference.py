@@ -1,7 +1,21 @@
 """Independent NumPy references (float64) for the tests: a linear model trained with plain SGD
 inner steps and an SGD/Nesterov outer step, written from the paper's equations."""
 
+import contextlib
+
 import numpy as np
+
+
+@contextlib.contextmanager
+def precision(dtype):
+    """Runs its block with x64 on for dtype "float64" (off for "float32"), then off again."""
+    import jax
+
+    jax.config.update("jax_enable_x64", dtype == "float64")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", False)
 
 
 def linear_loss(params, batch):

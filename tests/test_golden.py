@@ -6,16 +6,14 @@ and ignored it. Now the option takes effect (a weighted exchange that leaves non
 workers out), so on the recorded finite data those cases agree to float rounding, not bit for
 bit, and their history gains the fault fields (nobody excluded, dropped or skipped)."""
 
-import contextlib
 import json
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from golden_cases import INNER_STEPS, NUM_ROUNDS, cases, data, optimizers, params
-from reference import linear_loss
+from reference import linear_loss, precision
 
 import diloco_jax as dj
 
@@ -23,15 +21,6 @@ DATA = Path(__file__).parent / "data"
 ARRAYS, HISTORIES = DATA / "golden_rounds.npz", DATA / "golden_histories.json"
 WRITE = os.environ.get("DILOCO_JAX_WRITE_GOLDEN") == "1"
 CASES = cases()
-
-
-@contextlib.contextmanager
-def precision(dtype):
-    jax.config.update("jax_enable_x64", dtype == "float64")
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", False)
 
 
 def run_case(case):

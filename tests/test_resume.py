@@ -222,7 +222,8 @@ def _last_round(path: Path) -> int:
 def _run_records(path: Path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     for r in records:
-        r.pop("wall_seconds")
+        for timed in ("wall_seconds", "tokens_per_second", "mfu"):  # the clock's, not the run's
+            r.pop(timed, None)
     return records
 
 

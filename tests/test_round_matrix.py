@@ -4,14 +4,13 @@ overlap and merge alpha; non-finite exclusion, drops, per-worker steps and step 
 exact, int8 and int4 exchanges with error feedback. Three rounds on vmap, shard_map and pmap,
 in float32 and float64."""
 
-import contextlib
 import copy
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import precision
 
 import diloco_jax as dj
 from diloco_jax import faults
@@ -222,15 +221,6 @@ CONFIGS = {
         True,
     ),
 }  # fmt: skip
-
-
-@contextlib.contextmanager
-def precision(dtype):
-    jax.config.update("jax_enable_x64", dtype == "float64")
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", False)
 
 
 def _reference_for(options, params, data):
