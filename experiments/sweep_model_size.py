@@ -372,7 +372,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--name", help="output file stem (default model_size[_quick])")
     parser.add_argument(
         "--cache",
-        help="folder of finished runs, reused when rerun (default OUT/model_size_runs)",
+        help="folder of finished runs, reused when rerun (default OUT/NAME_runs)",
     )
     parser.add_argument(
         "--cached-only",
@@ -396,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     name = args.name or ("model_size_quick" if args.quick else "model_size")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cache = Path(args.cache) if args.cache else out / "model_size_runs"
+    cache = Path(args.cache) if args.cache else out / f"{name}_runs"
     start, load_start = time.perf_counter(), os.getloadavg()[0]
     corpus = load_corpus()
     results = {}
