@@ -54,7 +54,7 @@ GLOBAL_BATCH = {"micro": 4, "mini": 8, "tiny": 16, "small": 32}
 SEQ_LEN = 32  # micro's context, so every size sees the same windows
 INNER_STEPS = 10  # H, fixed across sizes as in the paper
 # Tokens per parameter: 100x and 40x below Chinchilla's 20, what 2 CPU cores allow (the default
-# sweep took about 80 minutes, --quick about 6; see experiments/README.md).
+# sweep took 62 minutes, --quick 2.9; see experiments/README.md).
 TOKENS_PER_PARAM = 0.5
 QUICK_TOKENS_PER_PARAM = 0.2
 WORKER_COUNTS = (1, 2, 4)
