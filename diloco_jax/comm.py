@@ -2,7 +2,6 @@
 (`round_bytes`, history's "bytes_communicated") and the bytes it sends on the wire
 (`round_wire_bytes`, history's "wire_bytes")."""
 
-import math
 from typing import Any
 
 import jax
@@ -12,6 +11,7 @@ from diloco_jax.compression import (
     Compression,
     block_row_bytes,
     parse_compression,
+    to_blocks,
     tree_payload_bytes,
 )
 from diloco_jax.hlo import ring_wire_bytes
@@ -98,7 +98,7 @@ def round_wire_bytes(
             total += ring_wire_bytes("all-reduce", payload_bytes(synced) + extra, m)
             continue
         if exchange == "two_stage":
-            blocks = sum(-(-math.prod(x.shape) // c.block_size) for x in synced)
+            blocks = jax.eval_shape(lambda xs: to_blocks(xs, c.block_size), synced).shape[0]
             rows = -(-blocks // m) * m * block_row_bytes(c)
             total += ring_wire_bytes("all-to-all", rows, m) + ring_wire_bytes(
                 "all-gather", rows / m, m

@@ -87,6 +87,7 @@ a pytree: close over it or pass it as a static argument of ``jax.jit``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -704,25 +705,22 @@ def encode_blocks(xb: jax.Array, c: Compression) -> tuple[jax.Array, jax.Array |
     scale are exactly those `encode` produces."""
     elements, scale = _quantized(xb, c)
     if c.kind in NIBBLE_KINDS:
-        if elements.shape[1] % 2:
-            elements = jnp.pad(elements, ((0, 0), (0, 1)))
-        elements = elements[:, 0::2] | (elements[:, 1::2] << 4)
+        elements = jax.vmap(_pack_nibbles)(elements)
     return elements, scale
 
 
 def decode_blocks(codes: jax.Array, scale: jax.Array | None, c: Compression) -> jax.Array:
     """Inverse of `encode_blocks`: float32 [NB, c.block_size]."""
     if c.kind in NIBBLE_KINDS:
-        codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
-        codes = codes[:, : c.block_size]
+        codes = jax.vmap(lambda row: _unpack_nibbles(row, c.block_size))(codes)
     return _dequantized(codes, scale, c)
 
 
 def block_row_bytes(c: Compression) -> int:
     """Wire bytes of one block in the two-stage exchange: its codes row and its scale."""
-    elements = {"bf16": 2, "fp8": 1, "int8": 1}.get(c.kind)
-    codes = c.block_size * elements if elements else -(-c.block_size // 2)
-    return codes + (4 if c.kind in BLOCK_KINDS else 0)
+    one_block = jax.ShapeDtypeStruct((1, c.block_size), jnp.float32)
+    encoded = jax.eval_shape(functools.partial(encode_blocks, c=c), one_block)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(encoded))
 
 
 # ----------------------------------------------------------------------------- sizes

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.outer import widen
+from diloco_jax.workers import stack_workers
 
 MAX_DELAY = 2
 
@@ -56,7 +57,7 @@ def check_combination(outer_delay: int, eager: bool, fragments: Any, weighted: b
     if eager and weighted:
         raise ValueError(
             "eager=True can't be combined with fault options (exclude_nonfinite, "
-            "drop_probability, worker_steps, weighting='steps'): every worker keeps its own "
+            "drop_probability, worker_steps, weighting, anomaly): every worker keeps its own "
             "params, so a left-out worker has no global params to restart from"
         )
 
@@ -81,10 +82,7 @@ def initial(state: Any, num_workers: int, outer_delay: int, eager: bool) -> Any:
     )
     if not eager:
         return state
-    outer_M, params_M = jax.tree.map(
-        lambda x: jnp.broadcast_to(jnp.asarray(x), (num_workers, *jnp.shape(x))),
-        (state.outer_opt_state, state.params),
-    )
+    outer_M, params_M = stack_workers((state.outer_opt_state, state.params), num_workers)
     return state._replace(params=None, outer_opt_state=outer_M, local_params=params_M)
 
 

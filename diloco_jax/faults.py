@@ -75,9 +75,8 @@ def check_anomaly(anomaly: "AnomalySkip | bool | None") -> "AnomalySkip | None":
 
 def check_temperature(temperature: float) -> float:
     """The softmax temperature T > 0 of weighting="norm_softmax"."""
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if not 0 < temperature < math.inf:
+    is_number = isinstance(temperature, int | float) and not isinstance(temperature, bool)
+    if not is_number or not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     return float(temperature)
 

@@ -35,6 +35,27 @@ def inner_step(
     return optax.apply_updates(params, updates), opt_state, loss
 
 
+def masked_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    opt_state: Any,
+    batch: Any,
+    active: jax.Array | None = None,
+) -> tuple[Any, Any, jax.Array]:
+    """`inner_step` with its loss in float32; where the bool scalar `active` is False the
+    params and optimizer state stay as they were and the loss is 0 (a worker past its h_m
+    steps). None: always active."""
+    new_params, new_state, loss = inner_step(loss_fn, optimizer, params, opt_state, batch)
+    loss = loss.astype(jnp.float32)
+    if active is None:
+        return new_params, new_state, loss
+    kept = jax.tree.map(
+        lambda a, b: jnp.where(active, a, b), (new_params, new_state), (params, opt_state)
+    )
+    return *kept, jnp.where(active, loss, 0.0)
+
+
 def inner_loop(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -77,13 +98,9 @@ def inner_loop(
 
     def step(carry, x):
         h, x = x if active_steps is not None else (None, x)
-        params, opt_state, loss = inner_step(loss_fn, optimizer, *carry, batch_of(x))
-        loss = loss.astype(jnp.float32)
-        if active_steps is None:
-            return (params, opt_state), loss
-        active = h < active_steps
-        new = jax.tree.map(lambda a, b: jnp.where(active, a, b), (params, opt_state), carry)
-        return new, jnp.where(active, loss, 0.0)
+        active = None if active_steps is None else h < active_steps
+        params, opt_state, loss = masked_step(loss_fn, optimizer, *carry, batch_of(x), active)
+        return (params, opt_state), loss
 
     (params, opt_state), losses_H = lax.scan(step, (params, opt_state), xs)
     return params, opt_state, losses_H

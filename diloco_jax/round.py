@@ -6,12 +6,16 @@ is a part plugged into that body, never a copy of it:
 - schedule (`diloco_jax.schedule`): which leaves sync after which inner step, and how the
   synced values merge into each worker's params (standard DiLoCo: every leaf after step H;
   Streaming DiLoCo: P fragments on a staggered schedule with overlap and merge alpha);
-- weights (`diloco_jax.faults`): each worker's weight at each sync (1; 0 for a non-finite or
-  dropped worker; h_m under step weighting) and what a left-out worker does next;
+- weights (`diloco_jax.faults`): each worker's weight at each sync (1; 0 for a non-finite,
+  dropped or anomalous worker; h_m under step weighting; EDiT's softmax of -‖Δ_m‖ / T) and
+  what a left-out worker does next;
 - exchange (`diloco_jax.exchange`): how the weighted deltas are averaged (an exact all-reduce
   or compressed payloads) around the backend's collectives;
 - outer rule (`diloco_jax.outer`): the optax outer update of the synced leaves with their own
-  outer state (a sync where no worker is included leaves both unchanged).
+  outer state (a sync where no worker is included leaves both unchanged);
+- delay (`diloco_jax.delay`): when a sync's mean is applied (at once, 1-2 rounds late, or
+  eagerly);
+- state sync (`diloco_jax.state_sync`): DES-LOC's averaging of inner optimizer state fields.
 
 One round is one traced function (jit it once; H steps never dispatch alone).
 """
@@ -29,11 +33,11 @@ from diloco_jax import delay, faults
 from diloco_jax import state_sync as state_syncs
 from diloco_jax.compression import Compression, init_residual, parse_compression
 from diloco_jax.exchange import make_exchange
-from diloco_jax.inner import LossFn, inner_loop, inner_step
+from diloco_jax.inner import LossFn, inner_loop, masked_step
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
 from diloco_jax.schedule import Schedule, Sync, fragment_of, leaf_indices, make_schedule, part
-from diloco_jax.workers import WORKER_AXIS, Backend, exact_mean, make_backend
+from diloco_jax.workers import WORKER_AXIS, Backend, exact_mean, make_backend, stack_workers
 
 
 class DiLoCoState(NamedTuple):
@@ -84,14 +88,6 @@ def default_inner_optimizer() -> optax.GradientTransformation:
 def default_outer_optimizer() -> optax.GradientTransformation:
     """The paper's outer optimizer: SGD with Nesterov momentum (lr 0.7, momentum 0.9)."""
     return optax.sgd(0.7, momentum=0.9, nesterov=True)
-
-
-def stack_workers(tree: Any, num_workers: int) -> Any:
-    """Repeats every leaf along a new leading worker axis: [...] -> [M, ...] (new buffers).
-    One broadcast per leaf: half the eager work of `jnp.repeat` in `init_state`."""
-    return jax.tree.map(
-        lambda x: jnp.broadcast_to(jnp.asarray(x), (num_workers, *jnp.shape(x))), tree
-    )
 
 
 def uses_residual(compression: "str | Compression | None") -> bool:
@@ -242,9 +238,10 @@ def diloco_round(
       taken), "worker_loss" (float32 [M], each worker's mean over its steps, each loss taken
       before that step's update) and "outer_grad_norm" (global L2 norm of the averaged deltas
       of every sync). With any fault option on, metrics also hold "excluded_workers" (bool
-      [M], a non-finite delta at some sync), "dropped_workers" (bool [M], dropped at some
-      sync) and "skipped" (bool scalar: some sync included no worker, so those leaves and
-      their outer state are unchanged and their delta counts as 0; `round` still advances).
+      [M], a non-finite delta or an anomaly outlier at some sync), "dropped_workers" (bool
+      [M], dropped at some sync) and "skipped" (bool scalar: some sync included no worker,
+      so those leaves and their outer state are unchanged and their delta counts as 0;
+      `round` still advances).
     """
     num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
@@ -425,13 +422,8 @@ def _round_body(
     def one_step(params, opt_state, steps, my_data, x):
         # One worker's inner step h (masked after its h_m steps), for the synced scan.
         h, batch = (x, worker_batches(batches, shared_data, my_data)(x)) if sampled else x
-        new = inner_step(loss_fn, inner_optimizer, params, opt_state, batch)
-        loss = new[2].astype(jnp.float32)
-        if rule is None or rule.worker_steps is None:
-            return new[0], new[1], loss
-        active = h < steps
-        kept = jax.tree.map(lambda a, b: jnp.where(active, a, b), new[:2], (params, opt_state))
-        return *kept, jnp.where(active, loss, 0.0)
+        active = None if rule is None or rule.worker_steps is None else h < steps
+        return masked_step(loss_fn, inner_optimizer, params, opt_state, batch, active)
 
     def synced_segment(start_params, in_axis, opt_k, start, stop):
         # DES-LOC: every worker steps under one scan, averaging state fields when due.
@@ -506,8 +498,9 @@ def _round_body(
                 losses[-1] = losses[-1] + 0.0 * jax.tree.leaves(launched[0])[0].ravel()[0]
                 in_flight = jnp.ones((num_local,), jnp.float32)
                 if rule is not None:
-                    ones = jnp.ones((num_local,), jnp.float32)
-                    in_flight = jnp.where(included_k, ones if weight_k is None else weight_k, 0.0)
+                    in_flight = jnp.where(
+                        included_k, in_flight if weight_k is None else weight_k, 0.0
+                    )
                 stale_k = pending_k[0][0]
                 pending_k = (pending_k[0][1:] if eager else ()) + (delta_k,), in_flight
                 (mean, weight_sum), delayed_means = _applied(launched, delayed_means)

@@ -145,7 +145,7 @@ def train_diloco(
       on the wire for every collective of its rounds under ring algorithms over the M
       workers: payloads, scales, fault weights, the loss metric; see
       `comm.round_wire_bytes`; the same whatever the device layout). With fault options on
-      (exclusion, drops, worker_steps, step weighting), also "excluded_workers",
+      (exclusion, drops, worker_steps, weighting, anomaly), also "excluded_workers",
       "dropped_workers" and "skipped" (see `diloco_round`).
     """
     _check_int("num_rounds", num_rounds, 0)
@@ -171,8 +171,8 @@ def train_diloco(
     variant_options = {}  # only when set, so earlier runs keep their fingerprints
     if fault_options["weighting"] == "norm_softmax":
         variant_options["temperature"] = faults.check_temperature(temperature)
-    if faults.check_anomaly(anomaly) is not None:
-        variant_options["anomaly"] = faults.check_anomaly(anomaly)
+    if (checked_anomaly := faults.check_anomaly(anomaly)) is not None:
+        variant_options["anomaly"] = checked_anomaly
     if outer_clip is not None:
         outer_optimizer = optax.chain(clip_outer_norm(outer_clip), outer_optimizer)
     worker_state = jax.eval_shape(inner_optimizer.init, params)

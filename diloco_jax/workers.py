@@ -326,3 +326,11 @@ def _pmap_workers(body, devices: tuple[jax.Device, ...], num_workers: int):
         return same, jax.tree.map(merge, local)
 
     return run
+
+
+def stack_workers(tree: Any, num_workers: int) -> Any:
+    """Repeats every leaf along a new leading worker axis: [...] -> [M, ...] (new buffers).
+    One broadcast per leaf: half the eager work of `jnp.repeat` in `init_state`."""
+    return jax.tree.map(
+        lambda x: jnp.broadcast_to(jnp.asarray(x), (num_workers, *jnp.shape(x))), tree
+    )
