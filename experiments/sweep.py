@@ -53,7 +53,7 @@ def run_sweep(
     table = _table(title, base, summaries)
     (out / f"{name}.md").write_text(table)
     (out / f"{name}.json").write_text(json.dumps(summaries, indent=2, sort_keys=True) + "\n")
-    _plot(title, histories, out / f"{name}.png")
+    plot_eval_loss(title, histories, out / f"{name}.png")
     print(table)
 
 
@@ -77,8 +77,15 @@ def _table(title: str, base, summaries: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(title: str, histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+def plot_eval_loss(
+    title: str,
+    histories: dict[str, list[dict[str, Any]]],
+    path: Path,
+    figsize: tuple[float, float] = (6, 4),
+    legend_fontsize: float = 8,
+) -> None:
+    """Eval loss against tokens per worker, one line per run (sync baselines dashed)."""
+    fig, ax = plt.subplots(figsize=figsize, dpi=120)
     for label, history in histories.items():
         points = [(h["tokens_per_worker"], h["eval_loss"]) for h in history if "eval_loss" in h]
         style = "--" if label.startswith("sync") else "-"
@@ -87,7 +94,7 @@ def _plot(title: str, histories: dict[str, list[dict[str, Any]]], path: Path) ->
     ax.set_ylabel("eval loss (nats / byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend_fontsize)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -33,19 +33,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from sweep import RESULTS, plot_eval_loss  # sets matplotlib's Agg backend
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from sweep import RESULTS  # noqa: E402
-
-from diloco_jax import netsim  # noqa: E402
-from diloco_jax.lm import experiment  # noqa: E402
-from diloco_jax.lm.config import make_config  # noqa: E402
+from diloco_jax import netsim
+from diloco_jax.lm import compare, experiment
+from diloco_jax.lm.config import make_config
 
 STEP_SECONDS = (0.58, 0.75, 1.51, 3.33)
 BANDWIDTHS = {"1 Gbit/s": 1e9, "100 Mbit/s": 100e6}
-CLIP = 0.0  # set from the DiLoCo run's delta norms (see main)
 
 
 def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -70,7 +65,7 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
             "diloco",
             {"state_sync": f"mu={3 * h},nu={6 * h}", "outer_optimizer": "sgd", "outer_lr": 1.0},
         ),
-        "edit_clip": ("diloco", {"outer_clip": CLIP}),
+        "edit_clip": ("diloco", {}),  # outer_clip: set from the DiLoCo run (see main)
         "eager": ("diloco", {"outer_delay": 1, "eager": True}),
         "async_dn_dylu": (
             "async",
@@ -106,7 +101,6 @@ def utilization(label: str, summary: dict, history: list, base, step_seconds: fl
 
 
 def main() -> None:
-    global CLIP
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--out", default=str(RESULTS))
@@ -116,28 +110,33 @@ def main() -> None:
     base = make_config(args.preset, workers=len(STEP_SECONDS))
     corpus = experiment.load_corpus(base)
     params, _ = experiment.pretrain(base, corpus)
-    summaries, histories = {}, {}
+    summaries, histories, clip = {}, {}, None
     for label, (algo, overrides) in runs(base).items():
         if label == "edit_clip":  # clip at the median outer-gradient norm DiLoCo saw
-            CLIP = statistics.median(h["outer_grad_norm"] for h in histories["diloco"])
-            overrides = {"outer_clip": CLIP}
+            clip = statistics.median(h["outer_grad_norm"] for h in histories["diloco"])
+            overrides = {"outer_clip": clip}
         cfg = make_config(args.preset, workers=len(STEP_SECONDS), **overrides)
         workers = 1 if label == "sync_1worker" else cfg.workers
         summaries[label], histories[label] = experiment.run(
             cfg, corpus, algo, workers, name=label, params=params
         )
         print(f"{label}: eval loss {summaries[label]['final_eval_loss']:.4f}", flush=True)
-    times = [h["wall_seconds"] for h in histories["sync_1worker"]]
-    step_seconds = statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+    step_seconds = compare.step_seconds(histories["sync_1worker"])
     for label, summary in summaries.items():
         summary["utilization_at"] = utilization(
             label, summary, histories[label], base, step_seconds
         )
     table = _table(base, summaries, step_seconds)
     (out / "family.md").write_text(table)
-    record = {"step_seconds": step_seconds, "clip": CLIP, "runs": summaries}
+    record = {"step_seconds": step_seconds, "clip": clip, "runs": summaries}
     (out / "family.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    _plot(histories, out / "family.png")
+    plot_eval_loss(
+        "The DiLoCo family, equal inner steps",
+        histories,
+        out / "family.png",
+        figsize=(7, 4.5),
+        legend_fontsize=7,
+    )
     print(table)
 
 
@@ -161,22 +160,6 @@ def _table(base, summaries: dict[str, dict], step_seconds: float) -> str:
             f"{s['wire_bytes']:,} | {s['final_eval_loss']:.4f} | {util} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _plot(histories: dict[str, list[dict]], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for label, history in histories.items():
-        points = [(h["tokens_per_worker"], h["eval_loss"]) for h in history if "eval_loss" in h]
-        style = "--" if label.startswith("sync") else "-"
-        ax.plot(*zip(*points, strict=True), style, marker="o", ms=2, label=label)
-    ax.set_xlabel("tokens per worker")
-    ax.set_ylabel("eval loss (nats / byte)")
-    ax.set_title("The DiLoCo family, equal inner steps")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

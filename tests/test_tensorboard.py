@@ -98,3 +98,15 @@ def test_write_history_rewrites_a_folder(tmp_path):
 @pytest.mark.parametrize("value", [None, True, "x", [1.0]])
 def test_scalars_skips_what_is_not_a_number(value):
     assert tblog.scalars({"steps": 1, "loss": value, "eval_loss": 1}) == {"eval/loss": 1.0}
+
+
+def test_async_updates_are_placed_at_the_mean_steps_per_worker(tmp_path):
+    # An async record's "steps" is the finished job's length; the x axis is the workers'
+    # mean steps so far (8 / 4 = 2.0, 9 / 4 = 2.25 -> 2, 14 / 4 = 3.5 -> 4 rounding to even).
+    records = [
+        {"steps": 4, "steps_per_worker": 2.0, "loss": 1.0},
+        {"steps": 1, "steps_per_worker": 2.25, "loss": 0.5},
+        {"steps": 4, "steps_per_worker": 3.5, "loss": 0.25},
+    ]
+    tblog.write_history(tmp_path / "async", records)
+    assert _events(tmp_path / "async")["train/loss"] == [(2, 1.0), (2, 0.5), (4, 0.25)]

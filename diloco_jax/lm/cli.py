@@ -157,6 +157,17 @@ def _seconds_list(text: str) -> tuple[float, ...]:
 
 
 _ASYNC_FLAGS = ("step_seconds", "dynamic_steps")
+_DILOCO_FLAGS = (
+    "compression",
+    "drop_probability",
+    "outer_delay",
+    "eager",
+    "outer_clip",
+    "state_sync",
+    "fragments",
+    "overlap_steps",
+    "merge_alpha",
+)
 _CONFIG_FLAGS = (
     "preset",
     "workers",
@@ -258,6 +269,15 @@ def parse(argv: list[str] | None = None) -> Invocation:
     algo = getattr(args, "algo", None)
     if algo != "async" and any(getattr(args, k, None) is not None for k in _ASYNC_FLAGS):
         raise ConfigError("--step-seconds and --dynamic-steps need --algo async")
+    if algo in ("sync", "async"):  # options of DiLoCo's round that these runs don't have
+        for k in _DILOCO_FLAGS:
+            if getattr(args, k, None) not in (None, False):
+                raise ConfigError(f"--{k.replace('_', '-')} needs --algo diloco, got {algo}")
+    if cfg.outer_optimizer == "delayed_nesterov" and algo != "async":
+        raise ConfigError(
+            "--outer-optimizer delayed_nesterov needs --algo async (it applies one arriving "
+            "delta at a time)"
+        )
     if algo == "async" and cfg.backend not in ("auto", "vmap"):
         raise ConfigError(f"--algo async runs on --backend auto or vmap, got {cfg.backend!r}")
     if algo == "async" and getattr(args, "checkpoint_every", None) is not None:

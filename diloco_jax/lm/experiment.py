@@ -218,7 +218,8 @@ def run(
     algo "diloco": M = num_workers workers, H = cfg.inner_steps, R = cfg.rounds.
     algo "sync": M = num_workers workers averaging gradients every step, for H x R steps,
     evaluated every H steps (the same points as DiLoCo's rounds). `eval_every` > 1 evaluates
-    every that many rounds (H x that many steps for sync) instead, and always at the end.
+    every that many rounds (H x that many steps for sync; async ignores it) instead, and
+    always at the end.
     algo "async": asynchronous DiLoCo (`train_async`) on the simulated clock of
     cfg.step_seconds (cfg.dynamic_steps: DyLU), each arriving delta applied with the outer
     optimizer, for as many server updates as it takes to match DiLoCo's total inner steps

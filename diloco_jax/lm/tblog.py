@@ -2,9 +2,10 @@
 
 Each run (pretrain, diloco, sync_1worker, sync_data_parallel, ...) writes its own folder
 OUT/tensorboard/RUN/, so `tensorboard --logdir OUT/tensorboard` overlays DiLoCo and the
-baselines on one chart per tag. The x axis is steps per worker (a DiLoCo round shows at its last
-inner step), and every scalar is a field of the run's metrics.jsonl record (SCALARS), stored as
-float32 as TensorBoard does.
+baselines on one chart per tag. The x axis is steps per worker (a DiLoCo round shows at its
+last inner step; an async server update at the workers' mean steps so far, rounded), and
+every scalar is a field of the run's metrics.jsonl record (SCALARS), stored as float32 as
+TensorBoard does.
 """
 
 from pathlib import Path
@@ -55,7 +56,7 @@ class TensorBoardLog:
 
     def __call__(self, record: dict[str, Any]) -> None:
         for tag, value in scalars(record).items():
-            self._writer.add_scalar(tag, value, global_step=record["steps"])
+            self._writer.add_scalar(tag, value, global_step=x_step(record))
 
     def close(self) -> None:
         self._writer.close()
@@ -65,6 +66,12 @@ class TensorBoardLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def x_step(record: dict[str, Any]) -> int:
+    """The record's x: steps per worker ("steps_per_worker", the mean over workers, for async;
+    an async record's "steps" is the length of the job that just ended)."""
+    return round(record.get("steps_per_worker", record["steps"]))
 
 
 def write_history(folder: Path, history: list[dict[str, Any]]) -> None:
