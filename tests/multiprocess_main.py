@@ -34,41 +34,33 @@ def train_both(checkpoint_dir: str | None = None, **kwargs) -> dict[str, np.ndar
     import diloco_jax as dj
 
     cfg = run_config()
+    common = dict(num_workers=NUM_WORKERS, backend="shard_map", **kwargs)
+    diloco_args = dict(num_rounds=NUM_ROUNDS, inner_steps=INNER_STEPS, **common)
     diloco = dj.train_diloco(
         linear_loss,
         cfg["params"],
         cfg["data"],
-        num_rounds=NUM_ROUNDS,
-        num_workers=NUM_WORKERS,
-        inner_steps=INNER_STEPS,
-        backend="shard_map",
         inner_optimizer=optax.adamw(0.05),
         outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
         checkpoint_dir=checkpoint_dir,
-        **kwargs,
+        **diloco_args,
     )
     sync = dj.train_sync(
         linear_loss,
         cfg["params"],
         cfg["sync_data"],
         num_steps=NUM_ROUNDS,
-        num_workers=NUM_WORKERS,
-        backend="shard_map",
         optimizer=optax.adamw(0.05),
-        **kwargs,
+        **common,
     )
     # The two-stage quantized all-reduce: an all-to-all and an all-gather across processes.
     quantized = dj.train_diloco(
         linear_loss,
         cfg["params"],
         cfg["data"],
-        num_rounds=NUM_ROUNDS,
-        num_workers=NUM_WORKERS,
-        inner_steps=INNER_STEPS,
-        backend="shard_map",
         inner_optimizer=optax.adamw(0.05),
         compression="int8,ef=1",
-        **kwargs,
+        **diloco_args,
     )
     out = {f"diloco_{k}": np.asarray(v) for k, v in diloco.params.items()}
     out.update({f"sync_{k}": np.asarray(v) for k, v in sync.params.items()})

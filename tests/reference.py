@@ -2,20 +2,34 @@
 inner steps and an SGD/Nesterov outer step, written from the paper's equations."""
 
 import contextlib
+import functools
 
+import jax
 import numpy as np
 
 
 @contextlib.contextmanager
 def precision(dtype):
     """Runs its block with x64 on for dtype "float64" (off for "float32"), then off again."""
-    import jax
-
     jax.config.update("jax_enable_x64", dtype == "float64")
     try:
         yield
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def worker_deltas(params, batch, inner):
+    """Each worker's Δ_m = θ - θ_m after its H steps of optax `inner` on linear_loss from θ,
+    computed by the library (`inner_loop`, `worker_delta`), for tests of what an exchange
+    does with them; float32 leaves [M, ...] (batch leaves [M, H, ...])."""
+    import diloco_jax as dj
+
+    def one(b):
+        p, _, _ = dj.inner_loop(linear_loss, inner, params, inner.init(params), b)
+        return dj.worker_delta(params, p)
+
+    return jax.vmap(one)(batch)
 
 
 def linear_loss(params, batch):

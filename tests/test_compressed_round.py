@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from reference import linear_loss
+from reference import linear_loss, worker_deltas
 
 import diloco_jax as dj
 from diloco_jax import comm, hlo
@@ -86,15 +86,8 @@ def _placed(state, backend, num_workers):
     )
 
 
-@jax.jit
 def _worker_deltas(params, batch):
-    """Each worker's Δ_m = θ - θ_m after its H SGD steps, float32, leaves [M, ...]."""
-
-    def one(b):
-        p, _, _ = dj.inner_loop(linear_loss, INNER, params, INNER.init(params), b)
-        return dj.worker_delta(params, p)
-
-    return jax.vmap(one)(batch)
+    return worker_deltas(params, batch, INNER)
 
 
 def _np(tree):

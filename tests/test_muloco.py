@@ -255,7 +255,7 @@ def test_short_diloco_run_with_muon_is_finite_and_repeatable():
     first = _micro_diloco(dj.muon_inner_optimizer(0.02))
     second = _micro_diloco(dj.muon_inner_optimizer(0.02))
     assert all(np.isfinite(h["loss"]) for h in first.history)
-    assert first.history[-1]["loss"] < first.history[0]["loss"] + 0.5
+    assert first.history[-1]["loss"] < first.history[0]["loss"]
     for a, b in zip(jax.tree.leaves(first.state), jax.tree.leaves(second.state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     changed = jax.tree.map(

@@ -51,8 +51,8 @@ def test_parse_spec(spec, kind, vocab):
 def test_bad_specs_are_one_line_errors(spec):
     with pytest.raises(ValueError) as info:
         tok_lib.parse_spec(spec)
-    assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError):
+    assert "\n" not in str(info.value) and str(info.value).startswith("tokenizer ")
+    with pytest.raises(ConfigError, match="^tokenizer "):
         make_config("micro", tokenizer=spec)
 
 

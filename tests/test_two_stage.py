@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import linear_loss
+from reference import linear_loss, worker_deltas
 
 import diloco_jax as dj
 from diloco_jax import comm, hlo
@@ -86,13 +86,8 @@ def _batch(seed=0):
     }
 
 
-@jax.jit
 def _worker_deltas(params, batch):
-    def one(b):
-        p, _, _ = dj.inner_loop(linear_loss, INNER, params, INNER.init(params), b)
-        return dj.worker_delta(params, p)
-
-    return jax.vmap(one)(batch)
+    return worker_deltas(params, batch, INNER)
 
 
 def _np_deltas(batch):
@@ -267,9 +262,12 @@ def test_history_reports_the_wire_bytes():
         linear_loss, _params(), [batch, batch], num_rounds=2, num_workers=M, inner_steps=H,
         compression="int8", backend="shard_map", inner_optimizer=INNER, outer_optimizer=OUTER,
     )  # fmt: skip
-    per_round = comm.round_wire_bytes(_params(), "int8", M)
-    assert [h["wire_bytes"] for h in result.history] == [round(per_round), round(2 * per_round)]
-    assert result.history[0]["bytes_communicated"] == dj.round_bytes(_params(), "int8")
+    # By hand: w's 70 values fill 3 int8 blocks of 32 and b 1 block, each 32 codes + a
+    # float32 scale: 144 bytes of payload. On the wire the 4 rows are padded to 8 (one per
+    # device), 288 bytes: the all-to-all sends 7/8 of them (252), the all-gather 7 of the 36-
+    # byte reduced rows (252), and the loss all-reduce 2 x 7/8 x 4 (7): 511 per round.
+    assert [h["wire_bytes"] for h in result.history] == [511, 1022]
+    assert result.history[0]["bytes_communicated"] == 144
 
 
 # ------------------------------------------------ 16 devices (a subprocess of its own)
