@@ -15,10 +15,17 @@ and its mean Δ̄_t is applied d rounds after it was launched (the means in betw
   it is DiLoCo for any d. There is no global θ (`DiLoCoState.params` is None);
   `global_params` averages the workers' θ_m when one is wanted (evaluation, the result).
 
+With Streaming DiLoCo's fragments (the paper's Table 3) each fragment p follows the same rule
+over its own syncs: the deltas of its sync in round t are exchanged at the start of round
+t + 1 (every fragment's, one exchange each) and applied at its sync in round t + d, by the
+fragment's outer state (eager: each worker's own). Eager workers then keep two copies: their
+own global θ_m (`DiLoCoState.worker_params`, what their deltas are taken against and the
+outer step moves) and the params they keep training (`local_params`), merged at each sync as
+Streaming DiLoCo merges θ'. With one fragment, tau = 0 and alpha = 0 that is the unfragmented
+rule.
+
 d = 0 is DiLoCo. Fault options combine with the naive delay (a worker's weight travels with
-its delta); eager updates refuse them (a left-out worker has no global θ to restart from),
-and a delay refuses Streaming DiLoCo's fragments (their overlap_steps already overlap each
-fragment's exchange with compute).
+its delta); eager updates refuse them (a left-out worker has no global θ to restart from).
 """
 
 from typing import Any
@@ -47,13 +54,8 @@ def check(outer_delay: Any, eager: Any) -> None:
         )
 
 
-def check_combination(outer_delay: int, eager: bool, fragments: Any, weighted: bool) -> None:
-    """Raises ValueError saying why a delay can't run with fragments, or eager with faults."""
-    if outer_delay and fragments is not None:
-        raise ValueError(
-            "outer_delay can't be combined with fragments: Streaming DiLoCo already overlaps "
-            "each fragment's exchange with compute through overlap_steps"
-        )
+def check_combination(eager: bool, weighted: bool) -> None:
+    """Raises ValueError saying why eager updates can't run with fault options."""
     if eager and weighted:
         raise ValueError(
             "eager=True can't be combined with fault options (exclude_nonfinite, "
@@ -62,28 +64,39 @@ def check_combination(outer_delay: int, eager: bool, fragments: Any, weighted: b
         )
 
 
-def initial(state: Any, num_workers: int, outer_delay: int, eager: bool) -> Any:
+def initial(
+    state: Any, num_workers: int, outer_delay: int, eager: bool, num_fragments: int | None
+) -> Any:
     """`state` (a round-0 DiLoCoState) with zero deltas of weight 1 in flight, and under
-    eager updates each worker's own θ and outer state in place of the global ones."""
+    eager updates each worker's own θ and outer state in place of the global ones.
+    `num_fragments` is P under Streaming DiLoCo (weights then per fragment: [M, P] in flight,
+    [P] for a mean's weight sum), None without fragments."""
     like = jax.eval_shape(widen, state.params)
+    per_sync = () if num_fragments is None else (num_fragments,)
     # Separate buffers for every entry: the state is donated to each round.
     pending = tuple(
         jax.tree.map(lambda x: jnp.zeros((num_workers, *x.shape), x.dtype), like)
         for _ in range(outer_delay if eager else 1)
     )
     means = tuple(
-        (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like), jnp.float32(num_workers))
+        (
+            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like),
+            jnp.full(per_sync, num_workers, jnp.float32),
+        )
         for _ in range(outer_delay - 1)
     )
     state = state._replace(
         pending_deltas=pending,
-        pending_weights=jnp.ones((num_workers,), jnp.float32),
+        pending_weights=jnp.ones((num_workers, *per_sync), jnp.float32),
         delayed_means=means or None,
     )
     if not eager:
         return state
     outer_M, params_M = stack_workers((state.outer_opt_state, state.params), num_workers)
-    return state._replace(params=None, outer_opt_state=outer_M, local_params=params_M)
+    state = state._replace(params=None, outer_opt_state=outer_M)
+    if num_fragments is None:  # every worker restarts each round from its θ_m
+        return state._replace(local_params=params_M)
+    return state._replace(worker_params=params_M)
 
 
 def global_params(state: Any) -> Any:
@@ -91,7 +104,8 @@ def global_params(state: Any) -> Any:
     of the workers' θ_m (in float32 or wider, cast back to each leaf's dtype)."""
     if state.params is not None:
         return state.params
-    return jax.tree.map(lambda x: jnp.mean(widen(x), axis=0).astype(x.dtype), state.local_params)
+    own = state.local_params if state.worker_params is None else state.worker_params
+    return jax.tree.map(lambda x: jnp.mean(widen(x), axis=0).astype(x.dtype), own)
 
 
 def eager_delta(mean: Any, fresh_k: Any, stale_k: Any, num_workers: int) -> Any:

@@ -62,10 +62,15 @@ class DiLoCoState(NamedTuple):
       last round (eager: of the last d rounds), a tuple of leaves [M, ...] in the delta
       dtype, oldest first; each worker's weight in last round's mean (float32 [M]); the
       means launched in the last d - 1 rounds, a tuple of (mean delta, float32 weight sum),
-      oldest first. None without a delay. Under eager updates `params` is None (every
-      worker keeps its own, in `local_params`) and `outer_opt_state` is per worker [M, ...].
+      oldest first. None without a delay. With fragments the weights are per fragment
+      (float32 [M, P] in flight, [P] per waiting mean). Under eager updates `params` is None
+      (every worker keeps its own θ_m: in `local_params`, or with fragments in
+      `worker_params`) and `outer_opt_state` is per worker [M, ...].
     norm_stats: under EDiT's anomaly skip, each worker's EWMA statistics of its delta norms,
       a tuple per sync of (mean, variance float32 [M], count int32 [M]); None otherwise.
+    worker_params: under eager updates with fragments, each worker's own θ_m (leaves
+      [M, ...] in the params' dtypes; each fragment as of that worker's last outer step of
+      it), beside the params it keeps training in `local_params`. None otherwise.
     """
 
     params: Any
@@ -78,6 +83,7 @@ class DiLoCoState(NamedTuple):
     pending_weights: Any = None
     delayed_means: Any = None
     norm_stats: Any = None
+    worker_params: Any = None
 
 
 def default_inner_optimizer() -> optax.GradientTransformation:
@@ -148,7 +154,10 @@ def init_state(
         local_params=local_params,
         norm_stats=norm_stats,
     )
-    return delay.initial(state, num_workers, outer_delay, eager) if outer_delay else state
+    if not outer_delay:
+        return state
+    num_fragments = None if fragments is None else len(outer_opt_state)
+    return delay.initial(state, num_workers, outer_delay, eager, num_fragments)
 
 
 class _Faults(NamedTuple):
@@ -230,7 +239,8 @@ def diloco_round(
       outer_delay, eager: delayed (d = 1 or 2) and eager outer updates (see
         `diloco_jax.delay`): the round applies the mean launched d rounds earlier, and its
         own exchange runs at the start of the next round, independent of that round's inner
-        steps. Not with fragments; eager not with fault options (a ValueError says why).
+        steps (with fragments: each fragment's, applied at its sync d rounds later). Eager
+        not with fault options (a ValueError says why).
       At their defaults these options give plain DiLoCo.
 
     Returns:
@@ -264,7 +274,7 @@ def diloco_round(
     weighted = rule != _Faults(False, None, None, "uniform")
     syncs = state_syncs.check(state_sync, state.inner_opt_state)
     drops = rule.drop_probability is not None
-    delay.check_combination(outer_delay, eager, fragments, weighted)
+    delay.check_combination(eager, weighted)
     _check_state(state, schedule, drops, outer_delay, eager, rule.anomaly is not None)
     carried = drops or schedule.fragmented or eager
 
@@ -324,11 +334,12 @@ def diloco_round(
             pending,
             worker_outer,
             state.norm_stats if rule.anomaly is not None else None,
+            state.worker_params,
         ),
     )
     params, outer_states, grad_norm, skipped, delayed_means = same
     local_params, inner_opt_state, residual, losses_MxH, excluded_M, dropped_M = mine[:6]
-    pending, worker_outer, norm_stats = mine[6:]
+    pending, worker_outer, norm_stats, worker_params = mine[6:]
     if rule.worker_steps is None:
         loss, worker_loss = jnp.mean(losses_MxH), jnp.mean(losses_MxH, axis=1)
     else:  # skipped steps hold loss 0: divide by the steps taken
@@ -356,6 +367,7 @@ def diloco_round(
         *(pending if outer_delay else (None, None)),
         delayed_means,
         norm_stats if rule.anomaly is not None else state.norm_stats,
+        worker_params,
     )
     return new_state, metrics
 
@@ -387,9 +399,15 @@ def _round_body(
     global_params, outer_states, shared_data, delayed_means, round_ = shared
     params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k, pending_k, outer_k = local[:8]
     stats_k = None if local[8] is None else list(local[8])
+    theta_k = local[9]
     global_leaves = None if eager else treedef.flatten_up_to(global_params)
     outer_states = None if eager else list(outer_states)
-    opt_start_k, round_start_k = opt_k, params_k
+    if eager:
+        # Each worker's own θ_m (what its deltas are taken against) and outer states, one per
+        # sync. Without fragments a worker restarts each round from θ_m: its params are θ_m.
+        theta_leaves_k = treedef.flatten_up_to(params_k if theta_k is None else theta_k)
+        outer_k = list(outer_k) if schedule.fragmented else [outer_k]
+    opt_start_k = opt_k
     num_local = jax.tree.leaves(data_k)[0].shape[0]
     res_leaves = None if residual_k is None else treedef.flatten_up_to(residual_k)
     false_k = jnp.zeros((num_local,), bool)
@@ -399,8 +417,12 @@ def _round_body(
         # Last round's deltas first: this exchange reads only the state, so it can run while
         # the workers take this round's inner steps.
         launched, res_leaves = _launch(
-            exchanges[0], pending_k, res_leaves, rule, treedef, collectives, num_workers
+            exchanges, schedule, pending_k, res_leaves, rule, treedef, collectives, num_workers
         )
+        (applied_mean, applied_weights), delayed_means = _applied(launched, delayed_means)
+        applied_leaves = treedef.flatten_up_to(applied_mean)
+        stale_leaves_k = treedef.flatten_up_to(pending_k[0][0])
+        fresh_leaves_k, in_flight_syncs = [None] * len(applied_leaves), []
 
     def segment(params, opt_state, steps, my_data, start, stop):
         data = worker_batches(batches, shared_data, my_data)
@@ -479,7 +501,8 @@ def _round_body(
             indices = leaf_indices(sync, len(local_leaves))
             snapshot_k = part(sync, snapshots.pop(sync.index), treedef)
             if eager:  # each worker's delta against its own θ_m^{t-1}
-                delta_k = jax.vmap(worker_delta)(round_start_k, snapshot_k)
+                old_k = part(sync, theta_leaves_k, treedef)
+                delta_k = jax.vmap(worker_delta)(old_k, snapshot_k)
             else:
                 old = part(sync, global_leaves, treedef)
                 delta_k = jax.vmap(worker_delta, in_axes=(None, 0))(old, snapshot_k)
@@ -501,11 +524,15 @@ def _round_body(
                     in_flight = jnp.where(
                         included_k, in_flight if weight_k is None else weight_k, 0.0
                     )
-                stale_k = pending_k[0][0]
-                pending_k = (pending_k[0][1:] if eager else ()) + (delta_k,), in_flight
-                (mean, weight_sum), delayed_means = _applied(launched, delayed_means)
-                if rule is None:
-                    weight_sum = None
+                in_flight_syncs.append(in_flight)
+                for i, value in zip(indices, jax.tree.leaves(delta_k), strict=True):
+                    fresh_leaves_k[i] = value
+                mean = part(sync, applied_leaves, treedef)
+                weight_sum = None
+                if rule is not None:
+                    weight_sum = applied_weights
+                    if schedule.fragmented:
+                        weight_sum = applied_weights[sync.index]
             else:
                 res_k = None if res_leaves is None else part(sync, res_leaves, treedef)
                 exchange = exchanges[len(means)]
@@ -516,10 +543,20 @@ def _round_body(
                         res_leaves[i] = value
             means.append(mean)
             if eager:
+                stale_k = part(sync, stale_leaves_k, treedef)
                 tilde_k = delay.eager_delta(mean, delta_k, stale_k, num_workers)
-                params_k, outer_k = jax.vmap(functools.partial(outer_update, outer_optimizer))(
-                    round_start_k, outer_k, tilde_k
-                )
+                new_k, outer_k[sync.index] = jax.vmap(
+                    functools.partial(outer_update, outer_optimizer)
+                )(old_k, outer_k[sync.index], tilde_k)
+                for i, value in zip(indices, jax.tree.leaves(new_k), strict=True):
+                    theta_leaves_k[i] = value
+                if not schedule.fragmented:
+                    params_k = new_k
+                    continue
+                params_k = _merged(
+                    local_leaves, theta_leaves_k, indices, schedule.merge_alpha, None, None,
+                    treedef, collectives.vary, per_worker=True,
+                )  # fmt: skip
                 continue
             new, new_outer = outer_update(outer_optimizer, old, outer_states[sync.index], mean)
             if weight_sum is not None:
@@ -546,10 +583,21 @@ def _round_body(
     losses_kxH = losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
     new_global = None if eager else jax.tree.unflatten(treedef, global_leaves)
     outer_states = None if eager else tuple(outer_states)
+    if eager:
+        outer_k = tuple(outer_k) if schedule.fragmented else outer_k[0]
+        if theta_k is not None:
+            theta_k = jax.tree.unflatten(treedef, theta_leaves_k)
+    if outer_delay:  # what goes in flight: this round's deltas (eager: the last d rounds')
+        fresh_k = jax.tree.unflatten(treedef, fresh_leaves_k)
+        in_flight = in_flight_syncs[0]
+        if schedule.fragmented:
+            in_flight = jnp.stack(in_flight_syncs, axis=1)
+        pending_k = (pending_k[0][1:] if eager else ()) + (fresh_k,), in_flight
     same = (new_global, outer_states, grad_norm, skipped, delayed_means)
     faulted = (None, None) if rule is None else (excluded_k, dropped_any_k)
     local_out = (params_k if carried else None, opt_k, residual_k, losses_kxH, *faulted)
-    return same, (*local_out, pending_k, outer_k, None if stats_k is None else tuple(stats_k))
+    stats_out = None if stats_k is None else tuple(stats_k)
+    return same, (*local_out, pending_k, outer_k, stats_out, theta_k)
 
 
 def _weights(rule: _Faults, delta_k, steps_k, stats_k, index, round_, collectives):
@@ -589,20 +637,34 @@ def _smallest(local: jax.Array) -> jax.Array:
     return lax.pmin(jnp.min(local), WORKER_AXIS)
 
 
-def _launch(exchange, pending_k, res_leaves, rule, treedef, collectives, num_workers):
+def _launch(exchanges, schedule, pending_k, res_leaves, rule, treedef, collectives, num_workers):
     """Exchanges last round's deltas (in flight in the state) at the start of a delayed
-    round: ((mean, float32 weight sum), this device's updated residual leaves)."""
+    round, one exchange per sync: ((mean tree, float32 weight sum: a scalar, with fragments
+    one per fragment [P]), this device's updated residual leaves)."""
     deltas_k, weights_k = pending_k
-    included_k = weight_k = None
-    if rule is not None:
-        included_k = weights_k > 0
-        weight_k = None if rule.weighting == "uniform" else weights_k
-    residual = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
-    to_reduce_k, residual = jax.vmap(exchange.send)(deltas_k[-1], residual, included_k, weight_k)
-    mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
-    weight_sum = jnp.float32(num_workers) if weight_sum is None else weight_sum
-    res_leaves = None if residual is None else treedef.flatten_up_to(residual)
-    return (mean, weight_sum), res_leaves
+    delta_leaves_k = treedef.flatten_up_to(deltas_k[-1])
+    mean_leaves, weight_sums = [None] * len(delta_leaves_k), []
+    res_leaves = None if res_leaves is None else list(res_leaves)
+    for sync, exchange in zip(schedule.syncs, exchanges, strict=True):
+        indices = leaf_indices(sync, len(delta_leaves_k))
+        included_k = weight_k = None
+        if rule is not None:
+            sync_weights_k = weights_k[:, sync.index] if schedule.fragmented else weights_k
+            included_k = sync_weights_k > 0
+            weight_k = None if rule.weighting == "uniform" else sync_weights_k
+        residual = None if res_leaves is None else part(sync, res_leaves, treedef)
+        to_reduce_k, residual = jax.vmap(exchange.send)(
+            part(sync, delta_leaves_k, treedef), residual, included_k, weight_k
+        )
+        mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+        weight_sums.append(jnp.float32(num_workers) if weight_sum is None else weight_sum)
+        for i, value in zip(indices, jax.tree.leaves(mean), strict=True):
+            mean_leaves[i] = value
+        if residual is not None:
+            for i, value in zip(indices, jax.tree.leaves(residual), strict=True):
+                res_leaves[i] = value
+    weight_sum = jnp.stack(weight_sums) if schedule.fragmented else weight_sums[0]
+    return (jax.tree.unflatten(treedef, mean_leaves), weight_sum), res_leaves
 
 
 def _applied(launched, delayed_means):
@@ -617,19 +679,26 @@ def _offset(batch_of, start, h):
     return batch_of(h + start)
 
 
-def _merged(local_leaves, global_leaves, indices, alpha, finite_k, dropped_k, treedef, vary):
+def _merged(
+    local_leaves, global_leaves, indices, alpha, finite_k, dropped_k, treedef, vary,
+    per_worker=False,
+):  # fmt: skip
     """Each worker's params after a sync of the leaves `indices`: the synced leaves become
     θ' + alpha (θ_m - θ') (θ' for alpha 0), except that a dropped worker keeps its own; a
     non-finite worker (finite_k False) restarts every leaf from the current global values.
     finite_k / dropped_k are None without fault options. `vary` types θ' copies as
-    per-worker: inner steps from a value typed shared would sum their gradients over workers."""
+    per-worker: inner steps from a value typed shared would sum their gradients over workers.
+    `per_worker`: the global leaves are each worker's own θ' ([k, ...], eager updates)."""
     leaves = list(local_leaves)
     for i in indices:
-        at_sync, new = leaves[i], global_leaves[i]
+        at_sync = leaves[i]
+        new = global_leaves[i] if per_worker else global_leaves[i][None]
         if alpha:
-            merged = (new[None] + alpha * (at_sync - new[None])).astype(at_sync.dtype)
+            merged = (new + alpha * (at_sync - new)).astype(at_sync.dtype)
+        elif per_worker:
+            merged = new.astype(at_sync.dtype)
         else:
-            merged = vary(jnp.broadcast_to(new[None].astype(at_sync.dtype), at_sync.shape))
+            merged = vary(jnp.broadcast_to(new.astype(at_sync.dtype), at_sync.shape))
         if dropped_k is not None:
             merged = _where_k(dropped_k, at_sync, merged)
         leaves[i] = merged
@@ -672,6 +741,11 @@ def _check_state(
         raise ValueError("state has deltas in flight: pass the outer_delay it was built with")
     if eager != (state.params is None):
         raise ValueError(f"eager={eager} needs a state built with init_state(..., eager={eager})")
+    if (eager and schedule.fragmented) != (state.worker_params is not None):
+        raise ValueError(
+            f"eager={eager} with fragments={len(schedule.syncs) if schedule.fragmented else None}"
+            " needs a state built with init_state(..., fragments=..., eager=...) for them"
+        )
     if drops and state.local_params is None:
         raise ValueError(
             "drop_probability is set but state.local_params is None: build the state with "

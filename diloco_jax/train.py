@@ -118,9 +118,10 @@ def train_diloco(
         `merge_alpha`. P = 1, tau = 0, alpha = 0 is standard DiLoCo.
       outer_delay, eager: delayed (d = 1, 2) or eager outer updates that hide each round's
         exchange behind the next round's inner steps (see `diloco_jax.delay`); 0 is DiLoCo.
-        Under eager updates every worker keeps its own params: the result's `params` (and
-        what `eval_fn` sees) is their mean. Exclusion defaults off there (eager updates
-        refuse fault options).
+        With fragments each fragment's mean is applied at its sync d rounds later. Under
+        eager updates every worker keeps its own params: the result's `params` (and what
+        `eval_fn` sees) is their mean. Exclusion defaults off there (eager updates refuse
+        fault options).
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
         after the last one; its values join that round's history entry.
       callback: called with each history entry as it is recorded (e.g. a progress bar).
@@ -181,7 +182,7 @@ def train_diloco(
         variant_options["state_sync"] = syncs
     faulty = fault_options != _NO_FAULTS or "anomaly" in variant_options
     schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
-    delay.check_combination(outer_delay, eager, fragments, faulty)
+    delay.check_combination(eager, faulty)
     streaming_options = {}
     if fragments is not None:
         streaming_options = dict(
@@ -402,6 +403,7 @@ _PER_WORKER_FIELDS = (
     "local_params",
     "pending_deltas",
     "pending_weights",
+    "worker_params",
 )
 _NO_FAULTS = dict(
     exclude_nonfinite=False,

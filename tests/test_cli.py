@@ -91,6 +91,23 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert f"model micro: {config['num_params']:,} parameters" in printed
 
 
+def test_train_with_eager_updates_over_fragments(tmp_path):
+    """--outer-delay/--eager with --fragments (Streaming DiLoCo, the eager paper's Table 3)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "micro", "--data", f"text:{corpus}", "--workers", "2"]
+    argv += ["--inner-steps", "2", "--rounds", "2", "--fragments", "2", "--outer-delay", "1"]
+    assert main([*argv, "--eager", "--out", str(out), "--no-progress"]) == 0
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert (config["fragments"], config["outer_delay"], config["eager"]) == (2, 1, True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outer"] == "nesterov 0.7, eager 1" and math.isfinite(summary["final_eval_loss"])
+    # Every fragment's float32 delta is sent once a round (later): 2 rounds of DiLoCo's bytes.
+    num_params = json.loads((out / "config.json").read_text())["num_params"]
+    assert summary["bytes_communicated"] == 2 * 4 * num_params
+
+
 def test_compare_writes_summary_table_and_plots(tmp_path):
     out = tmp_path / "cmp"
     assert main(["compare", "--preset", "micro", "--out", str(out), "--no-progress"]) == 0

@@ -64,6 +64,48 @@ def np_delayed(rounds, delay, eager):
     return w, b, losses
 
 
+def np_fragmented(rounds, delay, eager, tau, alpha):
+    """Streaming DiLoCo with two fragments (leaf "b" is fragment 0, "w" fragment 1; S = H / 2
+    steps apart; each worker snapshots a fragment tau steps before its sync and merges θ' +
+    alpha (θ_m - θ') after it) where each fragment's mean is applied d of its syncs late
+    (naive), or eagerly with each worker's own θ_m and momentum per fragment. SGD inner steps,
+    float64. Returns (final params: θ, or the mean of the θ_m; losses[t][m])."""
+    num, steps = rounds[0]["x"].shape[:2]
+    names, per = ("b", "w"), steps // 2
+    start = {"w": np.float64(PARAMS["w"]), "b": np.float64(PARAMS["b"])}
+    thetas = [dict(start) for _ in range(num)]  # naive: the same θ on every worker
+    traces = [{k: np.zeros_like(v) for k, v in start.items()} for _ in range(num)]
+    running = [dict(start) for _ in range(num)]
+    sent = {name: [] for name in names}  # sent[name][t][m]: worker m's delta of round t
+    losses = []
+    for batch in rounds:
+        x, y = batch["x"].astype(np.float64), batch["y"].astype(np.float64)
+        snaps = [{} for _ in range(num)]
+        step_losses = np.zeros((num, steps))
+        for h in range(steps):
+            for m, p in enumerate(running):
+                gw, gb, step_losses[m, h] = linear_grads(p["w"], p["b"], x[m, h], y[m, h])
+                running[m] = {"w": p["w"] - INNER_LR * gw, "b": p["b"] - INNER_LR * gb}
+            for f, name in enumerate(names):
+                if h + 1 == (f + 1) * per - tau:
+                    for m in range(num):
+                        snaps[m][name] = running[m][name]
+                if h + 1 != (f + 1) * per:
+                    continue
+                sent[name].append([thetas[m][name] - snaps[m][name] for m in range(num)])
+                fresh, t = sent[name][-1], len(sent[name]) - 1
+                old = sent[name][t - delay] if t >= delay else [0.0 * d for d in fresh]
+                mean = np.mean(old, axis=0)
+                for m in range(num):
+                    g = mean + (fresh[m] - old[m]) / num if eager else mean
+                    traces[m][name] = g + MOMENTUM * traces[m][name]
+                    theta = thetas[m][name] - OUTER_LR * (g + MOMENTUM * traces[m][name])
+                    thetas[m][name] = theta
+                    running[m][name] = theta + alpha * (running[m][name] - theta)
+        losses.append(step_losses.mean(axis=1))
+    return {k: np.mean([th[k] for th in thetas], axis=0) for k in names}, losses
+
+
 def _train(rounds, backend="vmap", **options):
     return dj.train_diloco(
         linear_loss, PARAMS, rounds, num_rounds=len(rounds), num_workers=rounds[0]["x"].shape[0],
@@ -86,6 +128,47 @@ def test_delayed_and_eager_match_numpy(delay, eager, backend):
         assert result.state.params is None and result.state.local_params["w"].shape == (M, 3)
         # each worker's own θ_m differs from the others' (its own fresh delta)
         assert not np.allclose(result.state.local_params["w"][0], result.state.local_params["w"][1])
+
+
+STREAMING = dict(fragments=2, overlap_steps=1, merge_alpha=0.5)
+
+
+@pytest.mark.parametrize(
+    "delay, eager, backend",
+    [
+        (0, False, "vmap"),  # Streaming DiLoCo itself: checks the reference too
+        (1, False, "vmap"),
+        (2, False, "shard_map"),
+        (1, True, "pmap"),
+        (2, True, "vmap"),
+        (2, True, "shard_map"),
+    ],
+)
+def test_delayed_and_eager_with_fragments_match_numpy(delay, eager, backend):
+    rounds = make_data(np.random.default_rng(7), R, M, 4)
+    options = dict(outer_delay=delay, eager=eager) if delay else {}
+    result = _train(rounds, backend, exclude_nonfinite=False, **STREAMING, **options)
+    want, losses = np_fragmented(rounds, delay, eager, tau=1, alpha=0.5)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(result.params[name], want[name], rtol=2e-5, atol=1e-6)
+    for entry, want_losses in zip(result.history, losses, strict=True):
+        np.testing.assert_allclose(entry["worker_loss"], want_losses, rtol=2e-5)
+    if eager:  # each worker's own θ_m beside the params it trains
+        state = result.state
+        assert state.worker_params["w"].shape == (M, 3) and len(state.outer_opt_state) == 2
+        assert not np.allclose(state.worker_params["w"][0], state.local_params["w"][0])
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+def test_eager_with_fragments_and_one_worker_is_streaming_diloco(delay):
+    rounds = make_data(np.random.default_rng(8), R, 1, 4)
+    plain = _train(rounds, **STREAMING)
+    eager = _train(rounds, outer_delay=delay, eager=True, **STREAMING)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        (eager.params, eager.state.local_params),
+        (plain.params, plain.state.local_params),
+    )
 
 
 def test_no_delay_is_diloco_and_delay_only_shifts_the_mean():
@@ -123,44 +206,60 @@ def test_delay_with_faults_and_compression():
     # Round 1's deltas are in flight at the end of a 2-round run: worker 2's with weight 0.
     two = _train(rounds[:2], outer_delay=1, exclude_nonfinite=True, compression="int8,ef=1")
     assert two.state.pending_weights.tolist() == [1.0, 1.0, 0.0, 1.0]
+    # With fragments a weight per worker and fragment: worker 2 is NaN at fragment 0's sync
+    # (step 2) and restarts from θ there, so it is finite again at fragment 1's (step 4).
+    rounds = make_data(np.random.default_rng(4), 2, M, 4)
+    rounds[1]["x"][2, 0, 0, 0] = np.nan
+    two = _train(
+        rounds, outer_delay=1, exclude_nonfinite=True, compression="int8,ef=1", fragments=2
+    )
+    assert two.state.pending_weights.tolist() == [[1, 1], [1, 1], [0, 1], [1, 1]]
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(two.params))
 
 
 def test_the_delayed_exchange_does_not_wait_for_the_inner_loop():
     """In the compiled delayed round, no collective reads the inner scan's result: XLA's
     asynchronous collectives may run the exchange under the scan (on GPU/TPU)."""
     params = {"w": jnp.zeros(64), "b": jnp.float32(0)}
-    batch = {"x": jnp.ones((4, 3, 2, 64)), "y": jnp.ones((4, 3, 2))}
-    for options in (dict(outer_delay=1), dict(outer_delay=2, eager=True)):
+    # 8 steps: with 2 fragments and overlap 1 every segment but the 1-step ones is a loop.
+    batch = {"x": jnp.ones((4, 8, 2, 64)), "y": jnp.ones((4, 8, 2))}
+
+    def exchanges_wait_for_the_loop(overlap_steps=0, **options):
         state = dj.init_state(params, 4, INNER, OUTER, **options)
         round_fn = functools.partial(
             dj.diloco_round, linear_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
-            backend=dj.make_backend("shard_map", 4), **options,
+            backend=dj.make_backend("shard_map", 4), overlap_steps=overlap_steps, **options,
         )  # fmt: skip
         text = jax.jit(round_fn).lower(state, batch).compile().as_text()
         exchanges = [c for c in hlo.collectives(text) if c.operand_bytes >= 64 * 4]
-        assert exchanges and not any(hlo.depends_on(text, c.name, "while") for c in exchanges)
+        assert exchanges
+        return [hlo.depends_on(text, c.name, "while") for c in exchanges]
+
+    for options in (
+        dict(outer_delay=1),
+        dict(outer_delay=2, eager=True),
+        dict(outer_delay=1, fragments=2, overlap_steps=1),
+        dict(outer_delay=2, eager=True, fragments=2),
+    ):
+        assert not any(exchanges_wait_for_the_loop(**options)), options
     # Without a delay the exchange reads the scan's result: the check can fail.
-    state = dj.init_state(params, 4, INNER, OUTER)
-    round_fn = functools.partial(
-        dj.diloco_round, linear_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
-        backend=dj.make_backend("shard_map", 4),
-    )  # fmt: skip
-    text = jax.jit(round_fn).lower(state, batch).compile().as_text()
-    exchanges = [c for c in hlo.collectives(text) if c.operand_bytes >= 64 * 4]
-    assert exchanges and all(hlo.depends_on(text, c.name, "while") for c in exchanges)
+    assert all(exchanges_wait_for_the_loop())
+    assert all(exchanges_wait_for_the_loop(fragments=2, overlap_steps=1))
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_resume_carries_what_is_in_flight(eager, tmp_path):
-    rounds = make_data(np.random.default_rng(5), R, M, H)
-    options = dict(outer_delay=2, eager=eager, exclude_nonfinite=False)
+@pytest.mark.parametrize(
+    "eager, streaming", [(False, {}), (True, {}), (True, dict(fragments=2, merge_alpha=0.5))]
+)
+def test_resume_carries_what_is_in_flight(eager, streaming, tmp_path):
+    rounds = make_data(np.random.default_rng(5), R, M, 4)
+    options = dict(outer_delay=2, eager=eager, exclude_nonfinite=False, **streaming)
     full = _train(rounds, **options)
     _train(rounds[:2], checkpoint_dir=tmp_path, **options)
     resumed = _train(rounds, checkpoint_dir=tmp_path, **options)
     jax.tree.map(np.testing.assert_array_equal, resumed.params, full.params)
     jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
     with pytest.raises(ValueError, match="pending_deltas"):  # another delay: another run
-        _train(rounds, checkpoint_dir=tmp_path, exclude_nonfinite=False)
+        _train(rounds, checkpoint_dir=tmp_path, exclude_nonfinite=False, **streaming)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +270,6 @@ def test_resume_carries_what_is_in_flight(eager, tmp_path):
         (dict(outer_delay=True), "outer_delay must be an integer"),
         (dict(eager=True), "eager=True needs outer_delay >= 1"),
         (dict(outer_delay=1, eager=1), "eager must be a bool"),
-        (dict(outer_delay=1, fragments=2), "can't be combined with fragments"),
         (dict(outer_delay=1, eager=True, exclude_nonfinite=True), "fault options"),
         (dict(outer_delay=1, eager=True, drop_probability=0.1), "fault options"),
     ],

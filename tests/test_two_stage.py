@@ -188,11 +188,13 @@ def test_every_layout_gives_the_same_mean(spec):
 WIRE_PARAMS = {"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}
 
 
-def _compiled_wire_bytes(num_workers, compression, fragments=None, exclude=False):
+def _compiled_wire_bytes(num_workers, compression, fragments=None, exclude=False, **delay):
     def loss(p, b):
         return 0.5 * jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 
-    state = dj.init_state(WIRE_PARAMS, num_workers, INNER, OUTER, compression, fragments=fragments)
+    state = dj.init_state(
+        WIRE_PARAMS, num_workers, INNER, OUTER, compression, fragments=fragments, **delay
+    )
     batch = {"x": jnp.ones((num_workers, 2, 2, 256)), "y": jnp.ones((num_workers, 2, 2, 64))}
     round_fn = functools.partial(
         dj.diloco_round,
@@ -203,6 +205,7 @@ def _compiled_wire_bytes(num_workers, compression, fragments=None, exclude=False
         compression=compression,
         fragments=fragments,
         exclude_nonfinite=exclude,
+        **delay,
     )
     return hlo.wire_bytes(jax.jit(round_fn).lower(state, batch).compile())
 
@@ -221,6 +224,13 @@ def test_wire_bytes_formula_is_the_compiled_program(num_workers):
                 WIRE_PARAMS, spec, num_workers, fragments=fragments, weighted=exclude
             )
             assert got == pytest.approx(want, rel=1e-9), (spec, fragments, exclude)
+
+
+@pytest.mark.parametrize("delay", [dict(outer_delay=1), dict(outer_delay=2, eager=True)])
+def test_a_delay_moves_the_exchange_but_sends_the_same_bytes(delay):
+    for fragments in (None, 2):
+        got = _compiled_wire_bytes(4, "int4", fragments, **delay)
+        assert got == comm.round_wire_bytes(WIRE_PARAMS, "int4", 4, fragments=fragments)
 
 
 @pytest.mark.parametrize("num_workers", [4, 8])

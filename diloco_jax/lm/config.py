@@ -284,8 +284,6 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError("state_sync averages AdamW's moments: it needs inner_optimizer adamw")
     if cfg.fragments is not None:
         at_least("fragments", 1)
-        if cfg.outer_delay:
-            raise ConfigError("fragments can't be combined with outer_delay")
         try:
             check_schedule(cfg.fragments, cfg.inner_steps, cfg.overlap_steps, cfg.merge_alpha)
         except ValueError as e:
