@@ -1,11 +1,16 @@
 """Independent NumPy references (float64) for the tests: a linear model trained with plain SGD
-inner steps and an SGD/Nesterov outer step, written from the paper's equations."""
+inner steps and an SGD/Nesterov outer step, written from the paper's equations; the block
+codecs written from their definitions; and the CLI's refusal contract."""
 
 import contextlib
 import functools
 
 import jax
 import numpy as np
+import pytest
+
+QMAX = {"int8": 127.0, "int4": 7.0}
+E3M0_GRID = np.array([0.0] + [2.0 ** (e - 7) for e in range(1, 8)])
 
 
 @contextlib.contextmanager
@@ -83,3 +88,43 @@ def diloco_sgd(w, b, rounds, inner_lr, outer_lr, momentum, nesterov=True):
         w, b = w - outer_lr * uw, b - outer_lr * ub
         losses.append(round_losses)
     return w, b, losses
+
+
+def np_codec(blocks, kind):
+    """float32 blocks [NB, 32] -> (their decoded values after one quantization, each block's
+    scale [NB]): symmetric absmax int8 / int4 (round half to even), or e3m0's nearest grid
+    point (brute force)."""
+    blocks = blocks.astype(np.float32)
+    if kind == "e3m0":
+        scale = np.abs(blocks).max(axis=1, keepdims=True)
+        mags = scale[..., None] * E3M0_GRID
+        pick = np.argmin(np.abs(np.abs(blocks)[..., None] - mags), axis=-1)
+        return (np.sign(blocks) * np.take_along_axis(mags, pick[..., None], -1)[..., 0]).astype(
+            np.float32
+        ), scale[:, 0]
+    scale = np.abs(blocks).max(axis=1) / np.float32(QMAX[kind])
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.round(blocks / safe[:, None]), -QMAX[kind], QMAX[kind])
+    return (q * scale[:, None]).astype(np.float32), scale
+
+
+def np_blocks(x):
+    """An array flattened in float32 and zero-padded to whole blocks of 32: [NB, 32]."""
+    flat = np.ravel(x).astype(np.float32)
+    padded = np.zeros(-(-flat.size // 32) * 32, np.float32)
+    padded[: flat.size] = flat
+    return padded.reshape(-1, 32)
+
+
+def assert_cli_refuses(argv, message, capsys, out=None):
+    """The CLI's contract for bad input: `diloco-jax argv` exits 2 with one stderr line
+    "diloco-jax: error: ..." holding `message`, and leaves the folder `out` unwritten."""
+    from diloco_jax.lm.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diloco-jax: error:") and err.count("\n") == 1, err
+    assert message in err, err
+    assert out is None or not out.exists()

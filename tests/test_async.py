@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import assert_cli_refuses, linear_loss, make_data
 
 import diloco_jax as dj
 from diloco_jax import async_train
@@ -33,20 +34,8 @@ HAND_SCHEDULE = [
 ]
 
 
-def linear_loss(params, batch):
-    err = batch["x"] @ params["w"] + params["b"] - batch["y"]
-    return 0.5 * jnp.mean(err**2)
-
-
-def make_rounds(num_rounds, m, h, batch=4, dim=3, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "x": rng.normal(size=(m, h, batch, dim)).astype(np.float32),
-            "y": rng.normal(size=(m, h, batch)).astype(np.float32),
-        }
-        for _ in range(num_rounds)
-    ]
+def make_rounds(num_rounds, m, h, seed=0):
+    return make_data(np.random.default_rng(seed), num_rounds, m, h)
 
 
 PARAMS = {"w": np.array([0.1, -0.2, 0.3], np.float32), "b": np.float32(0.05)}
@@ -440,9 +429,5 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
 )
 def test_cli_async_mistakes_are_one_line_exit_2(argv, message, tmp_path, capsys):
     out = tmp_path / "never"
-    with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--preset", "micro", *argv, "--out", str(out)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("diloco-jax: error:") and message in err
-    assert not out.exists()
+    argv = ["train", "--preset", "micro", *argv, "--out", str(out)]
+    assert_cli_refuses(argv, message, capsys, out)

@@ -9,6 +9,7 @@ import jax
 import matplotlib.image
 import orbax.checkpoint as ocp
 import pytest
+from reference import assert_cli_refuses
 
 from diloco_jax.lm.cli import main
 
@@ -108,6 +109,20 @@ def test_train_with_eager_updates_over_fragments(tmp_path):
     assert summary["bytes_communicated"] == 2 * 4 * num_params
 
 
+def test_train_with_edit_weighting_and_anomaly_skip(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "micro", "--data", f"text:{corpus}", "--workers", "2"]
+    argv += ["--inner-steps", "2", "--rounds", "2", "--weighting", "norm_softmax"]
+    assert main([*argv, "--anomaly-skip", "--out", str(out), "--no-progress"]) == 0
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert (config["weighting"], config["anomaly_skip"]) == ("norm_softmax", True)
+    # The fault options' metrics: nobody is an outlier before EDiT's warm-up rounds.
+    records = [r for r in _read_jsonl(out / "metrics.jsonl") if r["run"] == "diloco"]
+    assert [r["excluded_workers"] for r in records] == [[], []]
+
+
 def test_compare_writes_summary_table_and_plots(tmp_path):
     out = tmp_path / "cmp"
     assert main(["compare", "--preset", "micro", "--out", str(out), "--no-progress"]) == 0
@@ -201,6 +216,12 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--compression", "sparseloco,top_k=0"], "top_k"),
         (["train", "--compression", "sparseloco,beta=1"], "beta"),
         (["train", "--algo", "sync", "--fragments", "5"], "--fragments needs --algo diloco"),
+        (["train", "--algo", "sync", "--anomaly-skip"], "--anomaly-skip needs --algo diloco"),
+        (["train", "--weighting", "softmax"], "invalid choice"),
+        (
+            ["train", "--outer-delay", "1", "--eager", "--weighting", "norm_softmax"],
+            "eager can't be combined with weighting",
+        ),
         (["train", "--algo", "async", "--outer-delay", "1"], "--outer-delay needs --algo diloco"),
         (
             ["train", "--algo", "async", "--eager", "--outer-delay", "1"],
@@ -225,13 +246,7 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "never"
-    with pytest.raises(SystemExit) as exit_info:
-        main([*argv, "--out", str(out)] if argv else argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("diloco-jax: error:"), err
-    assert message in err
-    assert not out.exists()
+    assert_cli_refuses([*argv, "--out", str(out)] if argv else argv, message, capsys, out)
 
 
 def test_out_that_is_a_file_is_rejected(tmp_path, capsys):

@@ -64,14 +64,17 @@ def np_delayed(rounds, delay, eager):
     return w, b, losses
 
 
-def np_fragmented(rounds, delay, eager, tau, alpha):
+def np_fragmented(rounds, delay, eager, tau, alpha, worker_steps=None):
     """Streaming DiLoCo with two fragments (leaf "b" is fragment 0, "w" fragment 1; S = H / 2
     steps apart; each worker snapshots a fragment tau steps before its sync and merges θ' +
     alpha (θ_m - θ') after it) where each fragment's mean is applied d of its syncs late
-    (naive), or eagerly with each worker's own θ_m and momentum per fragment. SGD inner steps,
-    float64. Returns (final params: θ, or the mean of the θ_m; losses[t][m])."""
-    num, steps = rounds[0]["x"].shape[:2]
-    names, per = ("b", "w"), steps // 2
+    (naive), or eagerly with each worker's own θ_m and momentum per fragment. `worker_steps`
+    (naive only): worker m takes only its first h_m steps of each round and its delta weighs
+    h_m in the mean. SGD inner steps, float64. Returns (final params: θ, or the mean of the
+    θ_m; losses[t][m], each worker's mean over the steps it took)."""
+    num, num_steps = rounds[0]["x"].shape[:2]
+    taken = np.asarray(worker_steps or [num_steps] * num)
+    names, per = ("b", "w"), num_steps // 2
     start = {"w": np.float64(PARAMS["w"]), "b": np.float64(PARAMS["b"])}
     thetas = [dict(start) for _ in range(num)]  # naive: the same θ on every worker
     traces = [{k: np.zeros_like(v) for k, v in start.items()} for _ in range(num)]
@@ -81,11 +84,12 @@ def np_fragmented(rounds, delay, eager, tau, alpha):
     for batch in rounds:
         x, y = batch["x"].astype(np.float64), batch["y"].astype(np.float64)
         snaps = [{} for _ in range(num)]
-        step_losses = np.zeros((num, steps))
-        for h in range(steps):
+        step_losses = np.zeros((num, num_steps))
+        for h in range(num_steps):
             for m, p in enumerate(running):
-                gw, gb, step_losses[m, h] = linear_grads(p["w"], p["b"], x[m, h], y[m, h])
-                running[m] = {"w": p["w"] - INNER_LR * gw, "b": p["b"] - INNER_LR * gb}
+                if h < taken[m]:
+                    gw, gb, step_losses[m, h] = linear_grads(p["w"], p["b"], x[m, h], y[m, h])
+                    running[m] = {"w": p["w"] - INNER_LR * gw, "b": p["b"] - INNER_LR * gb}
             for f, name in enumerate(names):
                 if h + 1 == (f + 1) * per - tau:
                     for m in range(num):
@@ -95,14 +99,14 @@ def np_fragmented(rounds, delay, eager, tau, alpha):
                 sent[name].append([thetas[m][name] - snaps[m][name] for m in range(num)])
                 fresh, t = sent[name][-1], len(sent[name]) - 1
                 old = sent[name][t - delay] if t >= delay else [0.0 * d for d in fresh]
-                mean = np.mean(old, axis=0)
+                mean = sum(w * d for w, d in zip(taken, old, strict=True)) / taken.sum()
                 for m in range(num):
                     g = mean + (fresh[m] - old[m]) / num if eager else mean
                     traces[m][name] = g + MOMENTUM * traces[m][name]
                     theta = thetas[m][name] - OUTER_LR * (g + MOMENTUM * traces[m][name])
                     thetas[m][name] = theta
                     running[m][name] = theta + alpha * (running[m][name] - theta)
-        losses.append(step_losses.mean(axis=1))
+        losses.append(step_losses.sum(axis=1) / taken)
     return {k: np.mean([th[k] for th in thetas], axis=0) for k in names}, losses
 
 
@@ -157,6 +161,23 @@ def test_delayed_and_eager_with_fragments_match_numpy(delay, eager, backend):
         state = result.state
         assert state.worker_params["w"].shape == (M, 3) and len(state.outer_opt_state) == 2
         assert not np.allclose(state.worker_params["w"][0], state.local_params["w"][0])
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_delay_with_fragments_and_step_weighting_matches_numpy(backend):
+    """Slow workers over fragments: each fragment's weights travel with its deltas."""
+    rounds = make_data(np.random.default_rng(9), R, M, 4)
+    steps = [4, 3, 2, 1]
+    result = _train(
+        rounds, backend, outer_delay=1, worker_steps=steps, weighting="steps",
+        exclude_nonfinite=False, **STREAMING,
+    )  # fmt: skip
+    want, losses = np_fragmented(rounds, 1, False, tau=1, alpha=0.5, worker_steps=steps)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(result.params[name], want[name], rtol=2e-5, atol=1e-6)
+    for entry, want_losses in zip(result.history, losses, strict=True):
+        np.testing.assert_allclose(entry["worker_loss"], want_losses, rtol=2e-5)
+    assert result.state.pending_weights.tolist() == [[4, 4], [3, 3], [2, 2], [1, 1]]
 
 
 @pytest.mark.parametrize("delay", [1, 2])

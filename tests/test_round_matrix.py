@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import precision
+from reference import np_blocks, precision
+from reference import np_codec as reference_codec
 
 import diloco_jax as dj
 from diloco_jax import faults
@@ -51,16 +52,8 @@ def init_params(dtype):
 def np_codec(x, bits):
     """Symmetric per-block (32) absmax quantization in float32, round half to even: (what a
     worker's payload decodes to, the largest block scale)."""
-    qmax = {"int8": 127.0, "int4": 7.0}[bits]
-    flat = np.ravel(x).astype(np.float32)
-    n = flat.size
-    blocks = np.zeros(-(-n // 32) * 32, np.float32)
-    blocks[:n] = flat
-    blocks = blocks.reshape(-1, 32)
-    scale = np.abs(blocks).max(axis=1) / np.float32(qmax)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.round(blocks / safe[:, None]), -qmax, qmax)
-    return (q * scale[:, None]).astype(np.float32).reshape(-1)[:n], scale.max()
+    decoded, scale = reference_codec(np_blocks(x), bits)
+    return decoded.reshape(-1)[: np.size(x)], scale.max()
 
 
 def reference(params, rounds, *, fragments, tau, alpha, codec, ef, exclude, drops, steps,

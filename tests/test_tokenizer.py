@@ -10,11 +10,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from reference import assert_cli_refuses
 
 from diloco_jax.lm import experiment
 from diloco_jax.lm import model as model_lib
 from diloco_jax.lm import tokenizer as tok_lib
-from diloco_jax.lm.cli import main
 from diloco_jax.lm.config import ConfigError, make_config, model_config
 
 WORDS = "the quick brown fox jumps over lazy dog déjà vu 東京 naïve café 😀 def return".split()
@@ -207,10 +207,5 @@ def test_cli_bad_tokenizer_is_one_line_exit_2_and_writes_nothing(
     for i in range(3):
         (corpus / f"{i}.txt").write_text(_text(i, 700))
     out = tmp_path / "out"
-    with pytest.raises(SystemExit) as info:
-        main(["train", "--preset", "micro", "--data", f"text:{corpus}", "--tokenizer", tokenizer,
-              "--out", str(out), "--no-progress"])  # fmt: skip
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("diloco-jax: error:") and err.count("\n") == 1 and message in err, err
-    assert not out.exists()
+    argv = ["train", "--preset", "micro", "--data", f"text:{corpus}", "--tokenizer", tokenizer]
+    assert_cli_refuses([*argv, "--out", str(out), "--no-progress"], message, capsys, out)

@@ -17,43 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import linear_loss, worker_deltas
+import reference
+from reference import linear_loss, np_codec, worker_deltas
 
 import diloco_jax as dj
 from diloco_jax import comm, hlo
 
 M, H, DIM = 8, 2, 70  # leaves b (1 block) and w (3 blocks of 32): 4 blocks, padded per D
 INNER, OUTER = optax.sgd(0.1), optax.sgd(1.0)
-QMAX = {"int8": 127.0, "int4": 7.0}
-E3M0_GRID = np.array([0.0] + [2.0 ** (e - 7) for e in range(1, 8)])
-
-
-def np_codec(blocks, kind):
-    """float32 blocks [NB, 32] -> their decoded values after one quantization: symmetric
-    absmax int8 / int4 (round half to even), or e3m0's nearest grid point (brute force)."""
-    blocks = blocks.astype(np.float32)
-    if kind == "e3m0":
-        scale = np.abs(blocks).max(axis=1, keepdims=True)
-        mags = scale[..., None] * E3M0_GRID
-        pick = np.argmin(np.abs(np.abs(blocks)[..., None] - mags), axis=-1)
-        return (np.sign(blocks) * np.take_along_axis(mags, pick[..., None], -1)[..., 0]).astype(
-            np.float32
-        ), scale[:, 0]
-    scale = np.abs(blocks).max(axis=1) / np.float32(QMAX[kind])
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.round(blocks / safe[:, None]), -QMAX[kind], QMAX[kind])
-    return (q * scale[:, None]).astype(np.float32), scale
 
 
 def np_blocks(leaves):
     """Each leaf flattened and zero-padded to whole blocks of 32, the blocks stacked."""
-    rows = []
-    for x in leaves:
-        flat = np.ravel(x).astype(np.float32)
-        padded = np.zeros(-(-flat.size // 32) * 32, np.float32)
-        padded[: flat.size] = flat
-        rows.append(padded.reshape(-1, 32))
-    return np.concatenate(rows)
+    return np.concatenate([reference.np_blocks(x) for x in leaves])
 
 
 def np_two_stage(deltas, kind, weights=None):

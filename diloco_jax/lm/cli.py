@@ -86,6 +86,17 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         "--outer-delay", type=int, help="apply each round's mean D rounds late (0, 1 or 2)"
     )
     p.add_argument("--outer-clip", type=float, help="EDiT: clip the mean delta's norm to this")
+    p.add_argument(
+        "--weighting",
+        choices=("uniform", "norm_softmax"),
+        help="EDiT: norm_softmax weighs each worker's delta by exp(-its norm) in the mean",
+    )
+    p.add_argument(
+        "--anomaly-skip",
+        action="store_true",
+        default=None,
+        help="EDiT: leave out a worker whose delta norm is an EWMA z-score outlier",
+    )
     p.add_argument("--state-sync", help="DES-LOC: average inner state fields, e.g. mu=75,nu=150")
     p.add_argument("--fragments", type=int, help="Streaming DiLoCo: sync P fragments in turn")
     p.add_argument("--overlap-steps", type=int, help="Streaming DiLoCo: tau")
@@ -163,6 +174,8 @@ _DILOCO_FLAGS = (
     "outer_delay",
     "eager",
     "outer_clip",
+    "weighting",
+    "anomaly_skip",
     "state_sync",
     "fragments",
     "overlap_steps",
@@ -208,15 +221,22 @@ def _out_dir(value: str | None, default: str) -> Path:
         if "\x00" in str(out):
             raise ValueError("embedded null byte")
         if out.exists() and not out.is_dir():
-            raise ConfigError(f"--out {out} exists and is not a folder")
+            raise ConfigError(f"--out {_shown(out)} exists and is not a folder")
         parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     except (OSError, ValueError) as e:  # e.g. a NUL byte, a name too long
         raise ConfigError(f"--out {value!r} is not a usable path: {e}") from None
     if not parent.is_dir():
-        raise ConfigError(f"--out {out}: {parent} is not a folder")
+        raise ConfigError(f"--out {_shown(out)}: {_shown(parent)} is not a folder")
     if not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {out}: {parent} is not writable")
+        raise ConfigError(f"--out {_shown(out)}: {_shown(parent)} is not writable")
     return out
+
+
+def _shown(path: Path) -> str:
+    """A path for a one-line message: as typed, or quoted with escapes when it holds a
+    newline or another unprintable character."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
 
 
 def create_out(out: Path) -> Path:
@@ -230,9 +250,9 @@ def create_out(out: Path) -> Path:
             with contextlib.suppress(OSError):
                 folder.rmdir()
         reason = getattr(e, "strerror", None) or e
-        raise ConfigError(f"--out {out}: can't create the folder: {reason}") from None
+        raise ConfigError(f"--out {_shown(out)}: can't create the folder: {reason}") from None
     if not os.access(out, os.W_OK):
-        raise ConfigError(f"--out {out} is not writable")
+        raise ConfigError(f"--out {_shown(out)} is not writable")
     return out
 
 
