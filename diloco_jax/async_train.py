@@ -19,12 +19,16 @@ plain Python; `train_async` then runs each job as one compiled program (one per 
 a `lax.scan` of h_m inner steps) and each outer update as another, in schedule order.
 A job is computed when the server applies it, from the theta it started from (kept until
 then), so a worker's inner optimizer state passes from job to job in order and jobs still
-running when training stops are never computed.
+running when training stops are never computed. A checkpoint after u updates holds theta,
+the outer state, every worker's inner state and the theta each worker's running job started
+from; the schedule itself is recomputed on resume (its first u events don't depend on how
+many follow).
 """
 
 import collections
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -33,13 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco_jax import checkpoint
 from diloco_jax.comm import round_bytes
 from diloco_jax.distributed import to_host
 from diloco_jax.inner import LossFn, inner_loop
 from diloco_jax.outer import outer_init, outer_update, worker_delta
 from diloco_jax.round import default_inner_optimizer, default_outer_optimizer, stack_workers
 from diloco_jax.sampler import Sampler
-from diloco_jax.train import _check_int, _check_params, _optimizer
+from diloco_jax.train import _check_int, _check_params, _checkpoints, _optimizer
 
 Record = dict[str, Any]
 
@@ -84,6 +89,17 @@ class AsyncState(NamedTuple):
     outer_opt_state: Any
     inner_opt_state: Any
     update: int
+
+
+class _AsyncCheckpoint(NamedTuple):
+    """What a checkpoint after u updates saves: AsyncState's arrays and, per worker, the
+    theta its running job started from (leaves [M, ...]; theta for a worker with no job
+    left to apply)."""
+
+    params: Any
+    outer_opt_state: Any
+    inner_opt_state: Any
+    job_starts: Any
 
 
 class AsyncResult(NamedTuple):
@@ -185,6 +201,9 @@ def train_async(
     callback: Callable[[Record], None] | None = None,
     backend: str = "auto",
     devices: "list[jax.Device] | None" = None,
+    checkpoint_dir: "str | os.PathLike | None" = None,
+    checkpoint_every: int = 1,
+    keep_checkpoints: int = 3,
 ) -> AsyncResult:
     """Trains with asynchronous DiLoCo for `num_updates` server updates (simulated clock).
 
@@ -207,6 +226,12 @@ def train_async(
       callback: called with each history entry as it is recorded.
       backend, devices: "auto" or "vmap": jobs run one at a time (each depends on the theta
         its worker started from) on the first of `devices` (default `jax.devices()`).
+      checkpoint_dir: if set, theta, the outer state, every worker's inner state, the theta
+        each running job started from and the history are saved there (Orbax, atomic) every
+        `checkpoint_every` updates and after the last, keeping the newest
+        `keep_checkpoints`; a call with a `checkpoint_dir` that holds a checkpoint of the
+        same run (params, M, H, step times, grace, DyLU) resumes from it, bit-identical to
+        an uninterrupted run, and may ask for more updates than the run it resumes.
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has
@@ -229,6 +254,18 @@ def train_async(
     inner_optimizer = _optimizer("inner_optimizer", inner_optimizer, default_inner_optimizer)
     outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
     device = _device(backend, devices)
+    ckpt = _checkpoints(
+        checkpoint_dir,
+        checkpoint_every,
+        keep_checkpoints,
+        params,
+        algorithm="async",
+        num_workers=num_workers,
+        inner_steps=inner_steps,
+        step_seconds=list(seconds),
+        grace_seconds=_checked_grace(grace_seconds),
+        dynamic_steps=dynamic_steps,
+    )
     schedule = async_schedule(
         seconds,
         inner_steps,
@@ -244,13 +281,43 @@ def train_async(
     # Committed to the device like the programs' outputs, so each job length compiles once.
     outer_state = jax.device_put(outer_init(outer_optimizer, theta), device)
     inner_states = [jax.device_put(inner_optimizer.init(theta), device)] * num_workers
-    # theta after k updates, kept while some job that started from it is still to run.
-    waiting = collections.Counter(e.start_update for e in schedule.events)
-    starts = {0: theta}
+    events = schedule.events
+    if ckpt is not None:  # a checkpoint saves the theta each job in flight started from
+        events = _with_jobs_in_flight(
+            seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
+        )
+    history: list[Record] = []
+    done = 0
+    if ckpt is not None:
+        like = _AsyncCheckpoint(
+            theta, outer_state, stack_trees(inner_states), stack_workers(theta, num_workers)
+        )
+        restored = checkpoint.restore(ckpt.directory, like, ckpt.fingerprint)
+        if restored is not None:
+            saved, metadata, done = restored
+            checkpoint.discard_after(ckpt.directory, done)  # damaged newer ones were skipped
+            if done > num_updates:
+                raise ValueError(
+                    f"checkpoint_dir {ckpt.directory} holds {done} updates, more than the "
+                    f"num_updates = {num_updates} asked for"
+                )
+            theta, outer_state = saved.params, saved.outer_opt_state
+            inner_states = _unstacked(saved.inner_opt_state, num_workers)
+            history = list(metadata["history"])
+    # theta after k updates, kept while some job that started from it is still to run: the
+    # jobs running at update `done` started from their worker's saved start.
+    waiting = collections.Counter(e.start_update for e in events[done:])
+    starts = {0: theta} if not done else {}
+    if done:
+        job_starts = _unstacked(saved.job_starts, num_workers)
+        for e in events[done:]:
+            if e.start_update <= done:
+                starts[e.start_update] = job_starts[e.worker]
     per_job = round_bytes(params)
     sent = [0] * num_workers
-    total_steps = 0
-    history: list[Record] = []
+    for e in events[:done]:
+        sent[e.worker] += per_job
+    total_steps = sum(e.steps for e in events[:done])
     pending = None
 
     def finish(entry: Record, loss: jax.Array, evals: Any) -> None:
@@ -261,7 +328,7 @@ def train_async(
         if callback is not None:
             callback(entry)
 
-    for e in schedule.events:
+    for e in events[done:num_updates]:
         start = starts[e.start_update]
         waiting[e.start_update] -= 1
         if not waiting[e.start_update]:
@@ -296,6 +363,13 @@ def train_async(
         if pending is not None:
             finish(*pending)
         pending = (entry, loss, evaluate(theta) if due else None)
+        if ckpt is not None and (done % ckpt.every == 0 or done == num_updates):
+            finish(*pending)
+            pending = None
+            job_starts = _job_starts(events, done, starts, theta, num_workers)
+            saved = _AsyncCheckpoint(theta, outer_state, stack_trees(inner_states), job_starts)
+            metadata = {**ckpt.fingerprint, "data_position": done, "history": history}
+            checkpoint.save(ckpt.directory, done, saved, metadata, keep=ckpt.keep)
     if pending is not None:
         finish(*pending)
     state = AsyncState(theta, outer_state, stack_trees(inner_states), num_updates)
@@ -306,6 +380,44 @@ def stack_trees(trees: Sequence[Any]) -> Any:
     """[tree_0, ..., tree_{M-1}] -> one tree with leaves stacked [M, ...]."""
     if all(t is trees[0] for t in trees):  # never updated: one broadcast, as init_state
         return stack_workers(trees[0], len(trees))
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _with_jobs_in_flight(
+    seconds: tuple[float, ...],
+    inner_steps: int,
+    num_updates: int,
+    grace_seconds: float,
+    dynamic_steps: bool,
+) -> tuple[AsyncEvent, ...]:
+    """The first `num_updates` events followed by enough later ones that every worker's next
+    job appears (the first events don't depend on how many follow)."""
+    count = num_updates + len(seconds)
+    while True:
+        events = async_schedule(
+            seconds, inner_steps, count, grace_seconds=grace_seconds, dynamic_steps=dynamic_steps
+        ).events
+        if len({e.worker for e in events[num_updates:]}) == len(seconds):
+            return events
+        count *= 2
+
+
+def _unstacked(tree: Any, num_workers: int) -> list[Any]:
+    """Leaves [M, ...] -> M trees, worker m's slices."""
+    return [jax.tree.map(lambda x, m=m: x[m], tree) for m in range(num_workers)]
+
+
+def _job_starts(
+    events: Sequence[AsyncEvent], done: int, starts: dict, theta: Any, num_workers: int
+) -> Any:
+    """Leaves [M, ...]: the theta each worker's next job (applied after update `done`)
+    started from when it started by then, else theta (a placeholder never read)."""
+    first: dict[int, int] = {}
+    for e in events[done:]:
+        first.setdefault(e.worker, e.start_update)
+    trees = [
+        starts[first[m]] if first.get(m, done + 1) <= done else theta for m in range(num_workers)
+    ]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 

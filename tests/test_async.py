@@ -320,6 +320,42 @@ def test_dylu_is_deterministic_leaves_params_alone_and_compiles_once_per_job_len
     assert run_job._cache_size() == 3  # one program per job length: 4, 2 and 1 steps
 
 
+@pytest.mark.parametrize("grace, every", [(0.0, 3), (1.5, 2)])
+def test_resume_is_bit_identical_and_may_run_longer(grace, every, tmp_path):
+    """A run of 8 updates checkpointed every `every`, resumed and asked for 12 (DyLU, Adam
+    inner state, Delayed Nesterov's buffer, jobs in flight across the cut) equals 12 at once."""
+    inner, outer = optax.adam(0.05), dj.delayed_nesterov(0.5, buffer_size=3, c=0.1)
+    seen = []
+
+    def run(num_updates, **options):
+        return dj.train_async(
+            linear_loss, PARAMS, make_rounds(8, 3, 4, seed=5), num_workers=3, inner_steps=4,
+            num_updates=num_updates, step_seconds=(1.0, 1.7, 3.0), grace_seconds=grace,
+            dynamic_steps=True, inner_optimizer=inner, outer_optimizer=outer,
+            eval_fn=lambda p: {"eval_loss": jnp.sum(p["w"] ** 2)}, eval_every=2, **options,
+        )  # fmt: skip
+
+    full = run(12)
+    # Some job that runs across the cut after update 8 started before it.
+    assert any(e["update"] >= 8 and e["update"] - e["staleness"] < 8 for e in full.history)
+    run(8, checkpoint_dir=tmp_path, checkpoint_every=every)
+    assert dj.checkpoint.latest_step(tmp_path) == 8
+    resumed = run(12, checkpoint_dir=tmp_path, checkpoint_every=every, callback=seen.append)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
+    assert resumed.history == full.history and seen == full.history[8:]
+    assert (resumed.elapsed_seconds, resumed.utilization) == (
+        full.elapsed_seconds,
+        full.utilization,
+    )
+    with pytest.raises(ValueError, match="more than the num_updates = 5"):
+        run(5, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="step_seconds"):  # another schedule: another run
+        dj.train_async(
+            linear_loss, PARAMS, make_rounds(8, 3, 4, seed=5), num_workers=3, inner_steps=4,
+            num_updates=12, step_seconds=(1.0, 1.0, 3.0), checkpoint_dir=tmp_path,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -414,6 +450,33 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
     assert "async: eval loss" in capsys.readouterr().out
 
 
+def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    argv = ["train", "--preset", "micro", "--algo", "async", "--data", f"text:{corpus}"]
+    argv += ["--workers", "2", "--inner-steps", "3", "--rounds", "2", "--step-seconds", "1,2"]
+
+    def async_records(out):
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in records if r["run"] == "async"]
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main([*argv, "--no-progress", "--out", str(straight)]) == 0
+    again = [*argv, "--no-progress", "--checkpoint-every", "1", "--out", str(resumed)]
+    assert main(again) == 0
+    # A crash before the last checkpoint: every round (M = 2 updates) was saved; drop the last.
+    run_dir = resumed / "checkpoints" / "run"
+    assert dj.checkpoint.all_steps(run_dir) == [2, 4]
+    dj.checkpoint.discard_after(run_dir, 2)
+    assert main(again) == 0
+    want, got = async_records(straight), async_records(resumed)
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert got[-1]["eval_loss"] == want[-1]["eval_loss"]
+    # Another --rounds is another learning-rate schedule: not a resume of these checkpoints.
+    longer = [*again[:-2], "--rounds", "3", "--out", str(resumed)]
+    assert_cli_refuses(longer, "holds checkpoints of another run (rounds 2 -> 3)", capsys)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -424,7 +487,7 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
         (["--algo", "async", "--step-seconds", "1,0"], "step_seconds"),
         (["--algo", "async", "--dn-c", "0.1"], "dn_buffer and dn_c"),
         (["--algo", "async", "--backend", "pmap"], "--backend"),
-        (["--algo", "async", "--checkpoint-every", "2"], "--checkpoint-every"),
+        (["--algo", "async", "--checkpoint-every", "0"], "--checkpoint-every"),
     ],
 )
 def test_cli_async_mistakes_are_one_line_exit_2(argv, message, tmp_path, capsys):

@@ -5,6 +5,7 @@ and nothing is written."""
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-every",
         type=int,
-        help="checkpoint every K rounds into OUT/checkpoints; rerunning resumes from there",
+        help="checkpoint every K rounds (async: K x M updates) into OUT/checkpoints; "
+        "rerunning resumes from there",
     )
     _shared_flags(train)
     _distributed_flags(train)
@@ -292,8 +294,6 @@ def parse(argv: list[str] | None = None) -> Invocation:
         )
     if algo == "async" and cfg.backend not in ("auto", "vmap"):
         raise ConfigError(f"--algo async runs on --backend auto or vmap, got {cfg.backend!r}")
-    if algo == "async" and getattr(args, "checkpoint_every", None) is not None:
-        raise ConfigError("--checkpoint-every is not supported with --algo async")
     default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
     every = getattr(args, "checkpoint_every", None)
     if every is not None and every < 1:
@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
 
         experiment.check_model(run.cfg)
         corpus = experiment.load_corpus(run.cfg)
+        if run.command == "train" and run.checkpoint_every is not None:
+            check_resumable(run.out, run.cfg, corpus.info)
         create_out(run.out)  # last check before work starts: a bad input writes nothing
     except ConfigError as e:
         _fail(str(e))
@@ -364,6 +366,38 @@ def main(argv: list[str] | None = None) -> int:
             run.cfg, corpus, run.out, progress=run.progress, tensorboard=run.tensorboard
         )
     return 0
+
+
+def check_resumable(out: Path, cfg: Any, data_info: dict[str, Any]) -> None:
+    """A checkpointed train run into an OUT that already holds checkpoints resumes them, so
+    it must be the same run: the config and data in its config.json must be this command's
+    (another --rounds, for one, changes the learning-rate schedule the checkpoints were
+    trained on). Raises ConfigError naming what differs; an OUT without checkpoints or
+    without a readable config.json passes."""
+    try:
+        saved = (
+            json.loads((out / "config.json").read_text())
+            if (out / "checkpoints").is_dir()
+            else None
+        )
+    except (OSError, ValueError):
+        saved = None
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        return
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as JSON lists
+    changed = [
+        f"{k.replace('_', '-')} {saved['config'][k]!r} -> {v!r}"
+        for k, v in now.items()
+        if k in saved["config"] and saved["config"][k] != v  # a field newer than OUT: kept
+    ]
+    old_data = saved.get("data", {}).get("sha256") if isinstance(saved.get("data"), dict) else None
+    if old_data is not None and old_data != data_info.get("sha256"):
+        changed.append("data (another sha256)")
+    if changed:
+        raise ConfigError(
+            f"--out {_shown(out)} holds checkpoints of another run ({', '.join(changed)}): "
+            "rerun the same command to resume, or pick another --out"
+        )
 
 
 def _distributed_env() -> bool:

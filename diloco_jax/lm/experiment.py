@@ -229,8 +229,8 @@ def run(
     evaluations included): "tokens_per_second" (all workers), "model_flops_per_token"
     (`model.flops_per_token` at cfg.seq_len), "peak_flops" (`mfu.peak_flops` for cfg.dtype on
     the devices the workers use) and "mfu" (None where no peak is known). With
-    `checkpoint_dir`, the run checkpoints every `checkpoint_every` rounds (steps for sync) and
-    resumes from a checkpoint found there.
+    `checkpoint_dir`, the run checkpoints every `checkpoint_every` rounds (steps for sync, M
+    updates for async) and resumes from a checkpoint found there.
     """
     name = name or algo
     model_cfg, init_params, loss_fn = init_model(cfg)
@@ -329,8 +329,6 @@ def _run_async(cfg: RunConfig, loss_fn, params, sampler, num_workers: int, commo
     seconds = cfg.step_seconds or (1.0,) * num_workers
     if len(seconds) != num_workers:
         raise ConfigError(f"step_seconds must hold {num_workers} numbers, got {seconds!r}")
-    if common["checkpoint_dir"] is not None:
-        raise ConfigError("checkpoints are not supported with algo 'async'")
     if cfg.backend not in ("auto", "vmap"):
         raise ConfigError(f"algo 'async' runs on backend auto or vmap, got {cfg.backend!r}")
     budget = num_workers * cfg.total_steps
@@ -356,6 +354,8 @@ def _run_async(cfg: RunConfig, loss_fn, params, sampler, num_workers: int, commo
         eval_fn=common["eval_fn"],
         eval_every=num_workers,
         callback=common["callback"],
+        checkpoint_dir=common["checkpoint_dir"],
+        checkpoint_every=common["checkpoint_every"] * num_workers,  # about M updates a round
     )
     return result, seconds
 
