@@ -56,9 +56,10 @@ of it and the padding is sent and counted):
   rank leaf as (prod(shape[:-1]), shape[-1])), is cut into blocks of h x w, each dim split by
   its largest divisor <= 64 (:func:`sparseloco_block_shape`); every block keeps its
   ``k = max(1, round(h * w * top_k / 4096))`` largest-magnitude values (``top_k`` in
-  [1, 4096], default 128: 3.1%). Payload: the kept values' offsets inside their block in the
-  smallest unsigned type that holds them (uint8 for blocks up to 256 elements, else uint16),
-  [blocks, k]; and with ``quant`` (default) their 2-bit codes, four per uint8, with the leaf's
+  [1, 4096], default 128: 3.1%). Payload: the kept values' offsets inside their block, as
+  uint8 [blocks, k] for blocks up to 256 elements, else 12 bits each (blocks hold at most
+  64 x 64 = 4096), two offsets packed in three uint8 (the paper's 12-bit indices); and with
+  ``quant`` (default) their 2-bit codes, four per uint8, with the leaf's
   four float32 levels (:func:`statistical_quantize`), else their float32 values. Error
   feedback is always on, with decay ``beta`` in [0, 1) (default 0.95): see below. The outer
   step is the caller's outer optimizer: the paper's is ``optax.sgd(1.0)`` (no momentum; the
@@ -391,8 +392,8 @@ def _restore(flat: jax.Array, shape: Sequence[int], dtype) -> jax.Array:
 # ----------------------------------------------------------------------------- sparseloco
 # SparseLoCo's codec (Sarfi et al. 2025, arXiv 2508.15706; the rules of the authors' code,
 # tplr-ai/SparseLoCo): a leaf viewed as a matrix is cut into blocks, the top k of each block
-# by |value| are kept, their offsets inside the block travel in the smallest unsigned type
-# and their values as float32 or as 2-bit codes of a per-leaf statistical quantizer.
+# by |value| are kept, their offsets inside the block travel as uint8 or packed 12-bit
+# integers and their values as float32 or as 2-bit codes of a per-leaf statistical quantizer.
 
 
 def _largest_divisor_at_most(n: int, most: int) -> int:
@@ -439,9 +440,42 @@ def _sl_geometry(shape: Sequence[int], top_k: int) -> tuple[int, int, int, int, 
     return rows, cols, h, w, sparseloco_k(h * w, top_k)
 
 
-def _sl_offset_dtype(block_len: int):
-    """The smallest unsigned integer type that holds every offset 0..block_len-1."""
-    return jnp.uint8 if block_len <= 256 else jnp.uint16
+def _sl_packed_offsets(block_len: int) -> bool:
+    """Whether offsets 0..block_len-1 travel packed as 12 bits (else one uint8 each)."""
+    return block_len > 256
+
+
+def _pack_12bit(values: jax.Array) -> jax.Array:
+    """Integers in [0, 4096) [n] -> uint8 [3 ceil(n / 2)]: each pair (a, b) as the bytes
+    a & 0xff, a >> 8 | (b & 0xf) << 4, b >> 4."""
+    v = values.astype(jnp.uint16)
+    v = jnp.pad(v, (0, v.shape[0] % 2)).reshape(-1, 2)
+    a, b = v[:, 0], v[:, 1]
+    packed = jnp.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=1)
+    return packed.astype(jnp.uint8).reshape(-1)
+
+
+def _unpack_12bit(packed: jax.Array, count: int) -> jax.Array:
+    """Inverse of `_pack_12bit`: int32 [count]."""
+    p = packed.astype(jnp.int32).reshape(-1, 3)
+    a = p[:, 0] | ((p[:, 1] & 0xF) << 8)
+    b = (p[:, 1] >> 4) | (p[:, 2] << 4)
+    return jnp.stack([a, b], axis=1).reshape(-1)[:count]
+
+
+def _sl_kept(shape: Sequence[int], top_k: int) -> tuple[int, int]:
+    """(blocks, k): how many blocks a leaf of ``shape`` has and how many values each keeps."""
+    rows, cols, h, w, k = _sl_geometry(shape, top_k)
+    return (rows // h) * (cols // w), k
+
+
+def _sl_offsets(payload: Payload, shape: Sequence[int], top_k: int) -> jax.Array:
+    """int32 [blocks, k]: each kept value's offset inside its block."""
+    _, _, h, w, _ = _sl_geometry(shape, top_k)
+    if not _sl_packed_offsets(h * w):
+        return payload["offsets"].astype(jnp.int32)
+    num_blocks, k = _sl_kept(shape, top_k)
+    return _unpack_12bit(payload["offsets"], num_blocks * k).reshape(num_blocks, k)
 
 
 def _to_chunks(x: jax.Array, rows: int, cols: int, h: int, w: int) -> jax.Array:
@@ -503,14 +537,18 @@ def statistical_quantize(values: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _encode_sparseloco(x: jax.Array, c: Compression) -> Payload:
-    """Per block, the k largest |x|: {"offsets": [blocks, k] uint8/uint16 offsets inside the
-    block, and "codes": uint8 [ceil(blocks * k / 4)] 2-bit codes + "levels": float32 [4]
-    (quant), or "values": float32 [blocks, k] (no quant)}."""
+    """Per block, the k largest |x|: {"offsets": their offsets inside the block, uint8
+    [blocks, k] or packed 12-bit uint8 [3 ceil(blocks * k / 2)], and "codes": uint8
+    [ceil(blocks * k / 4)] 2-bit codes + "levels": float32 [4] (quant), or "values": float32
+    [blocks, k] (no quant)}."""
     rows, cols, h, w, k = _sl_geometry(x.shape, c.top_k)
     chunks = _to_chunks(x, rows, cols, h, w)
     _, idx = lax.top_k(jnp.abs(chunks), k)
     values = jnp.take_along_axis(chunks, idx, axis=1)
-    payload = {"offsets": idx.astype(_sl_offset_dtype(h * w))}
+    if _sl_packed_offsets(h * w):
+        payload = {"offsets": _pack_12bit(idx.reshape(-1))}
+    else:
+        payload = {"offsets": idx.astype(jnp.uint8)}
     if not c.quant:
         return payload | {"values": values}
     codes, levels = statistical_quantize(values.reshape(-1))
@@ -521,7 +559,7 @@ def _sl_scatter(payload: Payload, values: jax.Array, shape: Sequence[int], top_k
     """The leaf (float32, ``shape``) holding ``values`` [blocks, k] at the payload's offsets
     and zeros elsewhere."""
     _, _, h, w, _ = _sl_geometry(shape, top_k)
-    idx = payload["offsets"].astype(jnp.int32)
+    idx = _sl_offsets(payload, shape, top_k)
     rows = jnp.arange(idx.shape[0])[:, None]
     chunks = jnp.zeros((idx.shape[0], h * w), jnp.float32).at[rows, idx].set(values)
     return _from_chunks(chunks, shape, h, w)
@@ -529,7 +567,7 @@ def _sl_scatter(payload: Payload, values: jax.Array, shape: Sequence[int], top_k
 
 def _decode_sparseloco(payload: Payload, c: Compression, shape: Sequence[int]) -> jax.Array:
     if c.quant:
-        num_blocks, k = payload["offsets"].shape
+        num_blocks, k = _sl_kept(shape, c.top_k)
         codes = _unpack_2bit(payload["codes"], num_blocks * k).reshape(num_blocks, k)
         values = payload["levels"][codes]
     else:
@@ -546,7 +584,7 @@ def sent_mask(
     shape = tuple(int(d) for d in shape)
     n = _size(shape)
     if c.kind == "sparseloco":
-        ones = jnp.ones(payload["offsets"].shape, jnp.float32)
+        ones = jnp.ones(_sl_kept(shape, c.top_k), jnp.float32)
         return _sl_scatter(payload, ones, shape, c.top_k)
     if c.kind == "topk":
         flat = jnp.zeros((n,), jnp.float32).at[payload["indices"]].set(1.0)

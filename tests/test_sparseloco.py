@@ -160,6 +160,17 @@ def _train(spec, rounds, alpha=1.0, backend="vmap"):
     )  # fmt: skip
 
 
+def np_offsets(packed, blocks, k, block_len):
+    """The payload's offsets as ints [blocks, k]: one byte each for blocks up to 256, else
+    12 bits each, the pair (a, b) in bytes a & 0xff, a >> 8 | (b & 0xf) << 4, b >> 4."""
+    raw = np.asarray(packed).astype(np.int64)
+    if block_len <= 256:
+        return raw.reshape(blocks, k)
+    b0, b1, b2 = raw.reshape(-1, 3).T
+    pairs = np.stack([b0 | (b1 & 0xF) << 8, b1 >> 4 | b2 << 4], axis=1)
+    return pairs.reshape(-1)[: blocks * k].reshape(blocks, k)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _roundtrip(x, c):
     payload = C.encode(x, c)
@@ -199,10 +210,26 @@ def test_chunked_topk_by_magnitude(shape, top_k):
     _, _, h, w = np_geometry(shape)
     blocks, k = x.size // (h * w), np_k(h * w, top_k)
     assert int(mask.sum()) == blocks * k
-    offsets = payload["offsets"]
-    assert offsets.shape == (blocks, k)
-    assert offsets.dtype == (jnp.uint8 if h * w <= 256 else jnp.uint16)
-    assert C.payload_bytes(shape, jnp.float32, c) == blocks * k * (offsets.dtype.itemsize + 4)
+    offsets = np.asarray(payload["offsets"])
+    assert offsets.dtype == np.uint8
+    if h * w <= 256:  # one byte per offset
+        assert offsets.shape == (blocks, k)
+    else:  # 12 bits per offset, two in three bytes
+        assert offsets.shape == (3 * -(-blocks * k // 2),)
+    kept = np.argwhere(np_chunks(np.asarray(got, np.float64)) != 0)  # (block, position) sorted
+    got_offsets = np.sort(np_offsets(offsets, blocks, k, h * w), axis=1)
+    np.testing.assert_array_equal(got_offsets, kept[:, 1].reshape(blocks, k))
+    assert C.payload_bytes(shape, jnp.float32, c) == offsets.size + blocks * k * 4
+
+
+def test_an_odd_number_of_12_bit_offsets_pads_the_last_pair():
+    x = _rand((64, 64), seed=11)  # one block of 4096 keeping 127: 64 pairs, 192 bytes
+    c = C.Compression("sparseloco", top_k=127, quant=False)
+    got, payload = _roundtrip(jnp.asarray(x), c)
+    np.testing.assert_array_equal(np.asarray(got), np_codec(x, 127, quant=False)[0])
+    assert payload["offsets"].shape == (192,) and int(payload["offsets"][-1]) == 0
+    idx = np.argsort(-np.abs(x.ravel()), kind="stable")[:127]
+    np.testing.assert_array_equal(np_offsets(payload["offsets"], 1, 127, 4096)[0], idx)
 
 
 def test_k_per_block_rounds_half_to_even():
@@ -220,7 +247,7 @@ def test_statistical_quantizer(shape):
     chunks = np_chunks(x.astype(np.float64))
     k = np_k(chunks.shape[1], 128)
     idx = np.argsort(-np.abs(chunks), axis=1, kind="stable")[:, :k]
-    np.testing.assert_array_equal(np.asarray(payload["offsets"]), idx)
+    np.testing.assert_array_equal(np_offsets(payload["offsets"], *idx.shape, chunks.shape[1]), idx)
     codes, levels = np_quantize(np.take_along_axis(chunks, idx, axis=1).ravel())
     # Wire format: four 2-bit codes per byte, element 4i in the lowest bits.
     packed = np.asarray(payload["codes"])
@@ -234,10 +261,9 @@ def test_statistical_quantizer(shape):
     want, _ = np_codec(x, 128, quant=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-12)
     blocks = chunks.shape[0]
-    offset_bytes = 1 if chunks.shape[1] <= 256 else 2
-    assert C.payload_bytes(shape, jnp.float32, c) == (
-        blocks * k * offset_bytes + -(-blocks * k // 4) + 4 * 4
-    )
+    # Offsets: a byte each up to 256-element blocks, else 12 bits (a pair in three bytes).
+    offset_bytes = blocks * k if chunks.shape[1] <= 256 else 3 * -(-blocks * k // 2)
+    assert C.payload_bytes(shape, jnp.float32, c) == (offset_bytes + -(-blocks * k // 4) + 4 * 4)
 
 
 def test_quantizer_by_hand():
@@ -458,13 +484,13 @@ def _compiled_wire_bytes(num_workers, spec, exclude=False):
 )
 def test_wire_bytes_read_from_the_compiled_round(num_workers, spec, exclude):
     c = C.parse_compression(spec)
-    # By hand: w has 4 blocks of 64 x 48 keeping 96 each, uint16 offsets; b has 2 blocks of
-    # 48 keeping 2 each, uint8 offsets. 2-bit codes four per byte plus 4 float32 levels per
-    # leaf, or float32 values.
+    # By hand: w has 4 blocks of 64 x 48 keeping 96 each, 12-bit offsets (384 of them in 576
+    # bytes); b has 2 blocks of 48 keeping 2 each, uint8 offsets. 2-bit codes four per byte
+    # plus 4 float32 levels per leaf, or float32 values.
     if c.quant:
-        payload = (4 * 96 * 2 + 4 * 96 // 4 + 16) + (2 * 2 * 1 + 1 + 16)
+        payload = (576 + 4 * 96 // 4 + 16) + (2 * 2 * 1 + 1 + 16)
     else:
-        payload = 4 * 96 * (2 + 4) + 2 * 2 * (1 + 4)
+        payload = 576 + 4 * 96 * 4 + 2 * 2 * (1 + 4)
     assert dj.round_bytes(_params(), spec) == payload
     ring = num_workers - 1
     want = ring * payload + 2 * ring / num_workers * 4 + (ring * 4 if exclude else 0)

@@ -222,11 +222,11 @@ def test_sparse_gathers_cost_more_than_float32_from_a_worker_count_on():
     bytes grow with M: for a 256 x 64 (+ 64) float32 model, sign_prune:0.5 (a packed mask and
     half the values) sends more than the exact all-reduce from M = 4 on, topk:0.01 (1% of
     the values with int32 indices) from M = 100 on. SparseLoCo at its defaults: the matrix's
-    4 chunks of 64 x 64 keep 128 values each (2 bits: 128 bytes; uint16 offsets: 1,024), the
+    4 chunks of 64 x 64 keep 128 values each (2 bits: 128 bytes; 12-bit offsets: 768), the
     bias's one chunk keeps 2 (1 byte; uint8 offsets: 2), and each tensor sends its 4 bins'
-    float32 values (32): 1,187 bytes, gathered from M - 1 workers, against 2 (M - 1) / M x
-    65,792 for float32 (the 4-byte loss all-reduce on both sides): costlier once 1,187 M >
-    131,584, from M = 111 on."""
+    float32 values (32): 931 bytes, gathered from M - 1 workers, against 2 (M - 1) / M x
+    65,792 for float32 (the 4-byte loss all-reduce on both sides): costlier once 931 M >
+    131,584, from M = 142 on."""
 
     def first_costlier(spec):
         return next(
@@ -238,8 +238,8 @@ def test_sparse_gathers_cost_more_than_float32_from_a_worker_count_on():
 
     assert first_costlier("sign_prune:0.5") == 4
     assert first_costlier("topk:0.01") == 100
-    assert dj.round_bytes(WIRE_PARAMS, "sparseloco") == 128 + 1024 + 1 + 2 + 32
-    assert first_costlier("sparseloco") == 111
+    assert dj.round_bytes(WIRE_PARAMS, "sparseloco") == 128 + 768 + 1 + 2 + 32
+    assert first_costlier("sparseloco") == 142
 
 
 def test_history_reports_the_wire_bytes():
