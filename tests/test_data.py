@@ -119,6 +119,20 @@ def test_text_folder_one_document_per_file(tmp_path):
     ]
 
 
+def test_text_folder_of_one_file_is_cut_like_the_file(tmp_path):
+    """One document would leave nothing to evaluate on: the lone file is cut in pieces."""
+    text = "".join(f"Paragraph {i} " + "word " * 300 + "\n\n" for i in range(20))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "book.txt").write_text(text, encoding="utf-8")
+    folder = data.load_source(f"text:{tmp_path / 'corpus'}").documents
+    pieces = data.split_text(text.encode("utf-8"))
+    assert len(pieces) > 2
+    # Fewer than 10 pieces: one digit in the names.
+    assert [(n, d.tobytes()) for n, d in folder] == [
+        (f"book.txt#{i}", p) for i, p in enumerate(pieces)
+    ]
+
+
 def test_text_bad_paths_raise(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         data.load_source(f"text:{tmp_path / 'missing.txt'}")

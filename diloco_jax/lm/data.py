@@ -25,7 +25,8 @@ Source specs (`load_source`):
             boundaries (blank lines; at line ends if a paragraph runs past 4x that size),
             so a single book still gives a validation split by document. The pieces
             concatenate back to the file exactly. Or a folder: every .txt/.md file below
-            it (recursive, sorted relative paths) is one document.
+            it (recursive, sorted relative paths) is one document; a folder of one file
+            is cut like that file.
   "hf:NAME[:CONFIG[:SPLIT]]"  A Hugging Face `datasets` dataset (optional dependency),
             column "text", one row per document, rows in dataset order (streamed, so
             max_documents/max_bytes avoid reading everything). SPLIT defaults to "train".
@@ -259,10 +260,7 @@ def _text_documents(spec: str, path_str: str) -> tuple[Iterator[tuple[str, bytes
         raise ValueError(f"data spec {spec!r} needs a path: 'text:PATH'")
     path = Path(path_str).expanduser()
     if path.is_file():
-        pieces = split_text(_read_utf8(spec, path))
-        width = len(str(len(pieces)))
-        docs = ((f"{path.name}#{i:0{width}d}", p) for i, p in enumerate(pieces))
-        return docs, {"path": str(path), "kind": "file"}
+        return _cut_file(spec, path, path.name), {"path": str(path), "kind": "file"}
     if path.is_dir():
         files = sorted(
             p.relative_to(path).as_posix()
@@ -271,9 +269,18 @@ def _text_documents(spec: str, path_str: str) -> tuple[Iterator[tuple[str, bytes
         )
         if not files:
             raise ValueError(f"data spec {spec!r}: no .txt or .md files under {path}")
+        if len(files) == 1:  # one document has no train / eval split: cut it as a file
+            return _cut_file(spec, path / files[0], files[0]), {"path": str(path), "kind": "folder"}
         docs = ((name, _read_utf8(spec, path / name)) for name in files)
         return docs, {"path": str(path), "kind": "folder"}
     raise ValueError(f"data spec {spec!r}: no such file or folder {path}")
+
+
+def _cut_file(spec: str, path: Path, name: str) -> Iterator[tuple[str, bytes]]:
+    """A text file's documents: `split_text` pieces named NAME#i."""
+    pieces = split_text(_read_utf8(spec, path))
+    width = len(str(len(pieces)))
+    return ((f"{name}#{i:0{width}d}", p) for i, p in enumerate(pieces))
 
 
 def parse_hf_spec(spec: str) -> dict[str, Any]:
