@@ -25,7 +25,8 @@ Streaming DiLoCo merges θ'. With one fragment, tau = 0 and alpha = 0 that is th
 rule.
 
 d = 0 is DiLoCo. Fault options combine with the naive delay (a worker's weight travels with
-its delta); eager updates refuse them (a left-out worker has no global θ to restart from).
+its delta); eager updates refuse them (the eager rule swaps a worker's 1/M share of the stale
+mean, which weighted shares or a left-out worker leave undefined).
 """
 
 from typing import Any
@@ -59,8 +60,10 @@ def check_combination(eager: bool, weighted: bool) -> None:
     if eager and weighted:
         raise ValueError(
             "eager=True can't be combined with fault options (exclude_nonfinite, "
-            "drop_probability, worker_steps, weighting, anomaly): every worker keeps its own "
-            "params, so a left-out worker has no global params to restart from"
+            "drop_probability, worker_steps, weighting, anomaly): the eager rule swaps each "
+            "worker's own 1/M share of the stale mean for its fresh delta, which has no "
+            "defined form once shares are weighted or a worker is left out (and a left-out "
+            "worker's own params have no global ones to restart from)"
         )
 
 
