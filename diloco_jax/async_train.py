@@ -231,7 +231,9 @@ def train_async(
         `checkpoint_every` updates and after the last, keeping the newest
         `keep_checkpoints`; a call with a `checkpoint_dir` that holds a checkpoint of the
         same run (params, M, H, step times, grace, DyLU) resumes from it, bit-identical to
-        an uninterrupted run, and may ask for more updates than the run it resumes.
+        an uninterrupted run, and may ask for more updates than the run it resumes (its
+        history then keeps the shorter run's evaluation after its last update, as
+        `train_diloco`'s does).
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has

@@ -257,7 +257,11 @@ def diloco_round(
     backend = make_backend(backend, num_workers)
     num_steps = _inner_steps_of(batches, inner_steps)
     delay.check(outer_delay, eager)
-    like = state.params if not eager else jax.eval_shape(delay.global_params, state)
+    # Under eager updates (and for a state built for them, which `_check_state` refuses
+    # below) θ is the workers' mean.
+    like = state.params
+    if like is None:
+        like = jax.eval_shape(delay.global_params, state)
     schedule = make_schedule(like, num_steps, fragments, overlap_steps, merge_alpha)
     compression = parse_compression(compression)
     feedback = _checked_feedback(state, compression)
@@ -741,10 +745,14 @@ def _check_state(
         raise ValueError("state has deltas in flight: pass the outer_delay it was built with")
     if eager != (state.params is None):
         raise ValueError(f"eager={eager} needs a state built with init_state(..., eager={eager})")
-    if (eager and schedule.fragmented) != (state.worker_params is not None):
+    if eager and schedule.fragmented and state.worker_params is None:
         raise ValueError(
-            f"eager={eager} with fragments={len(schedule.syncs) if schedule.fragmented else None}"
-            " needs a state built with init_state(..., fragments=..., eager=...) for them"
+            "eager=True with fragments needs a state built with init_state(..., fragments=..., "
+            "eager=True)"
+        )
+    if eager and not schedule.fragmented and state.worker_params is not None:
+        raise ValueError(
+            "state was built for eager updates with fragments: pass the same fragments"
         )
     if drops and state.local_params is None:
         raise ValueError(

@@ -123,6 +123,24 @@ def test_train_with_edit_weighting_and_anomaly_skip(tmp_path):
     assert [r["excluded_workers"] for r in records] == [[], []]
 
 
+def test_checkpoints_resume_only_the_run_that_wrote_them(tmp_path, capsys):
+    """A checkpointed rerun must be the run the checkpoints belong to, even after another
+    run into the same OUT rewrote its config.json."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "micro", "--data", f"text:{corpus}", "--workers", "2"]
+    argv += ["--inner-steps", "2", "--pretrain-steps", "1", "--no-progress", "--out", str(out)]
+    checkpointed = [*argv, "--checkpoint-every", "1"]
+    assert main([*checkpointed, "--rounds", "1"]) == 0
+    assert json.loads((out / "checkpoints" / "run.json").read_text())["config"]["rounds"] == 1
+    assert main([*argv, "--rounds", "2"]) == 0  # no checkpoints: runs, rewrites config.json
+    assert_cli_refuses([*checkpointed, "--rounds", "2"], "(rounds 1 -> 2)", capsys)
+    sync = [*checkpointed, "--rounds", "1", "--algo", "sync"]
+    assert_cli_refuses(sync, "(algo 'diloco' -> 'sync')", capsys)
+    assert main([*checkpointed, "--rounds", "1"]) == 0  # the same command resumes
+
+
 def test_compare_writes_summary_table_and_plots(tmp_path):
     out = tmp_path / "cmp"
     assert main(["compare", "--preset", "micro", "--out", str(out), "--no-progress"]) == 0

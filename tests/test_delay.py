@@ -299,3 +299,20 @@ def test_bad_delay_options(options, match):
     rounds = make_data(np.random.default_rng(6), 1, 2, 2)
     with pytest.raises(ValueError, match=match):
         _train(rounds, **options)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(outer_delay=1, eager=True), "pass the same fragments"),
+        (dict(outer_delay=1, fragments=2), "eager=False needs a state built with"),
+        (dict(outer_delay=2, eager=True, fragments=2), "deltas in flight"),
+    ],
+)
+def test_a_state_built_for_eager_updates_over_fragments_runs_only_so(options, match):
+    state = dj.init_state(PARAMS, 2, INNER, OUTER, fragments=2, outer_delay=1, eager=True)
+    batch = make_data(np.random.default_rng(10), 1, 2, 4)[0]
+    with pytest.raises(ValueError, match=match):
+        dj.diloco_round(
+            linear_loss, state, batch, inner_optimizer=INNER, outer_optimizer=OUTER, **options
+        )

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         experiment.check_model(run.cfg)
         corpus = experiment.load_corpus(run.cfg)
         if run.command == "train" and run.checkpoint_every is not None:
-            check_resumable(run.out, run.cfg, corpus.info)
+            check_resumable(run.out, run_identity(run.cfg, run.algo, corpus.info))
         create_out(run.out)  # last check before work starts: a bad input writes nothing
     except ConfigError as e:
         _fail(str(e))
@@ -368,36 +368,62 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_resumable(out: Path, cfg: Any, data_info: dict[str, Any]) -> None:
+RUN_IDENTITY = "run.json"  # in OUT/checkpoints: what run the checkpoints there belong to
+
+
+def run_identity(cfg: Any, algo: str | None, data_info: dict[str, Any]) -> dict[str, Any]:
+    """What makes checkpoints resumable by a rerun: the algorithm, the whole config (another
+    --rounds changes the learning-rate schedule, for one) and the data's sha256."""
+    return {
+        "algo": algo,
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),  # tuples as JSON lists
+        "data_sha256": data_info.get("sha256"),
+    }
+
+
+def check_resumable(out: Path, identity: dict[str, Any]) -> None:
     """A checkpointed train run into an OUT that already holds checkpoints resumes them, so
-    it must be the same run: the config and data in its config.json must be this command's
-    (another --rounds, for one, changes the learning-rate schedule the checkpoints were
-    trained on). Raises ConfigError naming what differs; an OUT without checkpoints or
-    without a readable config.json passes."""
-    try:
-        saved = (
-            json.loads((out / "config.json").read_text())
-            if (out / "checkpoints").is_dir()
-            else None
-        )
-    except (OSError, ValueError):
-        saved = None
-    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+    it must be the same run: `identity` (`run_identity`) must match the one saved with them
+    (OUT/checkpoints/run.json; for checkpoints written before that file, OUT/config.json,
+    rewritten by every run into OUT, so a best effort). Raises ConfigError naming what
+    differs; an OUT without checkpoints passes."""
+    folder = out / "checkpoints"
+    if not folder.is_dir():
         return
-    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as JSON lists
-    changed = [
-        f"{k.replace('_', '-')} {saved['config'][k]!r} -> {v!r}"
-        for k, v in now.items()
-        if k in saved["config"] and saved["config"][k] != v  # a field newer than OUT: kept
+    saved = _read_json(folder / RUN_IDENTITY)
+    if saved is None:  # checkpoints older than run.json
+        legacy = _read_json(out / "config.json") or {}
+        data = legacy.get("data") if isinstance(legacy.get("data"), dict) else {}
+        saved = {
+            "algo": legacy.get("algo"),
+            "config": legacy.get("config"),
+            "data_sha256": data.get("sha256"),
+        }
+    changed = []
+    if saved.get("algo") is not None and saved["algo"] != identity["algo"]:
+        changed.append(f"algo {saved['algo']!r} -> {identity['algo']!r}")
+    old = saved.get("config") if isinstance(saved.get("config"), dict) else {}
+    changed += [
+        f"{k.replace('_', '-')} {old[k]!r} -> {v!r}"
+        for k, v in identity["config"].items()
+        if k in old and old[k] != v  # a field newer than the checkpoints: kept
     ]
-    old_data = saved.get("data", {}).get("sha256") if isinstance(saved.get("data"), dict) else None
-    if old_data is not None and old_data != data_info.get("sha256"):
+    if saved.get("data_sha256") not in (None, identity["data_sha256"]):
         changed.append("data (another sha256)")
     if changed:
         raise ConfigError(
             f"--out {_shown(out)} holds checkpoints of another run ({', '.join(changed)}): "
             "rerun the same command to resume, or pick another --out"
         )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None when it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _distributed_env() -> bool:
@@ -444,6 +470,11 @@ def train_command(
     metrics.unlink(missing_ok=True)
     root = out if checkpoint_root is None else checkpoint_root
     ckpt = (lambda name: str(root / "checkpoints" / name)) if checkpoint_every else (lambda _: None)
+    if checkpoint_every:  # what run the checkpoints belong to, for `check_resumable`
+        identity = root / "checkpoints" / RUN_IDENTITY
+        if not identity.exists():
+            identity.parent.mkdir(parents=True, exist_ok=True)
+            write_json(identity, run_identity(cfg, algo, corpus.info))
     with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress, tb("pretrain")) as log:
         params, pre_history = experiment.pretrain(
             cfg, corpus, on_record=log, checkpoint_dir=ckpt("pretrain")
