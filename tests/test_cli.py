@@ -115,9 +115,14 @@ def test_train_with_edit_weighting_and_anomaly_skip(tmp_path):
     out = tmp_path / "run"
     argv = ["train", "--preset", "micro", "--data", f"text:{corpus}", "--workers", "2"]
     argv += ["--inner-steps", "2", "--rounds", "2", "--weighting", "norm_softmax"]
-    assert main([*argv, "--anomaly-skip", "--out", str(out), "--no-progress"]) == 0
+    argv += ["--temperature", "2", "--anomaly-skip"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
     config = json.loads((out / "config.json").read_text())["config"]
-    assert (config["weighting"], config["anomaly_skip"]) == ("norm_softmax", True)
+    assert (config["weighting"], config["temperature"], config["anomaly_skip"]) == (
+        "norm_softmax",
+        2.0,
+        True,
+    )
     # The fault options' metrics: nobody is an outlier before EDiT's warm-up rounds.
     records = [r for r in _read_jsonl(out / "metrics.jsonl") if r["run"] == "diloco"]
     assert [r["excluded_workers"] for r in records] == [[], []]
@@ -236,6 +241,11 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--algo", "sync", "--fragments", "5"], "--fragments needs --algo diloco"),
         (["train", "--algo", "sync", "--anomaly-skip"], "--anomaly-skip needs --algo diloco"),
         (["train", "--weighting", "softmax"], "invalid choice"),
+        (["train", "--temperature", "0.5"], "temperature applies to weighting 'norm_softmax'"),
+        (
+            ["train", "--weighting", "norm_softmax", "--temperature", "0"],
+            "temperature must be a finite number > 0",
+        ),
         (
             ["train", "--outer-delay", "1", "--eager", "--weighting", "norm_softmax"],
             "eager can't be combined with weighting",

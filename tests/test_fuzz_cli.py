@@ -41,6 +41,7 @@ FLAGS = [
     "--outer-delay",
     "--outer-clip",
     "--weighting",
+    "--temperature",
     "--anomaly-skip",
     "--state-sync",
     "--fragments",

@@ -90,8 +90,9 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weighting",
         choices=("uniform", "norm_softmax"),
-        help="EDiT: norm_softmax weighs each worker's delta by exp(-its norm) in the mean",
+        help="EDiT: norm_softmax weighs each worker's delta by exp(-norm / T) in the mean",
     )
+    p.add_argument("--temperature", type=float, help="EDiT: T of --weighting norm_softmax (1)")
     p.add_argument(
         "--anomaly-skip",
         action="store_true",
@@ -177,6 +178,7 @@ _DILOCO_FLAGS = (
     "eager",
     "outer_clip",
     "weighting",
+    "temperature",
     "anomaly_skip",
     "state_sync",
     "fragments",

@@ -72,6 +72,7 @@ class RunConfig:
     eager: bool = False  # eager outer updates (needs outer_delay >= 1)
     outer_clip: float | None = None  # EDiT: clip the mean delta's norm (outer.clip_outer_norm)
     weighting: str = "uniform"  # "uniform" | "norm_softmax" (EDiT; diloco_jax.faults)
+    temperature: float = 1.0  # of weighting "norm_softmax": weights exp(-norm / temperature)
     anomaly_skip: bool = False  # EDiT's EWMA z-score skip of outlier workers
     state_sync: str | None = None  # DES-LOC, e.g. "mu=75,nu=150" (diloco_jax.state_sync)
     fragments: int | None = None  # Streaming DiLoCo's P (diloco_jax.schedule); None: off
@@ -294,6 +295,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"outer_clip must be a number > 0, got {cfg.outer_clip!r}")
     if cfg.weighting not in ("uniform", "norm_softmax"):
         raise ConfigError(f"weighting must be 'uniform' or 'norm_softmax', got {cfg.weighting!r}")
+    if not (math.isfinite(cfg.temperature) and cfg.temperature > 0):
+        raise ConfigError(f"temperature must be a finite number > 0, got {cfg.temperature!r}")
+    if cfg.temperature != 1.0 and cfg.weighting != "norm_softmax":
+        raise ConfigError("temperature applies to weighting 'norm_softmax' only")
     if cfg.eager and (cfg.weighting != "uniform" or cfg.anomaly_skip):
         raise ConfigError("eager can't be combined with weighting or anomaly_skip")
     if cfg.eager and cfg.drop_probability is not None:

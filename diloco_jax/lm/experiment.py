@@ -262,6 +262,7 @@ def run(
             eager=cfg.eager,
             outer_clip=cfg.outer_clip,
             weighting=cfg.weighting,
+            temperature=cfg.temperature,
             anomaly=cfg.anomaly_skip or None,
             state_sync=state_sync_of(cfg),
             fragments=cfg.fragments,
