@@ -25,8 +25,9 @@ Streaming DiLoCo merges θ'. With one fragment, tau = 0 and alpha = 0 that is th
 rule.
 
 d = 0 is DiLoCo. Fault options combine with the naive delay (a worker's weight travels with
-its delta); eager updates refuse them (the eager rule swaps a worker's 1/M share of the stale
-mean, which weighted shares or a left-out worker leave undefined).
+its delta); eager updates take per-worker step counts but refuse the options that leave a
+worker out or weigh it (the eager rule swaps a worker's 1/M share of the stale mean, which
+weighted shares or a left-out worker leave undefined).
 """
 
 from typing import Any
@@ -55,15 +56,16 @@ def check(outer_delay: Any, eager: Any) -> None:
         )
 
 
-def check_combination(eager: bool, weighted: bool) -> None:
-    """Raises ValueError saying why eager updates can't run with fault options."""
-    if eager and weighted:
+def check_combination(eager: bool, uneven: bool) -> None:
+    """Raises ValueError saying why eager updates can't run with `uneven` weights: a worker
+    left out (non-finite, dropped, an anomaly) or weighted other than 1 (step or softmax
+    weighting). Per-worker step counts with uniform weights are fine."""
+    if eager and uneven:
         raise ValueError(
-            "eager=True can't be combined with fault options (exclude_nonfinite, "
-            "drop_probability, worker_steps, weighting, anomaly): the eager rule swaps each "
-            "worker's own 1/M share of the stale mean for its fresh delta, which has no "
-            "defined form once shares are weighted or a worker is left out (and a left-out "
-            "worker's own params have no global ones to restart from)"
+            "eager=True can't be combined with fault options that leave a worker out or "
+            "weigh it (exclude_nonfinite, drop_probability, weighting, anomaly): the eager "
+            "rule swaps each worker's own 1/M share of the stale mean for its fresh delta, "
+            "which has no defined form once shares are weighted or a worker is left out"
         )
 
 

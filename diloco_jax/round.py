@@ -171,6 +171,11 @@ class _Faults(NamedTuple):
     anomaly: "faults.AnomalySkip | None" = None
 
     @property
+    def uneven(self) -> bool:
+        """Whether some worker may be left out of a mean or weigh other than 1."""
+        return self.leaves_out or self.drop_probability is not None or self.weighting != "uniform"
+
+    @property
     def leaves_out(self) -> bool:
         """Whether a worker may be left out and restart (non-finite or an outlier)."""
         return self.exclude_nonfinite or self.anomaly is not None
@@ -240,7 +245,8 @@ def diloco_round(
         `diloco_jax.delay`): the round applies the mean launched d rounds earlier, and its
         own exchange runs at the start of the next round, independent of that round's inner
         steps (with fragments: each fragment's, applied at its sync d rounds later). Eager
-        not with fault options (a ValueError says why).
+        takes `worker_steps` but not the options that leave a worker out or weigh it (a
+        ValueError says why).
       At their defaults these options give plain DiLoCo.
 
     Returns:
@@ -278,7 +284,7 @@ def diloco_round(
     weighted = rule != _Faults(False, None, None, "uniform")
     syncs = state_syncs.check(state_sync, state.inner_opt_state)
     drops = rule.drop_probability is not None
-    delay.check_combination(eager, weighted)
+    delay.check_combination(eager, weighted and rule.uneven)
     _check_state(state, schedule, drops, outer_delay, eager, rule.anomaly is not None)
     carried = drops or schedule.fragmented or eager
 

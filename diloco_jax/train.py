@@ -120,8 +120,8 @@ def train_diloco(
         exchange behind the next round's inner steps (see `diloco_jax.delay`); 0 is DiLoCo.
         With fragments each fragment's mean is applied at its sync d rounds later. Under
         eager updates every worker keeps its own params: the result's `params` (and what
-        `eval_fn` sees) is their mean. Exclusion defaults off there (eager updates refuse
-        fault options).
+        `eval_fn` sees) is their mean. Exclusion defaults off there (eager updates take
+        `worker_steps` but refuse the options that leave a worker out or weigh it).
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
         after the last one; its values join that round's history entry.
       callback: called with each history entry as it is recorded (e.g. a progress bar).
@@ -182,7 +182,13 @@ def train_diloco(
         variant_options["state_sync"] = syncs
     faulty = fault_options != _NO_FAULTS or "anomaly" in variant_options
     schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
-    delay.check_combination(eager, faulty)
+    uneven = (  # some worker left out of a mean or weighed other than 1
+        fault_options["exclude_nonfinite"]
+        or fault_options["drop_probability"] is not None
+        or fault_options["weighting"] != "uniform"
+        or "anomaly" in variant_options
+    )
+    delay.check_combination(eager, uneven)
     streaming_options = {}
     if fragments is not None:
         streaming_options = dict(

@@ -21,11 +21,14 @@ PARAMS = {"w": np.asarray([0.3, -0.2, 0.1], np.float32), "b": np.float32(0.5)}
 M, H, R = 4, 3, 4
 
 
-def np_delayed(rounds, delay, eager):
+def np_delayed(rounds, delay, eager, worker_steps=None):
     """Naive delayed (every worker on θ; θ_t = Nesterov(θ_{t-1}, Δ̄_{t-d})) or eager (worker
     m on its own θ_m with its own momentum; Δ̃_m = Δ̄_{t-d} + (Δ_m^t - Δ_m^{t-d}) / M), with
-    SGD inner steps, float64. Returns (final params: θ, or the mean of the θ_m; losses[t][m])."""
+    SGD inner steps, float64. `worker_steps`: worker m takes only its first h_m steps of a
+    round (the mean stays uniform). Returns (final params: θ, or the mean of the θ_m;
+    losses[t][m], each worker's mean over the steps it took)."""
     num = rounds[0]["x"].shape[0]
+    taken = worker_steps or [rounds[0]["x"].shape[1]] * num
     w0, b0 = np.float64(PARAMS["w"]), np.float64(PARAMS["b"])
     thetas = [(w0.copy(), b0) for _ in range(num)]  # eager: one per worker; naive: all equal
     traces = [(np.zeros(3), 0.0) for _ in range(num)]
@@ -36,7 +39,7 @@ def np_delayed(rounds, delay, eager):
         for m in range(num):
             wm, bm = thetas[m][0].copy(), thetas[m][1]
             step_losses = []
-            for h in range(x.shape[1]):
+            for h in range(taken[m]):
                 gw, gb, loss = linear_grads(wm, bm, x[m, h], y[m, h])
                 step_losses.append(loss)
                 wm, bm = wm - INNER_LR * gw, bm - INNER_LR * gb
@@ -192,6 +195,19 @@ def test_eager_with_fragments_and_one_worker_is_streaming_diloco(delay):
     )
 
 
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_eager_with_slow_workers_matches_numpy(backend):
+    """Per-worker step counts keep every worker's share 1/M, so eager updates take them."""
+    rounds = make_data(np.random.default_rng(11), R, M, H)
+    steps = (3, 2, 1, 3)
+    result = _train(rounds, backend, outer_delay=1, eager=True, worker_steps=steps)
+    w, b, losses = np_delayed(rounds, 1, True, worker_steps=steps)
+    np.testing.assert_allclose(result.params["w"], w, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(result.params["b"], b, rtol=2e-5, atol=1e-6)
+    for entry, want in zip(result.history, losses, strict=True):
+        np.testing.assert_allclose(entry["worker_loss"], want, rtol=2e-5)
+
+
 def test_no_delay_is_diloco_and_delay_only_shifts_the_mean():
     rounds = make_data(np.random.default_rng(2), R, M, H)
     plain = _train(rounds, exclude_nonfinite=False)
@@ -292,6 +308,7 @@ def test_resume_carries_what_is_in_flight(eager, streaming, tmp_path):
         (dict(eager=True), "eager=True needs outer_delay >= 1"),
         (dict(outer_delay=1, eager=1), "eager must be a bool"),
         (dict(outer_delay=1, eager=True, exclude_nonfinite=True), "fault options"),
+        (dict(outer_delay=1, eager=True, worker_steps=(2, 1), weighting="steps"), "weigh it"),
         (dict(outer_delay=1, eager=True, drop_probability=0.1), "fault options"),
     ],
 )
