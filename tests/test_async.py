@@ -453,28 +453,29 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
 def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
+    out = tmp_path / "run"
     argv = ["train", "--preset", "micro", "--algo", "async", "--data", f"text:{corpus}"]
     argv += ["--workers", "2", "--inner-steps", "3", "--rounds", "2", "--step-seconds", "1,2"]
+    argv += ["--no-progress", "--checkpoint-every", "1", "--out", str(out)]
 
-    def async_records(out):
+    def async_records():
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return [r for r in records if r["run"] == "async"]
 
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert main([*argv, "--no-progress", "--out", str(straight)]) == 0
-    again = [*argv, "--no-progress", "--checkpoint-every", "1", "--out", str(resumed)]
-    assert main(again) == 0
+    assert main(argv) == 0
+    straight = async_records()
     # A crash before the last checkpoint: every round (M = 2 updates) was saved; drop the last.
-    run_dir = resumed / "checkpoints" / "run"
+    run_dir = out / "checkpoints" / "run"
     assert dj.checkpoint.all_steps(run_dir) == [2, 4]
     dj.checkpoint.discard_after(run_dir, 2)
-    assert main(again) == 0
-    want, got = async_records(straight), async_records(resumed)
-    assert [r["loss"] for r in got] == [r["loss"] for r in want]
-    assert got[-1]["eval_loss"] == want[-1]["eval_loss"]
+    assert main(argv) == 0
+    resumed = async_records()
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    assert resumed[-1]["eval_loss"] == straight[-1]["eval_loss"]
     # Another --rounds is another learning-rate schedule: not a resume of these checkpoints.
-    longer = [*again[:-2], "--rounds", "3", "--out", str(resumed)]
-    assert_cli_refuses(longer, "holds checkpoints of another run (rounds 2 -> 3)", capsys)
+    assert_cli_refuses(
+        [*argv, "--rounds", "3"], "holds checkpoints of another run (rounds 2 -> 3)", capsys
+    )
 
 
 @pytest.mark.parametrize(
