@@ -284,13 +284,13 @@ def train_async(
     outer_state = jax.device_put(outer_init(outer_optimizer, theta), device)
     inner_states = [jax.device_put(inner_optimizer.init(theta), device)] * num_workers
     events = schedule.events
-    if ckpt is not None:  # a checkpoint saves the theta each job in flight started from
-        events = _with_jobs_in_flight(
-            seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
-        )
     history: list[Record] = []
     done = 0
     if ckpt is not None:
+        # A checkpoint saves the theta each job in flight started from: look ahead to them.
+        events = _with_jobs_in_flight(
+            seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
+        )
         like = _AsyncCheckpoint(
             theta, outer_state, stack_trees(inner_states), stack_workers(theta, num_workers)
         )
@@ -417,10 +417,9 @@ def _job_starts(
     first: dict[int, int] = {}
     for e in events[done:]:
         first.setdefault(e.worker, e.start_update)
-    trees = [
-        starts[first[m]] if first.get(m, done + 1) <= done else theta for m in range(num_workers)
-    ]
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+    return stack_trees(
+        [starts[first[m]] if first.get(m, done + 1) <= done else theta for m in range(num_workers)]
+    )
 
 
 def _job(loss_fn, inner_optimizer, params, opt_state, data, job, worker, *, num_steps):

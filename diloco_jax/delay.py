@@ -56,10 +56,18 @@ def check(outer_delay: Any, eager: Any) -> None:
         )
 
 
-def check_combination(eager: bool, uneven: bool) -> None:
-    """Raises ValueError saying why eager updates can't run with `uneven` weights: a worker
-    left out (non-finite, dropped, an anomaly) or weighted other than 1 (step or softmax
-    weighting). Per-worker step counts with uniform weights are fine."""
+def check_combination(
+    eager: bool, exclude_nonfinite: bool, drop_probability: Any, weighting: str, anomaly: Any
+) -> None:
+    """Raises ValueError saying why eager updates can't run with fault options that leave a
+    worker out (exclusion, drops, an anomaly skip: set / not None) or weigh it other than 1
+    (`weighting` not "uniform"). Per-worker step counts with uniform weights are fine."""
+    uneven = (
+        exclude_nonfinite
+        or drop_probability is not None
+        or weighting != "uniform"
+        or anomaly is not None
+    )
     if eager and uneven:
         raise ValueError(
             "eager=True can't be combined with fault options that leave a worker out or "

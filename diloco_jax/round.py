@@ -171,11 +171,6 @@ class _Faults(NamedTuple):
     anomaly: "faults.AnomalySkip | None" = None
 
     @property
-    def uneven(self) -> bool:
-        """Whether some worker may be left out of a mean or weigh other than 1."""
-        return self.leaves_out or self.drop_probability is not None or self.weighting != "uniform"
-
-    @property
     def leaves_out(self) -> bool:
         """Whether a worker may be left out and restart (non-finite or an outlier)."""
         return self.exclude_nonfinite or self.anomaly is not None
@@ -284,7 +279,9 @@ def diloco_round(
     weighted = rule != _Faults(False, None, None, "uniform")
     syncs = state_syncs.check(state_sync, state.inner_opt_state)
     drops = rule.drop_probability is not None
-    delay.check_combination(eager, weighted and rule.uneven)
+    delay.check_combination(
+        eager, rule.exclude_nonfinite, rule.drop_probability, rule.weighting, rule.anomaly
+    )
     _check_state(state, schedule, drops, outer_delay, eager, rule.anomaly is not None)
     carried = drops or schedule.fragmented or eager
 

@@ -182,13 +182,13 @@ def train_diloco(
         variant_options["state_sync"] = syncs
     faulty = fault_options != _NO_FAULTS or "anomaly" in variant_options
     schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
-    uneven = (  # some worker left out of a mean or weighed other than 1
-        fault_options["exclude_nonfinite"]
-        or fault_options["drop_probability"] is not None
-        or fault_options["weighting"] != "uniform"
-        or "anomaly" in variant_options
+    delay.check_combination(
+        eager,
+        fault_options["exclude_nonfinite"],
+        fault_options["drop_probability"],
+        fault_options["weighting"],
+        variant_options.get("anomaly"),
     )
-    delay.check_combination(eager, uneven)
     streaming_options = {}
     if fragments is not None:
         streaming_options = dict(

@@ -427,17 +427,28 @@ TEXT = "".join(
 )
 
 
-def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
+def _async_cli(tmp_path):
+    """(argv of a micro async run of M = 2, H = 3, R = 2 at (1, 2) s per step into
+    tmp_path/run, the run folder)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
     out = tmp_path / "run"
     argv = ["train", "--preset", "micro", "--algo", "async", "--data", f"text:{corpus}"]
     argv += ["--workers", "2", "--inner-steps", "3", "--rounds", "2", "--step-seconds", "1,2"]
-    argv += ["--dynamic-steps", "--outer-optimizer", "delayed_nesterov", "--dn-c", "0.1"]
-    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    return [*argv, "--no-progress", "--out", str(out)], out
+
+
+def _async_records(out):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    runs = [r for r in records if r["run"] == "async"]
+    return [r for r in records if r["run"] == "async"]
+
+
+def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
+    argv, out = _async_cli(tmp_path)
+    argv += ["--dynamic-steps", "--outer-optimizer", "delayed_nesterov", "--dn-c", "0.1"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    runs = _async_records(out)
     # DyLU at (1, 2) s per step with H = 3: jobs of 3 and 1 steps; the run stops at the
     # first update that reaches DiLoCo's 2 x 3 x 2 = 12 inner steps.
     assert summary["job_steps"] == [3, 1]
@@ -451,25 +462,16 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
 
 
 def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT * 3)
-    out = tmp_path / "run"
-    argv = ["train", "--preset", "micro", "--algo", "async", "--data", f"text:{corpus}"]
-    argv += ["--workers", "2", "--inner-steps", "3", "--rounds", "2", "--step-seconds", "1,2"]
-    argv += ["--no-progress", "--checkpoint-every", "1", "--out", str(out)]
-
-    def async_records():
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return [r for r in records if r["run"] == "async"]
-
+    argv, out = _async_cli(tmp_path)
+    argv += ["--checkpoint-every", "1"]
     assert main(argv) == 0
-    straight = async_records()
+    straight = _async_records(out)
     # A crash before the last checkpoint: every round (M = 2 updates) was saved; drop the last.
     run_dir = out / "checkpoints" / "run"
     assert dj.checkpoint.all_steps(run_dir) == [2, 4]
     dj.checkpoint.discard_after(run_dir, 2)
     assert main(argv) == 0
-    resumed = async_records()
+    resumed = _async_records(out)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert resumed[-1]["eval_loss"] == straight[-1]["eval_loss"]
     # Another --rounds is another learning-rate schedule: not a resume of these checkpoints.
