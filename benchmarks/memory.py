@@ -60,7 +60,9 @@ def round_total(preset: str, workers: int, model_options: dict) -> int:
         dj.diloco_round, w.loss_fn, inner_optimizer=inner, outer_optimizer=outer,
         backend="vmap", num_workers=workers, inner_steps=INNER_STEPS,
     )  # fmt: skip
-    state = jax.eval_shape(lambda p: dj.init_state(p, workers, inner, outer), w.params)
+    state = jax.eval_shape(
+        lambda p: dj.init_state(p, workers, inner_optimizer=inner, outer_optimizer=outer), w.params
+    )
     compiled = jax.jit(fn, donate_argnums=0).lower(state, w.sampler(workers)).compile()
     return common.memory_stats(compiled)["total"]
 

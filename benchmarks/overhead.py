@@ -187,7 +187,10 @@ def round_programs(w: common.Workload, inner, outer, batches, with_metrics: bool
     the reference that also computes the library's metrics."""
     params = w.params
     ref_args = (params, outer.init(params), per_worker(inner.init(params)), batches)
-    lib_args = (dj.init_state(params, NUM_WORKERS, inner, outer), batches)
+    lib_args = (
+        dj.init_state(params, NUM_WORKERS, inner_optimizer=inner, outer_optimizer=outer),
+        batches,
+    )
     programs = {
         "library": library_round(w, inner, outer).lower(*lib_args).compile(),
         "reference": reference_round(w.loss_fn, inner, outer).lower(*ref_args).compile(),
@@ -207,7 +210,7 @@ def reference_round_runner(program, w, inner, outer, batches, count, metrics=Fal
 
 
 def library_round_runner(program, w, inner, outer, batches, count) -> Callable:
-    carry = [dj.init_state(w.params, NUM_WORKERS, inner, outer)]
+    carry = [dj.init_state(w.params, NUM_WORKERS, inner_optimizer=inner, outer_optimizer=outer)]
     return looped(program, carry, batches, count, lambda out: out[:1])
 
 
@@ -408,7 +411,9 @@ def host_loop_cost(reps: int, iterations: int = 200) -> list[dict[str, Any]]:
 
     runs = {
         "jit(diloco_round) loop": bare(
-            round_fn, lambda: dj.init_state(params, NUM_WORKERS, opt, opt), round_batch
+            round_fn,
+            lambda: dj.init_state(params, NUM_WORKERS, inner_optimizer=opt, outer_optimizer=opt),
+            round_batch,
         ),
         "train_diloco": lambda: (
             dj.train_diloco(
@@ -430,7 +435,7 @@ def host_loop_cost(reps: int, iterations: int = 200) -> list[dict[str, Any]]:
     small = common.lm_workload("small", 16)
     inner, outer = dj.default_inner_optimizer(), dj.default_outer_optimizer()
     runs["init_state (small preset, M=4), 0 rounds"] = lambda: dj.init_state(
-        small.params, NUM_WORKERS, inner, outer
+        small.params, NUM_WORKERS, inner_optimizer=inner, outer_optimizer=outer
     )
     runs["train_diloco (small preset, M=4), 0 rounds"] = lambda: dj.train_diloco(
         small.loss_fn, small.params, [], num_rounds=0, num_workers=NUM_WORKERS, inner_steps=2,

@@ -49,7 +49,10 @@ def round_fn(w: common.Workload, num_workers: int, inner_steps: int) -> Any:
 
 def abstract_state(w: common.Workload, num_workers: int) -> Any:
     inner, outer = dj.default_inner_optimizer(), dj.default_outer_optimizer()
-    return jax.eval_shape(lambda p: dj.init_state(p, num_workers, inner, outer), w.params)
+    return jax.eval_shape(
+        lambda p: dj.init_state(p, num_workers, inner_optimizer=inner, outer_optimizer=outer),
+        w.params,
+    )
 
 
 def abstract_host_batches(w: common.Workload, num_workers: int, inner_steps: int) -> Any:

@@ -52,7 +52,7 @@ def diloco_runner(w: common.Workload, inner_steps: int) -> Callable[[], Any]:
     )  # fmt: skip
     step = jax.jit(fn, donate_argnums=0)
     sampler = w.sampler(NUM_WORKERS)
-    holder = [dj.init_state(w.params, NUM_WORKERS, inner, outer)]
+    holder = [dj.init_state(w.params, NUM_WORKERS, inner_optimizer=inner, outer_optimizer=outer)]
 
     def run():
         holder[0], metrics = step(holder[0], sampler)

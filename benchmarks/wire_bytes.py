@@ -41,7 +41,14 @@ def _loss(params, batch):
 
 def compiled_wire_bytes(num_workers: int, spec: str, fragments: int | None) -> float:
     inner, outer = optax.sgd(0.1), dj.default_outer_optimizer()
-    state = dj.init_state(PARAMS, num_workers, inner, outer, spec, fragments=fragments)
+    state = dj.init_state(
+        PARAMS,
+        num_workers,
+        inner_optimizer=inner,
+        outer_optimizer=outer,
+        compression=spec,
+        fragments=fragments,
+    )
     batch = {"x": jnp.ones((num_workers, 2, 2, 256)), "y": jnp.ones((num_workers, 2, 2, 64))}
     round_fn = functools.partial(
         dj.diloco_round,

@@ -12,9 +12,17 @@ from diloco_jax.async_train import (
 )
 from diloco_jax.comm import payload_bytes, round_bytes
 from diloco_jax.compression import Compression, parse_compression
+from diloco_jax.delay import Delayed, Eager
 from diloco_jax.delayed_nesterov import DelayedNesterovState, delayed_nesterov
-from diloco_jax.faults import AnomalySkip
+from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
 from diloco_jax.inner import inner_loop, inner_step
+from diloco_jax.method import (
+    DiLoCo,
+    default_inner_optimizer,
+    default_outer_optimizer,
+    method_from_options,
+)
+from diloco_jax.momentum_restart import restart_momentum
 from diloco_jax.optimizers import (
     DION_NS_COEFFS,
     default_is_hidden_matrix,
@@ -31,14 +39,10 @@ from diloco_jax.outer import (
     outer_update,
     worker_delta,
 )
-from diloco_jax.round import (
-    DiLoCoState,
-    default_inner_optimizer,
-    default_outer_optimizer,
-    diloco_round,
-    init_state,
-)
+from diloco_jax.round import DiLoCoState, diloco_round, init_state
 from diloco_jax.sampler import Sampler
+from diloco_jax.schedule import Streaming
+from diloco_jax.state_sync import StateSync
 from diloco_jax.sync import SyncState, init_sync_state, sync_step
 from diloco_jax.train import TrainResult, train_diloco, train_sync
 from diloco_jax.workers import WORKER_AXIS, Backend, make_backend
@@ -55,7 +59,14 @@ __all__ = [
     "Backend",
     "Compression",
     "DelayedNesterovState",
+    "Delayed",
+    "DiLoCo",
     "DiLoCoState",
+    "Eager",
+    "NormSoftmax",
+    "StateSync",
+    "Streaming",
+    "Weights",
     "Sampler",
     "clip_outer_norm",
     "SyncState",
@@ -73,6 +84,8 @@ __all__ = [
     "inner_loop",
     "inner_step",
     "make_backend",
+    "method_from_options",
+    "restart_momentum",
     "muon_inner_optimizer",
     "muon_labels",
     "ns_coefficients",

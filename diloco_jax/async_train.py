@@ -41,10 +41,17 @@ from diloco_jax import checkpoint
 from diloco_jax.comm import round_bytes
 from diloco_jax.distributed import to_host
 from diloco_jax.inner import LossFn, inner_loop
+from diloco_jax.method import (
+    DiLoCo,
+    default_inner_optimizer,
+    default_outer_optimizer,
+    method_from_options,
+    only_optimizers,
+)
 from diloco_jax.outer import outer_init, outer_update, worker_delta
-from diloco_jax.round import default_inner_optimizer, default_outer_optimizer, stack_workers
 from diloco_jax.sampler import Sampler
 from diloco_jax.train import _check_int, _check_params, _checkpoints, _optimizer
+from diloco_jax.workers import stack_workers
 
 Record = dict[str, Any]
 
@@ -196,6 +203,7 @@ def train_async(
     dynamic_steps: bool = False,
     inner_optimizer: optax.GradientTransformation | None = None,
     outer_optimizer: optax.GradientTransformation | None = None,
+    method: DiLoCo | None = None,
     eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
     eval_every: int = 1,
     callback: Callable[[Record], None] | None = None,
@@ -221,6 +229,8 @@ def train_async(
       outer_optimizer: applied once per arrival; default SGD(0.7, momentum=0.9,
         nesterov=True) (async DiLoCo as in the paper's baseline); `delayed_nesterov` is the
         paper's fix.
+      method: or a `DiLoCo` spec giving `inner` and `outer` (its other parts don't apply to
+        asynchronous arrivals and are refused); not together with the optimizer keywords.
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` updates
         and after the last; its values join that update's history entry.
       callback: called with each history entry as it is recorded.
@@ -253,8 +263,12 @@ def train_async(
     if not isinstance(dynamic_steps, bool):
         raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
     _check_params(params)
-    inner_optimizer = _optimizer("inner_optimizer", inner_optimizer, default_inner_optimizer)
-    outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
+    given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
+    given = {k: _optimizer(k, v, None) for k, v in given.items() if v is not None}
+    method = method_from_options(method, given, caller="train_async")
+    only_optimizers(method, "train_async", "each arrival applies one worker's whole delta")
+    inner_optimizer = _optimizer("inner_optimizer", method.inner, default_inner_optimizer)
+    outer_optimizer = _optimizer("outer_optimizer", method.outer, default_outer_optimizer)
     device = _device(backend, devices)
     ckpt = _checkpoints(
         checkpoint_dir,

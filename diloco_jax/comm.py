@@ -7,19 +7,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from diloco_jax.compression import (
-    Compression,
-    block_row_bytes,
-    parse_compression,
-    to_blocks,
-    tree_payload_bytes,
-)
+from diloco_jax.compression import Compression, parse_compression, tree_payload_bytes
+from diloco_jax.exchange import wire_bytes
+from diloco_jax.faults import NormSoftmax, Weights
 from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.outer import widen
-from diloco_jax.schedule import fragment_of
+from diloco_jax.schedule import Streaming, synced_groups
 
 LOSS_BYTES = 4  # the round's (or step's) mean loss: one float32 all-reduced over the workers
-WEIGHT_BYTES = 4  # a worker's float32 weight at a sync, under fault options
 
 
 def payload_bytes(tree: Any) -> int:
@@ -70,45 +65,21 @@ def round_wire_bytes(
 ) -> float:
     """Bytes each worker sends on the wire in one DiLoCo round, under ring algorithms over
     the M workers, for every collective the round runs, as if every worker had its own link
-    (whatever the device layout). Per sync (one, or one per fragment) of B delta bytes:
-
-    * exact: one all-reduce of the deltas, 2(M-1)/M x B (fault options add the float32
-      weight to it);
-    * two-stage (dense codecs): an all-to-all of the worker's block rows, the rows padded to
-      a multiple of M blocks (NB' blocks of R bytes: codes + float32 scale), then an
-      all-gather of its reduced chunk of NB'/M rows: (M-1)/M x NB' R + (M-1) x NB' R / M =
-      2(M-1)/M x NB' R;
-    * gather (sparse codecs, or `exchange="gather"`): an all-gather of the payload P,
-      (M-1) x P;
-    fault options add an all-gather of the float32 weight to the lossy ones, (M-1) x 4, and
-    EDiT's softmax weighting (`softmax`) an all-reduce of the smallest delta norm,
-    2(M-1)/M x 4. Plus the all-reduce of the round's mean loss, 2(M-1)/M x 4. 0 when M = 1."""
+    (whatever the device layout): the sum of what each part of the method contributes. Per
+    sync of the schedule (one, or one per fragment: `schedule.synced_groups`), the exchange's
+    bytes (`exchange.wire_bytes`; `weighted`: the round carries fault weights) and the
+    weights part's own (`Weights.sync_wire_bytes`: EDiT's softmax, `softmax`, all-reduces
+    the smallest delta norm); plus the all-reduce of the round's mean loss, 2(M-1)/M x 4.
+    0 when M = 1. `fragments` is Streaming's P or pytree (None: one sync)."""
     if num_workers <= 1:
         return 0.0
-    m = num_workers
     c = parse_compression(compression)
-    exchange = c.resolved_exchange
-    leaves = jax.tree.leaves(jax.eval_shape(widen, params))
-    frags = (0,) * len(leaves) if fragments is None else fragment_of(params, fragments)
-    total = ring_wire_bytes("all-reduce", LOSS_BYTES, m)
-    for p in range(max(frags) + 1):
-        synced = [x for x, f in zip(leaves, frags, strict=True) if f == p]
-        if exchange == "exact":
-            extra = WEIGHT_BYTES if weighted else 0
-            total += ring_wire_bytes("all-reduce", payload_bytes(synced) + extra, m)
-            continue
-        if exchange == "two_stage":
-            blocks = jax.eval_shape(lambda xs: to_blocks(xs, c.block_size), synced).shape[0]
-            rows = -(-blocks // m) * m * block_row_bytes(c)
-            total += ring_wire_bytes("all-to-all", rows, m) + ring_wire_bytes(
-                "all-gather", rows / m, m
-            )
-        else:
-            total += ring_wire_bytes("all-gather", tree_payload_bytes(synced, c), m)
-        if weighted:
-            total += ring_wire_bytes("all-gather", WEIGHT_BYTES, m)
-    if softmax:
-        total += (max(frags) + 1) * ring_wire_bytes("all-reduce", WEIGHT_BYTES, m)
+    streaming = None if fragments is None else Streaming(fragments)
+    weights = Weights(weighting=NormSoftmax() if softmax else "uniform")
+    total = ring_wire_bytes("all-reduce", LOSS_BYTES, num_workers)
+    for synced in synced_groups(jax.eval_shape(widen, params), streaming):
+        total += wire_bytes(c, synced, num_workers, weighted)
+        total += weights.sync_wire_bytes(num_workers)
     return total
 
 

@@ -30,7 +30,8 @@ worker out or weigh it (the eager rule swaps a worker's 1/M share of the stale m
 weighted shares or a left-out worker leave undefined).
 """
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -41,40 +42,48 @@ from diloco_jax.workers import stack_workers
 MAX_DELAY = 2
 
 
-def check(outer_delay: Any, eager: Any) -> None:
-    """Raises ValueError naming the argument for a delay / eager setting that can't run."""
-    if isinstance(outer_delay, bool) or not isinstance(outer_delay, int) or outer_delay < 0:
-        raise ValueError(f"outer_delay must be an integer >= 0, got {outer_delay!r}")
-    if outer_delay > MAX_DELAY:
-        raise ValueError(f"outer_delay must be at most {MAX_DELAY}, got {outer_delay}")
-    if not isinstance(eager, bool):
-        raise ValueError(f"eager must be a bool, got {eager!r}")
-    if eager and outer_delay == 0:
-        raise ValueError(
-            "eager=True needs outer_delay >= 1 (with no delay there is no stale mean to "
-            "replace: it is plain DiLoCo)"
-        )
+@dataclasses.dataclass(frozen=True)
+class Delayed:
+    """The delay part of a `DiLoCo` spec: each round's mean is applied `rounds` (d = 1 or 2)
+    rounds after it was launched, by every worker alike (the naive delay)."""
+
+    rounds: int = 1
+
+    eager: ClassVar[bool] = False
+
+    def __post_init__(self):
+        d, name = self.rounds, type(self).__name__
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"{name}.rounds (outer_delay) must be an integer >= 1, got {d!r}")
+        if d == 0:
+            raise ValueError(
+                f"{name}.rounds (outer_delay) must be >= 1: with no delay there is no stale "
+                "mean (delay=None is plain DiLoCo)"
+            )
+        if d > MAX_DELAY:
+            raise ValueError(f"{name}.rounds (outer_delay) must be at most {MAX_DELAY}, got {d}")
+
+    def check_with(self, method: Any) -> None:
+        """The naive delay combines with every other part (a weight travels with its delta)."""
 
 
-def check_combination(
-    eager: bool, exclude_nonfinite: bool, drop_probability: Any, weighting: str, anomaly: Any
-) -> None:
-    """Raises ValueError saying why eager updates can't run with fault options that leave a
-    worker out (exclusion, drops, an anomaly skip: set / not None) or weigh it other than 1
-    (`weighting` not "uniform"). Per-worker step counts with uniform weights are fine."""
-    uneven = (
-        exclude_nonfinite
-        or drop_probability is not None
-        or weighting != "uniform"
-        or anomaly is not None
-    )
-    if eager and uneven:
-        raise ValueError(
-            "eager=True can't be combined with fault options that leave a worker out or "
-            "weigh it (exclude_nonfinite, drop_probability, weighting, anomaly): the eager "
-            "rule swaps each worker's own 1/M share of the stale mean for its fresh delta, "
-            "which has no defined form once shares are weighted or a worker is left out"
-        )
+@dataclasses.dataclass(frozen=True)
+class Eager(Delayed):
+    """Eager outer updates: like `Delayed`, but each worker applies the stale mean with its
+    own stale share replaced by its fresh delta (see the module docstring)."""
+
+    eager: ClassVar[bool] = True
+
+    def check_with(self, method: Any) -> None:
+        """Raises ValueError saying why eager updates can't take weights that leave a worker
+        out or weigh it other than 1 (per-worker step counts with uniform weights are fine)."""
+        if method.weights.uneven:
+            raise ValueError(
+                "Eager can't be combined with Weights that leave a worker out or weigh it "
+                "(exclude_nonfinite, drop_probability, weighting, anomaly): the eager rule "
+                "swaps each worker's own 1/M share of the stale mean for its fresh delta, "
+                "which has no defined form once shares are weighted or a worker is left out"
+            )
 
 
 def initial(

@@ -48,17 +48,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from diloco_jax.compression import (
     Compression,
+    block_row_bytes,
     decode_blocks,
     decode_mean,
     encode_blocks,
     encode_tree,
     from_blocks,
     to_blocks,
+    tree_payload_bytes,
 )
+from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.workers import WORKER_AXIS, all_gather_workers, exact_mean
 
 
@@ -94,6 +98,34 @@ def make_exchange(
         functools.partial(_send_weighted_encoded, compression),
         functools.partial(masked_decode_mean, compression, like),
     )
+
+
+def wire_bytes(compression: Compression, synced: list, num_workers: int, weighted: bool) -> float:
+    """Bytes each worker sends on the wire for one sync's exchange of the delta leaves
+    `synced` (arrays or shapes in the delta dtype), under ring algorithms over the M workers:
+
+    * exact: one all-reduce of the deltas, 2(M-1)/M x B (with weights, the float32 weight
+      rides in the operand: + 4 bytes);
+    * two-stage (dense codecs): an all-to-all of the worker's block rows, the rows padded to
+      a multiple of M blocks (NB' blocks of R bytes: codes + float32 scale), then an
+      all-gather of its reduced chunk of NB'/M rows: 2(M-1)/M x NB' R;
+    * gather: an all-gather of the payload P, (M-1) x P;
+    with weights the lossy ones add an all-gather of the float32 weight, (M-1) x 4."""
+    m = num_workers
+    exchange = compression.resolved_exchange
+    if exchange == "exact":
+        delta_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in synced)
+        return ring_wire_bytes("all-reduce", delta_bytes + (_WEIGHT_BYTES if weighted else 0), m)
+    if exchange == "two_stage":
+        blocks = jax.eval_shape(lambda xs: to_blocks(xs, compression.block_size), synced).shape[0]
+        rows = -(-blocks // m) * m * block_row_bytes(compression)
+        total = ring_wire_bytes("all-to-all", rows, m) + ring_wire_bytes("all-gather", rows / m, m)
+    else:
+        total = ring_wire_bytes("all-gather", tree_payload_bytes(synced, compression), m)
+    return total + (ring_wire_bytes("all-gather", _WEIGHT_BYTES, m) if weighted else 0.0)
+
+
+_WEIGHT_BYTES = 4  # a worker's float32 weight at a sync
 
 
 def _send_exact(delta, residual, included, weight):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WEIGHTINGS = ("uniform", "steps", "norm_softmax")
+from diloco_jax.hlo import ring_wire_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,23 +62,131 @@ class AnomalySkip:
             raise ValueError(f"AnomalySkip.warmup_rounds must be an integer >= 0, got {w!r}")
 
 
-def check_anomaly(anomaly: "AnomalySkip | bool | None") -> "AnomalySkip | None":
-    """`anomaly` as an AnomalySkip (True: the defaults) or None (off)."""
-    if anomaly is None or anomaly is False:
-        return None
-    if anomaly is True:
-        return AnomalySkip()
-    if not isinstance(anomaly, AnomalySkip):
-        raise ValueError(f"anomaly must be an AnomalySkip, True or None, got {anomaly!r}")
-    return anomaly
+@dataclasses.dataclass(frozen=True)
+class NormSoftmax:
+    """EDiT's weighting: worker m weighs exp(-‖Δ_m‖ / temperature), temperature T > 0."""
+
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        t = self.temperature
+        is_number = isinstance(t, int | float | np.integer | np.floating) and not isinstance(
+            t, bool
+        )
+        if not is_number or not 0 < t < math.inf:
+            raise ValueError(f"NormSoftmax.temperature must be a finite number > 0, got {t!r}")
+        object.__setattr__(self, "temperature", float(t))
 
 
-def check_temperature(temperature: float) -> float:
-    """The softmax temperature T > 0 of weighting="norm_softmax"."""
-    is_number = isinstance(temperature, int | float) and not isinstance(temperature, bool)
-    if not is_number or not 0 < temperature < math.inf:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    return float(temperature)
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The weights part of a `DiLoCo` spec: each worker's weight at each sync.
+
+    exclude_nonfinite: leave a worker with a NaN / Inf delta out of the mean (it restarts
+      from θ); None: on for the exact exchange without eager updates, off otherwise
+      (resolved by `DiLoCo`).
+    drop_probability, drop_seed: drop each worker from each sync's mean with probability p in
+      [0, 1] (None: off), keyed by (seed >= 0, round, sync).
+    worker_steps: per-worker inner step counts (h_1, ..., h_M), each in [1, H]; None: all H.
+    weighting: "uniform" (1), "steps" (h_m) or `NormSoftmax(T)` (EDiT; "norm_softmax" is
+      NormSoftmax(1.0)).
+    anomaly: EDiT's anomaly skip, an `AnomalySkip` (True: its defaults) or None.
+    """
+
+    exclude_nonfinite: bool | None = None
+    drop_probability: float | None = None
+    drop_seed: int = 0
+    worker_steps: tuple[int, ...] | None = None
+    weighting: "str | NormSoftmax" = "uniform"
+    anomaly: "AnomalySkip | None" = None
+
+    def __post_init__(self):
+        x = self.exclude_nonfinite
+        if x is not None and not isinstance(x, bool | np.bool_):
+            raise ValueError(f"Weights.exclude_nonfinite must be a bool or None, got {x!r}")
+        if x is not None:
+            object.__setattr__(self, "exclude_nonfinite", bool(x))
+        object.__setattr__(self, "drop_probability", _drop_probability(self.drop_probability))
+        seed = self.drop_seed
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+            raise ValueError(f"Weights.drop_seed must be an integer >= 0, got {seed!r}")
+        object.__setattr__(self, "drop_seed", int(seed))
+        object.__setattr__(self, "worker_steps", _worker_steps(self.worker_steps))
+        weighting = self.weighting
+        if weighting == "norm_softmax":
+            weighting = NormSoftmax()
+        if not isinstance(weighting, NormSoftmax) and weighting not in ("uniform", "steps"):
+            raise ValueError(
+                f"Weights.weighting must be 'uniform', 'steps' or a NormSoftmax, got {weighting!r}"
+            )
+        object.__setattr__(self, "weighting", weighting)
+        anomaly = self.anomaly
+        if anomaly is True:
+            anomaly = AnomalySkip()
+        elif anomaly is False:
+            anomaly = None
+        if anomaly is not None and not isinstance(anomaly, AnomalySkip):
+            raise ValueError(
+                f"Weights.anomaly must be an AnomalySkip, True or None, got {anomaly!r}"
+            )
+        object.__setattr__(self, "anomaly", anomaly)
+
+    def __repr__(self) -> str:
+        """The fields set away from their defaults."""
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return f"Weights({', '.join(shown)})"
+
+    @property
+    def scheme(self) -> str:
+        """ "uniform", "steps" or "norm_softmax"."""
+        return "norm_softmax" if isinstance(self.weighting, NormSoftmax) else self.weighting
+
+    @property
+    def temperature(self) -> float:
+        """T of the NormSoftmax weighting (1.0 otherwise)."""
+        return self.weighting.temperature if isinstance(self.weighting, NormSoftmax) else 1.0
+
+    @property
+    def leaves_out(self) -> bool:
+        """Whether a worker may be left out and restart (non-finite or an outlier)."""
+        return bool(self.exclude_nonfinite) or self.anomaly is not None
+
+    @property
+    def uneven(self) -> bool:
+        """Whether a worker may be left out of a mean or weigh other than 1."""
+        return self.leaves_out or self.drop_probability is not None or self.scheme != "uniform"
+
+    @property
+    def active(self) -> bool:
+        """Whether the round carries weights (any option on; the seed alone is not one)."""
+        return self.uneven or self.worker_steps is not None
+
+    def check_run(self, num_workers: int, inner_steps: int) -> None:
+        """Raises ValueError naming `Weights.worker_steps` unless it fits M workers and H."""
+        steps = self.worker_steps
+        if steps is None:
+            return
+        if len(steps) != num_workers:
+            raise ValueError(
+                f"Weights.worker_steps must have one entry per worker ({num_workers}), got "
+                f"{len(steps)}"
+            )
+        if max(steps) > inner_steps:
+            raise ValueError(
+                f"Weights.worker_steps must be in [1, inner_steps={inner_steps}], got {list(steps)}"
+            )
+
+    def sync_wire_bytes(self, num_workers: int) -> float:
+        """Bytes each worker sends per sync for the weights themselves, beside the exchange:
+        EDiT's softmax all-reduces the smallest delta norm (a float32). The weight each
+        worker's payload carries is the exchange's (`exchange.wire_bytes`)."""
+        return (
+            ring_wire_bytes("all-reduce", 4, num_workers) if self.scheme == "norm_softmax" else 0.0
+        )
 
 
 def softmax_weights(norms_k: jax.Array, smallest: jax.Array, temperature: float) -> jax.Array:
@@ -132,47 +240,29 @@ def updated_stats(
     )
 
 
-def check_drop_probability(drop_probability: float | None) -> float | None:
-    """`drop_probability` as a float in [0, 1], or None (drops off). Raises ValueError naming
-    it otherwise."""
-    if drop_probability is None:
+def _drop_probability(p: Any) -> float | None:
+    if p is None:
         return None
-    if isinstance(drop_probability, bool) or not isinstance(
-        drop_probability, (int, float, np.integer, np.floating)
-    ):
-        raise ValueError(f"drop_probability must be a float in [0, 1], got {drop_probability!r}")
-    p = float(drop_probability)
-    if not (0.0 <= p <= 1.0) or math.isnan(p):
-        raise ValueError(f"drop_probability must be in [0, 1], got {drop_probability!r}")
-    return p
+    if isinstance(p, bool) or not isinstance(p, int | float | np.integer | np.floating):
+        raise ValueError(f"Weights.drop_probability must be a float in [0, 1], got {p!r}")
+    if not 0.0 <= float(p) <= 1.0 or math.isnan(p):
+        raise ValueError(f"Weights.drop_probability must be in [0, 1], got {p!r}")
+    return float(p)
 
 
-def check_worker_steps(
-    worker_steps: Sequence[int] | None, num_workers: int, inner_steps: int
-) -> tuple[int, ...] | None:
-    """`worker_steps` as a tuple of M Python ints in [1, H], or None. Raises ValueError naming
-    `worker_steps` for a wrong length, a non-integer, or a value outside [1, H]."""
+def _worker_steps(worker_steps: Sequence[int] | None) -> tuple[int, ...] | None:
     if worker_steps is None:
         return None
     values = np.asarray(worker_steps)
-    if values.ndim != 1 or values.shape[0] != num_workers:
+    if values.ndim != 1 or values.size == 0:
         raise ValueError(
-            f"worker_steps must have one entry per worker ({num_workers}), got shape {values.shape}"
+            f"Weights.worker_steps must be a sequence of step counts, got shape {values.shape}"
         )
     if not np.issubdtype(values.dtype, np.integer):
-        raise ValueError(f"worker_steps must be integers, got dtype {values.dtype}")
-    if values.min() < 1 or values.max() > inner_steps:
-        raise ValueError(
-            f"worker_steps must be in [1, inner_steps={inner_steps}], got {values.tolist()}"
-        )
+        raise ValueError(f"Weights.worker_steps must be integers, got dtype {values.dtype}")
+    if values.min() < 1:
+        raise ValueError(f"Weights.worker_steps must be >= 1, got {values.tolist()}")
     return tuple(int(h) for h in values)
-
-
-def check_weighting(weighting: str) -> str:
-    """`weighting` if it is one of WEIGHTINGS; else ValueError naming it."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    return weighting
 
 
 def drop_masks(

@@ -21,7 +21,6 @@ One round is one traced function (jit it once; H steps never dispatch alone).
 """
 
 import functools
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,12 +30,16 @@ from jax import lax
 
 from diloco_jax import delay, faults
 from diloco_jax import state_sync as state_syncs
-from diloco_jax.compression import Compression, init_residual, parse_compression
+from diloco_jax.compression import init_residual
 from diloco_jax.exchange import make_exchange
 from diloco_jax.inner import LossFn, inner_loop, masked_step
+from diloco_jax.method import (
+    DiLoCo,
+    method_from_options,
+)
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
-from diloco_jax.schedule import Schedule, Sync, fragment_of, leaf_indices, make_schedule, part
+from diloco_jax.schedule import Schedule, Sync, fragment_of, leaf_indices, part
 from diloco_jax.workers import WORKER_AXIS, Backend, exact_mean, make_backend, stack_workers
 
 
@@ -86,163 +89,81 @@ class DiLoCoState(NamedTuple):
     worker_params: Any = None
 
 
-def default_inner_optimizer() -> optax.GradientTransformation:
-    """The paper's inner optimizer: AdamW(lr 4e-4, b1 0.9, b2 0.95, weight decay 0.1)."""
-    return optax.adamw(4e-4, b1=0.9, b2=0.95, weight_decay=0.1)
-
-
-def default_outer_optimizer() -> optax.GradientTransformation:
-    """The paper's outer optimizer: SGD with Nesterov momentum (lr 0.7, momentum 0.9)."""
-    return optax.sgd(0.7, momentum=0.9, nesterov=True)
-
-
-def uses_residual(compression: "str | Compression | None") -> bool:
-    """Whether rounds with `compression` carry error-feedback residuals (a lossy kind with
-    error_feedback; "none" loses nothing, so it never does). Raises ValueError naming
-    `compression` for an invalid spec."""
-    c = parse_compression(compression)
-    return c.kind != "none" and c.error_feedback
-
-
 def init_state(
-    params: Any,
-    num_workers: int,
-    inner_optimizer: optax.GradientTransformation,
-    outer_optimizer: optax.GradientTransformation,
-    compression: "str | Compression | None" = None,
-    *,
-    drop_probability: float | None = None,
-    fragments: Any = None,
-    outer_delay: int = 0,
-    eager: bool = False,
-    anomaly: "faults.AnomalySkip | bool | None" = None,
+    params: Any, num_workers: int, method: DiLoCo | None = None, **options
 ) -> DiLoCoState:
-    """Round-0 state: θ copied (never aliased), M identical inner states, fresh outer state
-    (one per fragment when `fragments` is set: an int P or a pytree of fragment indices, as
-    `diloco_round` takes it), zero float32 residuals [M, ...] when `compression` uses error
-    feedback (else None), and `local_params` = θ stacked [M, ...] when `fragments` or
-    `drop_probability` is not None (else None). With `outer_delay` d >= 1, zero deltas in
-    flight (the first d rounds apply a zero mean); with `eager`, every worker's own θ and
-    outer state (see `diloco_jax.delay`); with `anomaly`, empty norm statistics."""
-    delay.check(outer_delay, eager)
+    """Round-0 state for `method` (a `DiLoCo`; or its keyword shorthand, see
+    `method_from_options`), M = `num_workers` >= 1 workers: θ copied (never aliased), M
+    identical inner states, fresh outer state (one per fragment under Streaming DiLoCo), zero
+    float32 residuals [M, ...] when the compression feeds its error back (else None), and
+    `local_params` = θ stacked [M, ...] with fragments or drops (else None). With a delay,
+    zero deltas in flight (the first d rounds apply a zero mean); with eager updates, every
+    worker's own θ and outer state (see `diloco_jax.delay`); with an anomaly skip, empty
+    norm statistics. `diloco_round` refuses a state built for another method."""
+    method = method_from_options(method, options, caller="init_state")
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     residual = None
-    if uses_residual(compression):
+    if method.carries_residual:
         residual = stack_workers(init_residual(params), num_workers)
     local_params = None
-    drops = faults.check_drop_probability(drop_probability) is not None
-    if fragments is not None or drops:
+    if method.fragmented or method.weights.drop_probability is not None:
         local_params = stack_workers(params, num_workers)
-    if fragments is None:
+    outer_optimizer = method.outer_optimizer
+    if not method.fragmented:
         outer_opt_state = outer_init(outer_optimizer, params)
     else:
-        frags, leaves = fragment_of(params, fragments), jax.tree.leaves(params)
+        frags, leaves = fragment_of(params, method.schedule.assignment), jax.tree.leaves(params)
         outer_opt_state = tuple(
             outer_init(outer_optimizer, [x for x, f in zip(leaves, frags, strict=True) if f == p])
             for p in range(max(frags) + 1)
         )
     norm_stats = None
-    if faults.check_anomaly(anomaly) is not None:
-        num_syncs = 1 if fragments is None else len(outer_opt_state)
-        norm_stats = faults.initial_stats(num_workers, num_syncs)
+    if method.weights.anomaly is not None:
+        norm_stats = faults.initial_stats(num_workers, method.num_syncs(params))
     state = DiLoCoState(
         params=params,
         outer_opt_state=outer_opt_state,
-        inner_opt_state=stack_workers(inner_optimizer.init(params), num_workers),
+        inner_opt_state=stack_workers(method.inner_optimizer.init(params), num_workers),
         round=jnp.zeros((), jnp.int32),
         residual=residual,
         local_params=local_params,
         norm_stats=norm_stats,
     )
-    if not outer_delay:
+    if not method.outer_delay:
         return state
-    num_fragments = None if fragments is None else len(outer_opt_state)
-    return delay.initial(state, num_workers, outer_delay, eager, num_fragments)
-
-
-class _Faults(NamedTuple):
-    """The weight rule of a round with fault options (validated)."""
-
-    exclude_nonfinite: bool
-    drop_probability: float | None
-    worker_steps: tuple[int, ...] | None
-    weighting: str
-    temperature: float = 1.0  # of weighting="norm_softmax" (1.0 otherwise)
-    anomaly: "faults.AnomalySkip | None" = None
-
-    @property
-    def leaves_out(self) -> bool:
-        """Whether a worker may be left out and restart (non-finite or an outlier)."""
-        return self.exclude_nonfinite or self.anomaly is not None
+    num_fragments = len(outer_opt_state) if method.fragmented else None
+    return delay.initial(state, num_workers, method.outer_delay, method.eager, num_fragments)
 
 
 def diloco_round(
     loss_fn: LossFn,
     state: DiLoCoState,
     batches: Any,
-    *,
-    inner_optimizer: optax.GradientTransformation,
-    outer_optimizer: optax.GradientTransformation,
+    method: DiLoCo | None = None,
     backend: "str | Backend" = "vmap",
+    *,
     num_workers: int | None = None,
     inner_steps: int | None = None,
-    compression: "str | Compression | None" = None,
-    exclude_nonfinite: bool = False,
-    drop_probability: float | None = None,
-    drop_seed: int = 0,
-    worker_steps: "Sequence[int] | None" = None,
-    weighting: str = "uniform",
-    fragments: Any = None,
-    overlap_steps: int = 0,
-    merge_alpha: float = 0.0,
-    outer_delay: int = 0,
-    eager: bool = False,
-    temperature: float = 1.0,
-    anomaly: "faults.AnomalySkip | bool | None" = None,
-    state_sync: "dict[str, int] | None" = None,
+    **options,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
 
     Args:
       loss_fn: (params, batch) -> float scalar.
-      state: from `init_state` (with the same `compression`, `fragments` and, for drops,
-        `drop_probability`) or a previous round.
+      state: from `init_state` with the same method, or a previous round (a state built for
+        another method is a ValueError).
       batches: batch pytree with leaves [M, H, ...] (worker m's step h uses leaf[m, h]); or a
         `Sampler` drawing each step's batch in the graph, with `num_workers` and `inner_steps`.
-      inner_optimizer, outer_optimizer: optax transformations (state built with the same ones).
+      method: a `DiLoCo` spec (its parts: `diloco_jax.method`), or its keyword shorthand in
+        `options` (`inner_optimizer`, `outer_optimizer`, `compression`, `fragments`,
+        `outer_delay`, ...: `method_from_options`). None and no options: plain DiLoCo.
       backend: "vmap" | "shard_map" | "pmap" | "auto", or a `Backend` from `make_backend`.
-      compression: how the deltas are exchanged (a spec for `parse_compression`, e.g. "int8",
-        "int4,ef=1", "topk:0.01"). None / "none": the exact mean. With error feedback each
-        worker adds its residual to its delta before encoding and keeps what the encoding
-        dropped. Without it, `state.residual` is carried unchanged.
-      exclude_nonfinite: leave a worker whose delta has a NaN or Inf out of a sync's mean; it
-        restarts from the current global params with its inner optimizer state from the
-        start of the round (see `diloco_jax.faults`).
-      drop_probability: p in [0, 1] or None (off): each worker's delta is dropped from each
-        sync's mean with probability p, drawn from (`drop_seed`, `state.round`, the sync); a
-        dropped worker carries on from its own params.
-      drop_seed: int seed of the drop draws.
-      worker_steps: per-worker inner step counts (h_1, ..., h_M), each in [1, H], or None
-        (all H). Worker m's steps h >= h_m leave its params and optimizer state unchanged.
-      weighting: "uniform" (each included worker weighs 1), "steps" (weighs h_m) or
-        "norm_softmax" (EDiT: weighs exp(-‖Δ_m‖ / `temperature`), normalized by the mean).
-      anomaly: EDiT's anomaly skip, a `faults.AnomalySkip` (True: its defaults) or None: a
-        worker whose delta norm is an EWMA z-score outlier is left out like a non-finite one.
-        Needs `init_state(..., anomaly=...)`.
-      state_sync: DES-LOC's optimizer-state sync, {field of the inner optimizer state: K}
-        (e.g. {"mu": 3 * H, "nu": 6 * H}): the field is averaged over the workers after every
-        K-th inner step counted over the run (see `diloco_jax.state_sync`). None: off.
-      fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
-        P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
-        schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
-        `merge_alpha`. None: one sync of every leaf after step H.
-      outer_delay, eager: delayed (d = 1 or 2) and eager outer updates (see
-        `diloco_jax.delay`): the round applies the mean launched d rounds earlier, and its
-        own exchange runs at the start of the next round, independent of that round's inner
-        steps (with fragments: each fragment's, applied at its sync d rounds later). Eager
-        takes `worker_steps` but not the options that leave a worker out or weigh it (a
-        ValueError says why).
-      At their defaults these options give plain DiLoCo.
+      num_workers, inner_steps: M and H, needed only when `batches` is a Sampler.
+
+    A weights part with fault options on (exclusion, drops, worker steps, weighting, anomaly)
+    leaves workers out of a sync's mean or weighs them (`diloco_jax.faults`); a delay applies
+    the mean launched d rounds earlier, its own exchange running at the start of the next
+    round, independent of that round's inner steps (`diloco_jax.delay`).
 
     Returns:
       (new state, metrics) with metrics "loss" (float32 mean inner loss over the steps
@@ -254,41 +175,27 @@ def diloco_round(
       so those leaves and their outer state are unchanged and their delta counts as 0;
       `round` still advances).
     """
+    method = method_from_options(method, options, caller="diloco_round")
     num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
     num_steps = _inner_steps_of(batches, inner_steps)
-    delay.check(outer_delay, eager)
     # Under eager updates (and for a state built for them, which `_check_state` refuses
     # below) θ is the workers' mean.
     like = state.params
     if like is None:
         like = jax.eval_shape(delay.global_params, state)
-    schedule = make_schedule(like, num_steps, fragments, overlap_steps, merge_alpha)
-    compression = parse_compression(compression)
-    feedback = _checked_feedback(state, compression)
-    weighting = faults.check_weighting(weighting)
-    temperature = faults.check_temperature(temperature)
-    rule = _Faults(
-        bool(exclude_nonfinite),
-        faults.check_drop_probability(drop_probability),
-        faults.check_worker_steps(worker_steps, num_workers, num_steps),
-        weighting,
-        temperature if weighting == "norm_softmax" else 1.0,
-        faults.check_anomaly(anomaly),
-    )
-    weighted = rule != _Faults(False, None, None, "uniform")
-    syncs = state_syncs.check(state_sync, state.inner_opt_state)
+    schedule, syncs = method.check_run(like, num_workers, num_steps)
+    _check_state(state, like, num_workers, method)
+    rule = method.weights
+    weighted = rule.active
     drops = rule.drop_probability is not None
-    delay.check_combination(
-        eager, rule.exclude_nonfinite, rule.drop_probability, rule.weighting, rule.anomaly
-    )
-    _check_state(state, schedule, drops, outer_delay, eager, rule.anomaly is not None)
+    outer_delay, eager = method.outer_delay, method.eager
     carried = drops or schedule.fragmented or eager
 
     leaves, treedef = jax.tree.flatten(like)
     exchanges = [
         make_exchange(
-            compression,
+            method.compression,
             jax.eval_shape(widen, part(sync, leaves, treedef)),
             num_workers,
             weighted,
@@ -300,7 +207,7 @@ def diloco_round(
         steps_M = jnp.asarray(rule.worker_steps or (num_steps,) * num_workers, jnp.int32)
     if drops:
         dropped_MxP = faults.drop_masks(
-            drop_seed, state.round, num_workers, rule.drop_probability, len(schedule.syncs)
+            rule.drop_seed, state.round, num_workers, rule.drop_probability, len(schedule.syncs)
         ).T
     outer_states = state.outer_opt_state if schedule.fragmented else (state.outer_opt_state,)
     if eager:  # each worker's own outer state travels with the worker
@@ -312,8 +219,8 @@ def diloco_round(
     body = functools.partial(
         _round_body,
         loss_fn=loss_fn,
-        inner_optimizer=inner_optimizer,
-        outer_optimizer=outer_optimizer,
+        inner_optimizer=method.inner_optimizer,
+        outer_optimizer=method.outer_optimizer,
         batches=batches,
         num_steps=num_steps,
         schedule=schedule,
@@ -334,7 +241,7 @@ def diloco_round(
         (
             state.local_params if carried else None,
             state.inner_opt_state,
-            state.residual if feedback else None,
+            state.residual,
             dropped_MxP,
             steps_M,
             per_worker_data,
@@ -369,7 +276,7 @@ def diloco_round(
         outer_opt_state,
         inner_opt_state,
         state.round + 1,
-        residual if feedback else state.residual,
+        residual,
         local_params if carried else state.local_params,
         *(pending if outer_delay else (None, None)),
         delayed_means,
@@ -391,7 +298,7 @@ def _round_body(
     num_steps,
     schedule: Schedule,
     exchanges,
-    rule: _Faults | None,
+    rule: faults.Weights | None,
     carried: bool,
     treedef,
     outer_delay: int,
@@ -607,7 +514,7 @@ def _round_body(
     return same, (*local_out, pending_k, outer_k, stats_out, theta_k)
 
 
-def _weights(rule: _Faults, delta_k, steps_k, stats_k, index, round_, collectives):
+def _weights(rule: faults.Weights, delta_k, steps_k, stats_k, index, round_, collectives):
     """The weight rule at a sync: (finite_k: bool [k], False for a worker left out as
     non-finite or an outlier; weight_k: float32 [k], or None for weight 1). Updates
     `stats_k[index]` (the anomaly statistics) in place."""
@@ -616,7 +523,7 @@ def _weights(rule: _Faults, delta_k, steps_k, stats_k, index, round_, collective
     if rule.exclude_nonfinite:
         finite_k = jax.vmap(faults.all_finite)(delta_k)
     norms_k = None
-    if rule.weighting == "norm_softmax" or rule.anomaly is not None:
+    if rule.scheme == "norm_softmax" or rule.anomaly is not None:
         norms_k = jax.vmap(lambda d: optax.tree.norm(d).astype(jnp.float32))(delta_k)
     if rule.anomaly is not None:
         outlier_k = faults.anomalous(norms_k, stats_k[index], round_, rule.anomaly)
@@ -624,9 +531,9 @@ def _weights(rule: _Faults, delta_k, steps_k, stats_k, index, round_, collective
         stats_k[index] = faults.updated_stats(norms_k, stats_k[index], keep_k, rule.anomaly)
         finite_k = finite_k & ~outlier_k
     weight_k = None
-    if rule.weighting == "steps":
+    if rule.scheme == "steps":
         weight_k = steps_k.astype(jnp.float32)
-    elif rule.weighting == "norm_softmax":
+    elif rule.scheme == "norm_softmax":
         finite_norms = jnp.where(jnp.isfinite(norms_k), norms_k, jnp.inf)
         smallest = collectives.reduce(_smallest, finite_norms)
         weight_k = faults.softmax_weights(norms_k, smallest, rule.temperature)
@@ -658,7 +565,7 @@ def _launch(exchanges, schedule, pending_k, res_leaves, rule, treedef, collectiv
         if rule is not None:
             sync_weights_k = weights_k[:, sync.index] if schedule.fragmented else weights_k
             included_k = sync_weights_k > 0
-            weight_k = None if rule.weighting == "uniform" else sync_weights_k
+            weight_k = None if rule.scheme == "uniform" else sync_weights_k
         residual = None if res_leaves is None else part(sync, res_leaves, treedef)
         to_reduce_k, residual = jax.vmap(exchange.send)(
             part(sync, delta_leaves_k, treedef), residual, included_k, weight_k
@@ -723,64 +630,26 @@ def _where_k(mask_k, on_true_k, on_false):
     return jnp.where(mask, on_true_k, on_false)
 
 
-def _check_state(
-    state: DiLoCoState,
-    schedule: Schedule,
-    drops: bool,
-    outer_delay: int,
-    eager: bool,
-    anomaly: bool,
-) -> None:
-    """Raises ValueError when `state` lacks what the round's options need."""
-    if anomaly and state.norm_stats is None:
+def _check_state(state: DiLoCoState, params_like: Any, num_workers: int, method: DiLoCo) -> None:
+    """Raises one ValueError when `state` is not what `init_state(params, M, method)` builds:
+    the fields that differ in structure, shape or dtype are named."""
+    want = jax.eval_shape(lambda p: init_state(p, num_workers, method), params_like)
+    differ = [
+        name
+        for name, have, expect in zip(DiLoCoState._fields, state, want, strict=True)
+        if _shapes(have) != _shapes(expect)
+    ]
+    if differ:
         raise ValueError(
-            "anomaly is set but state.norm_stats is None: build the state with "
-            "init_state(..., anomaly=...)"
+            f"state was built for another method than {method!r} or another number of workers "
+            f"({num_workers}): its fields {differ} differ from init_state(params, num_workers, "
+            "method)'s; build the state with the method you run"
         )
-    pending = state.pending_deltas
-    want = outer_delay if eager else 1
-    if outer_delay and not (isinstance(pending, tuple) and len(pending) == want):
-        raise ValueError(
-            f"outer_delay={outer_delay}, eager={eager} needs a state with the deltas in flight: "
-            "build it with init_state(..., outer_delay=..., eager=...)"
-        )
-    if not outer_delay and pending is not None:
-        raise ValueError("state has deltas in flight: pass the outer_delay it was built with")
-    if eager != (state.params is None):
-        raise ValueError(f"eager={eager} needs a state built with init_state(..., eager={eager})")
-    if eager and schedule.fragmented and state.worker_params is None:
-        raise ValueError(
-            "eager=True with fragments needs a state built with init_state(..., fragments=..., "
-            "eager=True)"
-        )
-    if eager and not schedule.fragmented and state.worker_params is not None:
-        raise ValueError(
-            "state was built for eager updates with fragments: pass the same fragments"
-        )
-    if drops and state.local_params is None:
-        raise ValueError(
-            "drop_probability is set but state.local_params is None: build the state with "
-            "init_state(..., drop_probability=...)"
-        )
-    if schedule.fragmented:
-        num = len(schedule.syncs)
-        outer = state.outer_opt_state
-        if state.local_params is None or not (isinstance(outer, tuple) and len(outer) == num):
-            raise ValueError(
-                f"fragments={num} needs a state with one outer state per fragment and "
-                "local_params: build it with init_state(..., fragments=...)"
-            )
 
 
-def _checked_feedback(state: DiLoCoState, compression: Compression) -> bool:
-    """Whether rounds with `compression` carry residuals; raises if `state` has none then."""
-    feedback = uses_residual(compression)
-    if feedback and state.residual is None:
-        raise ValueError(
-            f"compression={compression!r} uses error feedback but state.residual is None: "
-            "build the state with init_state(..., compression=...)"
-        )
-    return feedback
+def _shapes(tree: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [(tuple(jnp.shape(x)), jnp.result_type(x)) for x in leaves]
 
 
 def _inner_steps_of(batches: Any, inner_steps: int | None) -> int:

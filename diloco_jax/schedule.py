@@ -13,9 +13,71 @@ worker's params persist in the state. P = 1, tau = 0, alpha = 0 is standard DiLo
 the schedule of torchft's DiLoCo with fragment_sync_delay and fragment_update_alpha.
 """
 
+import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """The schedule part of a `DiLoCo` spec: Streaming DiLoCo's P fragments, each delta taken
+    `overlap_steps` (tau, 0 <= tau < H / P) before its sync and merged with `merge_alpha`
+    (alpha in [0, 1]). `fragments` is an int P >= 1 (leaf i -> fragment i % P) or a pytree of
+    ints with the params' structure covering 0..P-1 (kept frozen: the spec stays hashable;
+    `assignment` gives the pytree back). What needs the params or H (P at most the number of
+    leaves, H a multiple of P, tau < H / P) is checked by `make_schedule`."""
+
+    fragments: Any
+    overlap_steps: int = 0
+    merge_alpha: float = 0.0
+
+    def __post_init__(self):
+        fragments = self.fragments
+        if isinstance(fragments, bool) or fragments is None:
+            raise ValueError(
+                f"Streaming.fragments must be an int >= 1 or a pytree of ints, got {fragments!r}"
+            )
+        if isinstance(fragments, int):
+            if fragments < 1:
+                raise ValueError(f"Streaming.fragments must be an int >= 1, got {fragments}")
+        elif not isinstance(fragments, _FrozenTree):
+            leaves, treedef = jax.tree.flatten(fragments)
+            if not leaves or not all(
+                isinstance(f, int) and not isinstance(f, bool) for f in leaves
+            ):
+                raise ValueError(f"Streaming.fragments pytree must hold ints, got {fragments!r}")
+            if sorted(set(leaves)) != list(range(max(leaves) + 1)) or min(leaves) < 0:
+                raise ValueError(
+                    f"Streaming.fragments indices must cover 0..P-1, got {sorted(set(leaves))}"
+                )
+            object.__setattr__(self, "fragments", _FrozenTree(tuple(leaves), treedef))
+        tau = self.overlap_steps
+        if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+            raise ValueError(f"Streaming.overlap_steps must be an int >= 0, got {tau!r}")
+        alpha = self.merge_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+            raise ValueError(f"Streaming.merge_alpha must be a number in [0, 1], got {alpha!r}")
+        if math.isnan(alpha) or not 0 <= alpha <= 1:
+            raise ValueError(f"Streaming.merge_alpha must be in [0, 1], got {alpha!r}")
+        object.__setattr__(self, "merge_alpha", float(alpha))
+
+    @property
+    def assignment(self) -> Any:
+        """`fragments` as `fragment_of` takes it: the int P, or the pytree of indices."""
+        f = self.fragments
+        return jax.tree.unflatten(f.treedef, f.leaves) if isinstance(f, _FrozenTree) else f
+
+
+class _FrozenTree(NamedTuple):
+    """A pytree of ints held as its leaves and structure (hashable, with a stable repr)."""
+
+    leaves: tuple[int, ...]
+    treedef: Any
+
+    def __repr__(self) -> str:
+        return repr(jax.tree.unflatten(self.treedef, self.leaves))
 
 
 class Sync(NamedTuple):
@@ -66,8 +128,8 @@ def fragment_of(params: Any, fragments: Any) -> tuple[int, ...]:
     if isinstance(fragments, int) and not isinstance(fragments, bool):
         if not 1 <= fragments <= len(leaves):
             raise ValueError(
-                f"fragments must be between 1 and the number of param leaves {len(leaves)}, "
-                f"got {fragments}"
+                "Streaming.fragments must be between 1 and the number of param leaves "
+                f"{len(leaves)}, got {fragments}"
             )
         return tuple(i % fragments for i in range(len(leaves)))
     try:
@@ -83,60 +145,54 @@ def fragment_of(params: Any, fragments: Any) -> tuple[int, ...]:
     return tuple(indices)
 
 
-def check_schedule(
-    num_fragments: int, inner_steps: int, overlap_steps: int, merge_alpha: float
-) -> None:
-    """Raises ValueError naming the argument for a schedule that can't run."""
+def check_schedule(num_fragments: int, inner_steps: int, overlap_steps: int) -> None:
+    """Raises ValueError naming the field for a Streaming part that can't run with H inner
+    steps (its own fields are checked when it is built)."""
     if inner_steps % num_fragments:
         raise ValueError(
             f"inner_steps={inner_steps} must be a multiple of the number of fragments "
-            f"{num_fragments}"
+            f"{num_fragments} (Streaming.fragments)"
         )
     per_fragment = inner_steps // num_fragments
-    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int):
-        raise ValueError(f"overlap_steps must be an int, got {overlap_steps!r}")
-    if not 0 <= overlap_steps < per_fragment:
+    if not overlap_steps < per_fragment:
         raise ValueError(
-            f"overlap_steps must be in [0, inner_steps / fragments = {per_fragment}), got "
-            f"{overlap_steps}"
+            f"Streaming.overlap_steps must be in [0, inner_steps / fragments = {per_fragment}), "
+            f"got {overlap_steps}"
         )
-    if isinstance(merge_alpha, bool) or not (
-        isinstance(merge_alpha, int | float) and 0 <= merge_alpha <= 1
-    ):
-        raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha!r}")
 
 
-def make_schedule(
-    params: Any,
-    inner_steps: int,
-    fragments: Any = None,
-    overlap_steps: int = 0,
-    merge_alpha: float = 0.0,
-) -> Schedule:
-    """The round's schedule: one sync of every leaf after H steps when `fragments` is None
-    (then `overlap_steps` and `merge_alpha` must stay 0), else Streaming DiLoCo's (see the
-    module docstring). Raises ValueError naming the argument that can't run."""
-    if fragments is None:
-        if overlap_steps or merge_alpha:
-            raise ValueError(
-                "overlap_steps and merge_alpha need fragments (Streaming DiLoCo), got "
-                f"overlap_steps={overlap_steps!r}, merge_alpha={merge_alpha!r}"
-            )
+def make_schedule(params: Any, inner_steps: int, streaming: "Streaming | None" = None) -> Schedule:
+    """The round's schedule: one sync of every leaf after H steps when `streaming` is None,
+    else Streaming DiLoCo's (see the module docstring). Raises ValueError naming the field of
+    `streaming` that can't run with these params and H."""
+    if streaming is None:
         return Schedule((Sync(0, None, inner_steps, inner_steps),), False, 0.0)
-    frags = fragment_of(params, fragments)
+    frags = fragment_of(params, streaming.assignment)
     num_fragments = max(frags) + 1
-    check_schedule(num_fragments, inner_steps, overlap_steps, merge_alpha)
+    check_schedule(num_fragments, inner_steps, streaming.overlap_steps)
     per_fragment = inner_steps // num_fragments
     syncs = tuple(
         Sync(
             p,
             tuple(i for i, f in enumerate(frags) if f == p),
-            (p + 1) * per_fragment - overlap_steps,
+            (p + 1) * per_fragment - streaming.overlap_steps,
             (p + 1) * per_fragment,
         )
         for p in range(num_fragments)
     )
-    return Schedule(syncs, True, float(merge_alpha))
+    return Schedule(syncs, True, streaming.merge_alpha)
+
+
+def synced_groups(params: Any, streaming: "Streaming | None") -> list[list[Any]]:
+    """The leaves of `params` each sync of a round exchanges, in sync order (one group of
+    every leaf without fragments)."""
+    leaves = jax.tree.leaves(params)
+    if streaming is None:
+        return [leaves]
+    frags = fragment_of(params, streaming.assignment)
+    return [
+        [x for x, f in zip(leaves, frags, strict=True) if f == p] for p in range(max(frags) + 1)
+    ]
 
 
 def part(schedule_sync: Sync, leaves: list, treedef: Any) -> Any:

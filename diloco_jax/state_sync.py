@@ -11,6 +11,7 @@ The inner steps then run as one scan whose body steps every worker (vmapped) and
 field is due, all-reduces it (inside `lax.cond`, so the collective runs only at its steps).
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,38 +24,55 @@ from jax import lax
 from diloco_jax.comm import payload_bytes
 from diloco_jax.hlo import ring_wire_bytes
 
-StateSync = tuple[tuple[str, int], ...]  # (field name, every K steps), sorted by name
+Syncs = tuple[tuple[str, int], ...]  # (field name, every K steps), sorted by name
 
 
-def check(state_sync: Any, inner_opt_state: Any) -> StateSync | None:
-    """`state_sync` ({field: K}) as a sorted tuple, each field found (once) in the inner
-    optimizer state `inner_opt_state` and K an integer >= 1; None when off. Raises
-    ValueError naming `state_sync`."""
-    if state_sync is None:
-        return None
-    if isinstance(state_sync, tuple):
-        state_sync = dict(state_sync)
-    if not isinstance(state_sync, dict) or not state_sync:
-        raise ValueError(f"state_sync must be a dict {{field: every K steps}}, got {state_sync!r}")
-    for name, every in state_sync.items():
-        if isinstance(every, bool) or not isinstance(every, int | np.integer) or every < 1:
-            raise ValueError(f"state_sync[{name!r}] must be an integer >= 1, got {every!r}")
-        try:
-            found = optax.tree.get(inner_opt_state, name, default=None)
-        except (KeyError, ValueError) as error:  # e.g. two fields of that name
-            found, why = None, f": {error}"
-        else:
-            why = ""
-        if found is None:
+@dataclasses.dataclass(frozen=True, init=False)
+class StateSync:
+    """The state-sync part of a `DiLoCo` spec: `StateSync(mu=K_u, nu=K_v)` averages each
+    named field of the inner optimizer state over the workers after every K-th inner step
+    (K an integer >= 1). `every` holds the (field, K) pairs sorted by name. Whether each field
+    is one field of the inner optimizer's state is checked by `check_run`."""
+
+    every: Syncs
+
+    def __init__(self, every: "Syncs | dict[str, int] | None" = None, /, **fields: int):
+        if every is not None and not isinstance(every, dict | tuple):
             raise ValueError(
-                f"state_sync field {name!r} is not one field of the inner optimizer state{why}"
+                "StateSync takes fields as keywords or a dict {field: every K steps}, got "
+                f"{every!r}"
             )
-    return tuple(sorted((str(k), int(v)) for k, v in state_sync.items()))
+        pairs = dict(every or {}) | fields
+        if not pairs:
+            raise ValueError("StateSync needs at least one field, e.g. StateSync(mu=75, nu=150)")
+        for name, k in pairs.items():
+            if not isinstance(name, str):
+                raise ValueError(f"StateSync field names must be strings, got {name!r}")
+            if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+                raise ValueError(f"StateSync.{name} must be an integer >= 1, got {k!r}")
+        object.__setattr__(self, "every", tuple(sorted((n, int(k)) for n, k in pairs.items())))
+
+    def __repr__(self) -> str:
+        return "StateSync(" + ", ".join(f"{n}={k}" for n, k in self.every) + ")"
+
+    def check_run(self, inner_opt_state: Any) -> Syncs:
+        """The (field, K) pairs, each field found once in `inner_opt_state` (one worker's
+        state, or its shapes); else ValueError naming the field."""
+        for name, _ in self.every:
+            try:
+                found = optax.tree.get(inner_opt_state, name, default=None)
+            except (KeyError, ValueError) as error:  # e.g. two fields of that name (Muon's)
+                found, why = None, f": {error}"
+            else:
+                why = ""
+            if found is None:
+                raise ValueError(
+                    f"StateSync field {name!r} is not one field of the inner optimizer state{why}"
+                )
+        return self.every
 
 
-def wire_bytes(
-    syncs: StateSync | None, inner_opt_state: Any, num_workers: int, steps: int
-) -> float:
+def wire_bytes(syncs: Syncs | None, inner_opt_state: Any, num_workers: int, steps: int) -> float:
     """Bytes each worker sends on the wire for the state syncs of its first `steps` inner
     steps (the multiples of K up to it): a ring all-reduce of the field per sync
     (`inner_opt_state` of one worker, unstacked). 0 without syncs or with one worker."""
@@ -75,7 +93,7 @@ def synced_scan(
     opt_k: Any,
     xs_S: Any,
     first_step: jax.Array,
-    syncs: StateSync,
+    syncs: Syncs,
     average: Callable[[Any], Any],
 ) -> tuple[Any, Any, jax.Array]:
     """S inner steps of this device's k workers under one `lax.scan`.

@@ -16,19 +16,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint, delay, faults, schedule
+from diloco_jax import checkpoint, delay
 from diloco_jax import state_sync as state_sync_lib
-from diloco_jax.comm import payload_bytes, round_bytes, round_wire_bytes, sync_step_wire_bytes
-from diloco_jax.compression import Compression, parse_compression
+from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
 from diloco_jax.distributed import is_multiprocess, to_host
 from diloco_jax.inner import LossFn
-from diloco_jax.outer import clip_outer_norm
-from diloco_jax.round import (
-    default_inner_optimizer,
-    default_outer_optimizer,
-    diloco_round,
-    init_state,
-)
+from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
+from diloco_jax.round import diloco_round, init_state
 from diloco_jax.sampler import Sampler
 from diloco_jax.sync import init_sync_state, sync_step
 from diloco_jax.workers import Backend, make_backend
@@ -52,8 +46,7 @@ def train_diloco(
     num_rounds: int,
     num_workers: int,
     inner_steps: int,
-    inner_optimizer: optax.GradientTransformation | None = None,
-    outer_optimizer: optax.GradientTransformation | None = None,
+    method: DiLoCo | None = None,
     backend: "str | Backend" = "auto",
     devices: list[jax.Device] | None = None,
     eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
@@ -62,22 +55,8 @@ def train_diloco(
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
-    compression: "str | Compression | None" = None,
     data_parallel: int = 1,
-    exclude_nonfinite: bool | None = None,
-    drop_probability: float | None = None,
-    drop_seed: int = 0,
-    worker_steps: "list[int] | None" = None,
-    weighting: str = "uniform",
-    fragments: Any = None,
-    overlap_steps: int = 0,
-    merge_alpha: float = 0.0,
-    outer_delay: int = 0,
-    eager: bool = False,
-    temperature: float = 1.0,
-    anomaly: "faults.AnomalySkip | bool | None" = None,
-    outer_clip: float | None = None,
-    state_sync: "dict[str, int] | None" = None,
+    **options: Any,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
@@ -88,54 +67,30 @@ def train_diloco(
         Exactly `num_rounds` items are consumed. Or a `Sampler`, which draws every inner
         step's batch inside the compiled round (round r, worker m, step h).
       num_rounds: R >= 0. num_workers: M >= 1. inner_steps: H >= 1.
-      inner_optimizer: default AdamW(4e-4, b1=0.9, b2=0.95, weight_decay=0.1).
-      outer_optimizer: default SGD(0.7, momentum=0.9, nesterov=True).
+      method: the method, a `DiLoCo` spec (inner / outer optimizers, schedule, compression,
+        weights, delay, state sync: see `diloco_jax.method`); None: the paper's DiLoCo, or
+        the spec its keyword shorthand in `options` builds (`method_from_options`):
+        inner_optimizer, outer_optimizer, outer_clip (EDiT's clip chained before the outer
+        optimizer), compression, exclude_nonfinite, drop_probability, drop_seed,
+        worker_steps, weighting, temperature, anomaly, fragments, overlap_steps,
+        merge_alpha, outer_delay, eager, state_sync. `train_diloco(..., fragments=2)` is
+        exactly `method=DiLoCo(schedule=Streaming(2))`; giving both is a ValueError.
       backend: "auto" | "vmap" | "shard_map" | "pmap" (see `diloco_jax.workers`).
       devices: devices for the device backends (default `jax.devices()`).
       data_parallel: devices per worker (shard_map): each worker's batch (the dim after
         [M, H]) is split over its devices and its gradients averaged there every inner step;
         the deltas are averaged over workers once a round.
-      exclude_nonfinite: leave a worker whose delta has a NaN or Inf out of the round's mean
-        (it restarts from the new global params; if every worker is left out the round is
-        skipped: params and outer state unchanged). Default: on for exact deltas, off with a
-        lossy `compression` (turning it on there changes how the compressed mean rounds).
-      drop_probability, drop_seed: drop each worker's delta from the mean with probability p
-        each round (keyed by seed and round); a dropped worker carries on from its own params
-        (the paper's communication-drop ablation).
-      worker_steps, weighting: per-worker inner step counts h_m <= H (slow workers do fewer
-        steps, masked inside the scan) and "uniform", "steps" (h_m-weighted) or
-        "norm_softmax" (EDiT: exp(-‖Δ_m‖ / `temperature`)-weighted) averaging.
-      anomaly: EDiT's anomaly skip (`faults.AnomalySkip`, True for its defaults: an EWMA
-        z-score of each worker's delta norm above 3 after 120 rounds leaves it out).
-      outer_clip: EDiT's clip of the averaged delta's global norm to φ > 0 before the outer
-        optimizer (`outer.clip_outer_norm`); None: off.
-      state_sync: DES-LOC's averaging of inner optimizer state fields every K inner steps,
-        e.g. {"mu": 3 * H, "nu": 6 * H} (see `diloco_jax.state_sync`); its all-reduces count
-        in "wire_bytes". None: off.
-      fragments, overlap_steps, merge_alpha: Streaming DiLoCo (see `diloco_jax.schedule`):
-        P fragments (an int, leaf i -> i % P, or a pytree of ints) synced on a staggered
-        schedule, each delta taken `overlap_steps` (tau) before its sync and merged with
-        `merge_alpha`. P = 1, tau = 0, alpha = 0 is standard DiLoCo.
-      outer_delay, eager: delayed (d = 1, 2) or eager outer updates that hide each round's
-        exchange behind the next round's inner steps (see `diloco_jax.delay`); 0 is DiLoCo.
-        With fragments each fragment's mean is applied at its sync d rounds later. Under
-        eager updates every worker keeps its own params: the result's `params` (and what
-        `eval_fn` sees) is their mean. Exclusion defaults off there (eager updates take
-        `worker_steps` but refuse the options that leave a worker out or weigh it).
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
-        after the last one; its values join that round's history entry.
+        after the last one; its values join that round's history entry. Under eager updates
+        it sees the mean of the workers' own params (as does the result's `params`).
       callback: called with each history entry as it is recorded (e.g. a progress bar).
       checkpoint_dir: if set, the full state and history are saved there (Orbax, atomic) every
         `checkpoint_every` rounds and after the last, keeping the newest `keep_checkpoints`;
         a call with a `checkpoint_dir` that holds a checkpoint resumes from it (the data of
         completed rounds is skipped; a Sampler is keyed by round), so the result is
         bit-identical to an uninterrupted run. A checkpoint of another configuration (M, H,
-        param shapes or dtypes, optimizer state) is a ValueError.
-      compression: how deltas travel: None / "none" (exact float32 all-reduce), "bf16",
-        "fp8", "int8", "int4", "e3m0" (a two-stage quantized all-reduce; add
-        ",exchange=gather" for the all-gather of every payload), or a `Compression` (also
-        "sign_prune" and "topk" with keep_fraction, always gathered; optional error
-        feedback); see `diloco_jax.compression` and `diloco_jax.exchange`.
+        param shapes or dtypes, optimizer state, the method's parts but its optimizers,
+        which have no stable form) is a ValueError.
 
     Returns:
       TrainResult(params, state: DiLoCoState, history). history[r] has "round" (0-based),
@@ -144,92 +99,33 @@ def train_diloco(
       every averaged delta leaf, float32 or wider, or of every compressed payload array its
       encoding produces; 0 when M = 1) and "wire_bytes" (cumulative bytes each worker sends
       on the wire for every collective of its rounds under ring algorithms over the M
-      workers: payloads, scales, fault weights, the loss metric; see
-      `comm.round_wire_bytes`; the same whatever the device layout). With fault options on
+      workers: payloads, scales, fault weights, the loss metric, DES-LOC's state syncs; see
+      `DiLoCo.round_wire_bytes`; the same whatever the device layout). With fault options on
       (exclusion, drops, worker_steps, weighting, anomaly), also "excluded_workers",
       "dropped_workers" and "skipped" (see `diloco_round`).
     """
+    method = method_from_options(method, options, caller="train_diloco")
     _check_int("num_rounds", num_rounds, 0)
     _check_int("num_workers", num_workers, 1)
     _check_int("inner_steps", inner_steps, 1)
     _check_int("eval_every", eval_every, 1)
     _check_params(params)
-    inner_optimizer = _optimizer("inner_optimizer", inner_optimizer, default_inner_optimizer)
-    outer_optimizer = _optimizer("outer_optimizer", outer_optimizer, default_outer_optimizer)
     backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
-
-    compression = parse_compression(compression)
-    delay.check(outer_delay, eager)
-    if exclude_nonfinite is None:
-        exclude_nonfinite = compression.kind == "none" and not eager
-    fault_options = dict(
-        exclude_nonfinite=bool(exclude_nonfinite),
-        drop_probability=faults.check_drop_probability(drop_probability),
-        drop_seed=_checked_seed(drop_seed),
-        worker_steps=faults.check_worker_steps(worker_steps, num_workers, inner_steps),
-        weighting=faults.check_weighting(weighting),
-    )
-    variant_options = {}  # only when set, so earlier runs keep their fingerprints
-    if fault_options["weighting"] == "norm_softmax":
-        variant_options["temperature"] = faults.check_temperature(temperature)
-    if (checked_anomaly := faults.check_anomaly(anomaly)) is not None:
-        variant_options["anomaly"] = checked_anomaly
-    if outer_clip is not None:
-        outer_optimizer = optax.chain(clip_outer_norm(outer_clip), outer_optimizer)
-    worker_state = jax.eval_shape(inner_optimizer.init, params)
-    syncs = state_sync_lib.check(state_sync, worker_state)
-    if syncs:
-        variant_options["state_sync"] = syncs
-    faulty = fault_options != _NO_FAULTS or "anomaly" in variant_options
-    schedule.make_schedule(params, inner_steps, fragments, overlap_steps, merge_alpha)
-    delay.check_combination(
-        eager,
-        fault_options["exclude_nonfinite"],
-        fault_options["drop_probability"],
-        fault_options["weighting"],
-        variant_options.get("anomaly"),
-    )
-    streaming_options = {}
-    if fragments is not None:
-        streaming_options = dict(
-            fragments=fragments, overlap_steps=overlap_steps, merge_alpha=float(merge_alpha)
-        )
-    state = init_state(
-        params,
-        num_workers,
-        inner_optimizer,
-        outer_optimizer,
-        compression,
-        drop_probability=fault_options["drop_probability"],
-        fragments=fragments,
-        outer_delay=outer_delay,
-        eager=eager,
-        anomaly=variant_options.get("anomaly"),
-    )
+    _, syncs = method.check_run(params, num_workers, inner_steps)
+    worker_state = jax.eval_shape(method.inner_optimizer.init, params)
+    state = init_state(params, num_workers, method)
     step = _jitted(
         diloco_round,
         loss_fn,
         backend,
-        inner_optimizer=inner_optimizer,
-        outer_optimizer=outer_optimizer,
+        method=method,
         num_workers=num_workers,
         inner_steps=inner_steps,
-        compression=compression,
-        **fault_options,
-        **streaming_options,
-        **({"outer_delay": outer_delay, "eager": eager} if outer_delay else {}),
-        **variant_options,
     )
     # A lone worker has no one to send to: its mean over workers is local.
-    per_round = round_bytes(params, compression) if num_workers > 1 else 0
-    wire_per_round = round_wire_bytes(
-        params,
-        compression,
-        num_workers,
-        fragments=fragments,
-        weighted=faulty,
-        softmax=fault_options["weighting"] == "norm_softmax",
-    )
+    per_round = round_bytes(params, method.compression) if num_workers > 1 else 0
+    wire_per_round = method.round_wire_bytes(params, num_workers)
+    faulty = method.weights.active
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
         synced = state_sync_lib.wire_bytes(syncs, worker_state, num_workers, (r + 1) * inner_steps)
@@ -259,17 +155,7 @@ def train_diloco(
             algorithm="diloco",
             num_workers=num_workers,
             inner_steps=inner_steps,
-            compression=repr(compression),
-            # Runs from before the two-stage exchange have no such field (all "gather").
-            **({"exchange": "two_stage"} if compression.resolved_exchange == "two_stage" else {}),
-            faults=repr(fault_options),
-            fragments=repr((fragments, overlap_steps, merge_alpha)),
-            **({"outer_delay": [outer_delay, eager]} if outer_delay else {}),
-            **(
-                {"variant": [repr(variant_options), outer_clip]}
-                if variant_options or outer_clip
-                else {}
-            ),
+            **method.fingerprint(),
         ),
     )
     state, history = loop.run(step, record, state, data)
@@ -284,6 +170,7 @@ def train_sync(
     num_steps: int,
     num_workers: int,
     optimizer: optax.GradientTransformation | None = None,
+    method: DiLoCo | None = None,
     backend: "str | Backend" = "auto",
     devices: list[jax.Device] | None = None,
     eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
@@ -300,6 +187,9 @@ def train_sync(
       data: iterable of steps; each a batch pytree with leaves [num_workers, ...]; or a
         `Sampler` (called with round = step index, step = 0).
       num_steps: >= 0. num_workers: M >= 1. optimizer: default as DiLoCo's inner AdamW.
+      method: or a `DiLoCo` spec whose `inner` is the optimizer (so a DiLoCo run and its
+        baseline share one value); its other parts don't apply to data parallelism and are
+        refused. Not both `optimizer` and `method`.
       The rest as in `train_diloco` (checkpoints count steps instead of rounds).
 
     Returns:
@@ -313,6 +203,16 @@ def train_sync(
     _check_int("num_workers", num_workers, 1)
     _check_int("eval_every", eval_every, 1)
     _check_params(params)
+    if method is not None:
+        if optimizer is not None:
+            raise ValueError("train_sync: give either optimizer= or method=, not both")
+        method = method_from_options(method, {}, caller="train_sync")
+        only_optimizers(method, "train_sync", "data parallelism has no outer step")
+        if method.outer is not None:
+            raise ValueError(
+                "train_sync takes DiLoCo.inner only (data parallelism has no outer step)"
+            )
+        optimizer = method.inner
     optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
     backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
 
@@ -411,13 +311,6 @@ _PER_WORKER_FIELDS = (
     "pending_weights",
     "worker_params",
 )
-_NO_FAULTS = dict(
-    exclude_nonfinite=False,
-    drop_probability=None,
-    drop_seed=0,
-    worker_steps=None,
-    weighting="uniform",
-)
 
 
 def _fault_record(metrics: dict[str, np.ndarray]) -> Record:
@@ -426,11 +319,6 @@ def _fault_record(metrics: dict[str, np.ndarray]) -> Record:
         "dropped_workers": [int(m) for m in np.flatnonzero(metrics["dropped_workers"])],
         "skipped": bool(metrics["skipped"]),
     }
-
-
-def _checked_seed(seed: Any) -> int:
-    _check_int("drop_seed", seed, 0)
-    return int(seed)
 
 
 def _place_state(state: Any, backend: Backend) -> Any:

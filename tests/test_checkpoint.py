@@ -282,7 +282,7 @@ def test_real_diloco_state_from_a_backend(tmp_path, backend):
 
     def placed_state(seed: int) -> DiLoCoState:
         params = {"w": jax.random.normal(jax.random.key(seed), (8, 4)), "b": jnp.zeros(4)}
-        s = init_state(params, M, inner, outer)
+        s = init_state(params, M, inner_optimizer=inner, outer_optimizer=outer)
         s = s._replace(inner_opt_state=jax.tree.map(lambda x: x + seed, s.inner_opt_state))
         return DiLoCoState(
             placed.place_shared(s.params),

@@ -17,7 +17,7 @@ M, H, DIM = 8, 3, 1000
 def _round_program(backend_name, params):
     inner, outer = dj.default_inner_optimizer(), dj.default_outer_optimizer()
     backend = dj.make_backend(backend_name, M)
-    state = dj.init_state(params, M, inner, outer)
+    state = dj.init_state(params, M, inner_optimizer=inner, outer_optimizer=outer)
     batch = {"x": jnp.ones((M, H, 4, DIM)), "y": jnp.ones((M, H, 4))}
     round_fn = functools.partial(
         dj.diloco_round,
@@ -25,6 +25,7 @@ def _round_program(backend_name, params):
         inner_optimizer=inner,
         outer_optimizer=outer,
         backend=backend,
+        exclude_nonfinite=False,  # the unweighted exact all-reduce
     )
     return jax.jit(round_fn).lower(state, batch).compile()
 

@@ -65,7 +65,13 @@ def _round_fn(backend: str, num_workers: int, compression):
 def _run(backend, compression, num_rounds=1, num_workers=M, params=None):
     """(state after `num_rounds`, metrics of the last round); batches seeded by round."""
     params = _params() if params is None else params
-    state = dj.init_state(params, num_workers, INNER, OUTER, compression=as_gathered(compression))
+    state = dj.init_state(
+        params,
+        num_workers,
+        inner_optimizer=INNER,
+        outer_optimizer=OUTER,
+        compression=as_gathered(compression),
+    )
     state = _placed(state, backend, num_workers)
     for r in range(num_rounds):
         state, metrics = _round_fn(backend, num_workers, compression)(
@@ -131,7 +137,7 @@ def test_none_is_the_exact_round_bit_for_bit(backend):
     assert state.residual is None  # "none" loses nothing: no residual to carry
     _bits_equal((state, metrics), (exact_state, exact_metrics))
     # Not just equal numbers: the same program (one all-reduce of the deltas).
-    args = (dj.init_state(_params(), M, INNER, OUTER), _batch())
+    args = (dj.init_state(_params(), M, inner_optimizer=INNER, outer_optimizer=OUTER), _batch())
     specs = (None, "none", C.Compression("none"), "none,ef=1")
     texts = {_round_fn(backend, M, spec).lower(*args).as_text() for spec in specs}
     assert len(texts) == 1
@@ -181,7 +187,9 @@ def test_backends_agree_under_compression(num_workers):
 
 def test_error_feedback_residual_and_its_use_in_round_2():
     spec = "int4,ef=1"
-    state0 = dj.init_state(_params(), M, INNER, OUTER, compression=as_gathered(spec))
+    state0 = dj.init_state(
+        _params(), M, inner_optimizer=INNER, outer_optimizer=OUTER, compression=as_gathered(spec)
+    )
     for leaf, p in zip(jax.tree.leaves(state0.residual), jax.tree.leaves(_params()), strict=True):
         assert leaf.shape == (M,) + p.shape and leaf.dtype == jnp.float32
         assert not np.any(np.asarray(leaf))
@@ -217,24 +225,36 @@ def test_error_feedback_residual_and_its_use_in_round_2():
             assert np.abs(sent - without).max() > 100 * tol
 
 
-def test_feedback_without_residual_state_raises():
-    state = dj.init_state(_params(), M, INNER, OUTER)  # built without compression
+def test_a_state_must_hold_what_the_compression_needs():
+    state = dj.init_state(
+        _params(), M, inner_optimizer=INNER, outer_optimizer=OUTER
+    )  # built without compression
     assert state.residual is None
-    with pytest.raises(ValueError, match="residual"):
+    with pytest.raises(ValueError, match=r"another method.*\['residual'\]"):
         _round_fn("vmap", M, "int8,ef=1")(state, _batch())
-    # Feedback off: a residual in the state is carried through untouched.
-    ef_state = dj.init_state(_params(), M, INNER, OUTER, compression=as_gathered("int8,ef=1"))
-    out, _ = _round_fn("vmap", M, "int8")(ef_state, _batch())
-    _bits_equal(out.residual, ef_state.residual)
+    # Residuals a round without feedback would never read: another method's state too.
+    ef_state = dj.init_state(
+        _params(),
+        M,
+        inner_optimizer=INNER,
+        outer_optimizer=OUTER,
+        compression=as_gathered("int8,ef=1"),
+    )
+    with pytest.raises(ValueError, match=r"another method.*\['residual'\]"):
+        _round_fn("vmap", M, "int8")(ef_state, _batch())
+    # Without error feedback an exact and an int8 round hold the same state: both run it.
+    _round_fn("vmap", M, "int8")(state, _batch())
 
 
 def test_invalid_compression_raises():
     with pytest.raises(ValueError, match="compression"):
-        dj.init_state(_params(), M, INNER, OUTER, compression="int9")
+        dj.init_state(
+            _params(), M, inner_optimizer=INNER, outer_optimizer=OUTER, compression="int9"
+        )
     with pytest.raises(ValueError, match="compression"):
         dj.diloco_round(
             linear_loss,
-            dj.init_state(_params(), M, INNER, OUTER),
+            dj.init_state(_params(), M, inner_optimizer=INNER, outer_optimizer=OUTER),
             _batch(),
             inner_optimizer=INNER,
             outer_optimizer=OUTER,
@@ -245,7 +265,7 @@ def test_invalid_compression_raises():
 
 
 def test_state_stays_positionally_constructible():
-    state = dj.init_state(_params(), M, INNER, OUTER)
+    state = dj.init_state(_params(), M, inner_optimizer=INNER, outer_optimizer=OUTER)
     rebuilt = dj.DiLoCoState(state.params, state.outer_opt_state, state.inner_opt_state, 0)
     assert rebuilt.residual is None
 
@@ -261,7 +281,13 @@ def _w_loss(params, batch):
 
 def _big_program(backend, compression, num_workers=M):
     params = {"w": jnp.zeros(BIG, jnp.float32)}
-    state = dj.init_state(params, num_workers, INNER, OUTER, compression=as_gathered(compression))
+    state = dj.init_state(
+        params,
+        num_workers,
+        inner_optimizer=INNER,
+        outer_optimizer=OUTER,
+        compression=as_gathered(compression),
+    )
     batch = {
         "x": jax.ShapeDtypeStruct((num_workers, 1, 1, BIG), jnp.float32),
         "y": jax.ShapeDtypeStruct((num_workers, 1, 1), jnp.float32),
@@ -273,6 +299,7 @@ def _big_program(backend, compression, num_workers=M):
         outer_optimizer=OUTER,
         backend=dj.make_backend(backend, num_workers),
         compression=as_gathered(compression),
+        exclude_nonfinite=False,  # the unweighted exchange
     )
     return params, hlo.collectives(jax.jit(round_fn).lower(state, batch).compile())
 
@@ -368,7 +395,12 @@ def _faulty_run(backend, spec, batch, num_workers=M, **options):
     """One round from θ = 0 with fault options under `spec`: (state, metrics)."""
     drops = options.get("drop_probability")
     state = dj.init_state(
-        _params(), num_workers, INNER, OUTER, compression=as_gathered(spec), drop_probability=drops
+        _params(),
+        num_workers,
+        inner_optimizer=INNER,
+        outer_optimizer=OUTER,
+        compression=as_gathered(spec),
+        drop_probability=drops,
     )
     round_fn = jax.jit(
         functools.partial(
@@ -436,7 +468,9 @@ def test_drops_and_step_weights_under_compression():
 
 def test_compiled_bytes_of_a_compressed_round_with_exclusion():
     params = {"w": jnp.zeros(BIG, jnp.float32)}
-    state = dj.init_state(params, M, INNER, OUTER, compression=as_gathered("int8"))
+    state = dj.init_state(
+        params, M, inner_optimizer=INNER, outer_optimizer=OUTER, compression=as_gathered("int8")
+    )
     batch = {
         "x": jax.ShapeDtypeStruct((M, 1, 1, BIG), jnp.float32),
         "y": jax.ShapeDtypeStruct((M, 1, 1), jnp.float32),

@@ -173,7 +173,7 @@ def test_softmax_and_anomaly_wire_bytes_match_the_compiled_round():
     params = {"w": jnp.zeros(256), "b": jnp.float32(0)}
     batch = {"x": jnp.ones((M, H, 2, 256)), "y": jnp.ones((M, H, 2))}
     options = dict(weighting="norm_softmax", anomaly=True)
-    state = dj.init_state(params, M, INNER, OUTER, anomaly=True)
+    state = dj.init_state(params, M, inner_optimizer=INNER, outer_optimizer=OUTER, anomaly=True)
     round_fn = functools.partial(
         dj.diloco_round, linear_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
         backend=dj.make_backend("shard_map", M), **options,

@@ -62,7 +62,13 @@ def faulty_sgd(w, b, rounds, include, steps=None, weights=None, carry=None):
 def run_rounds(data, backend="vmap", inner=INNER, drop_probability=None, **options):
     """Runs len(data) jitted rounds; returns (state, [metrics as NumPy])."""
     num_workers = data[0]["x"].shape[0]
-    state = dj.init_state(PARAMS, num_workers, inner, OUTER, drop_probability=drop_probability)
+    state = dj.init_state(
+        PARAMS,
+        num_workers,
+        inner_optimizer=inner,
+        outer_optimizer=OUTER,
+        drop_probability=drop_probability,
+    )
     step = jax.jit(
         functools.partial(
             dj.diloco_round,
@@ -222,7 +228,7 @@ def test_masked_steps_do_not_advance_the_inner_optimizer():
 )
 def test_invalid_options_raise(options, name):
     data = make_data(np.random.default_rng(9), num_rounds=1, num_workers=2, inner_steps=2)
-    state = dj.init_state(PARAMS, 2, INNER, OUTER)
+    state = dj.init_state(PARAMS, 2, inner_optimizer=INNER, outer_optimizer=OUTER)
     with pytest.raises(ValueError, match=name):
         dj.diloco_round(
             linear_loss, state, data[0], inner_optimizer=INNER, outer_optimizer=OUTER, **options
@@ -231,7 +237,7 @@ def test_invalid_options_raise(options, name):
 
 def test_drops_need_local_params_in_the_state():
     data = make_data(np.random.default_rng(10), num_rounds=1, num_workers=2, inner_steps=2)
-    state = dj.init_state(PARAMS, 2, INNER, OUTER)
+    state = dj.init_state(PARAMS, 2, inner_optimizer=INNER, outer_optimizer=OUTER)
     with pytest.raises(ValueError, match="local_params"):
         dj.diloco_round(
             linear_loss,
@@ -250,7 +256,7 @@ def test_uneven_steps_with_a_sampler():
         arrays=jax.tree.map(jnp.asarray, data[0]),
         sample=lambda arrays, r, m, h: jax.tree.map(lambda x: x[m, h], arrays),
     )
-    state = dj.init_state(PARAMS, 2, INNER, OUTER)
+    state = dj.init_state(PARAMS, 2, inner_optimizer=INNER, outer_optimizer=OUTER)
     state, metrics = dj.diloco_round(
         linear_loss,
         state,

@@ -51,7 +51,7 @@ def test_inner_loop_with_batch_function_needs_num_steps():
     with pytest.raises(ValueError, match="num_workers"):
         dj.diloco_round(
             linear_loss,
-            dj.init_state(params, 2, opt, opt),
+            dj.init_state(params, 2, inner_optimizer=opt, outer_optimizer=opt),
             _table_sampler([{"x": 1.0}]),
             inner_optimizer=opt,
             outer_optimizer=opt,

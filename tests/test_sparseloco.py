@@ -468,7 +468,13 @@ def test_dataclass_validation_and_spellings():
 
 
 def _compiled_wire_bytes(num_workers, spec, exclude=False):
-    state = dj.init_state(_params(), num_workers, INNER, optax.sgd(1.0), spec)
+    state = dj.init_state(
+        _params(),
+        num_workers,
+        inner_optimizer=INNER,
+        outer_optimizer=optax.sgd(1.0),
+        compression=spec,
+    )
     batch = {"x": jnp.ones((num_workers, 2, 2, IN)), "y": jnp.ones((num_workers, 2, 2, OUT))}
     round_fn = functools.partial(
         dj.diloco_round, loss_fn, inner_optimizer=INNER, outer_optimizer=optax.sgd(1.0),

@@ -13,7 +13,7 @@ import pytest
 from reference import linear_grads, linear_loss, make_data
 
 import diloco_jax as dj
-from diloco_jax import hlo, state_sync
+from diloco_jax import hlo
 
 M, H, R = 4, 3, 4
 LR, B1, B2, EPS = 0.05, 0.9, 0.95, 1e-8
@@ -102,7 +102,7 @@ def test_state_sync_bytes_are_counted_and_compiled_in_a_conditional():
         syncs = steps // 2 + steps // 4
         assert got["wire_bytes"] - base["wire_bytes"] == pytest.approx(syncs * moment, abs=1)
     # In the compiled round, the moments' all-reduces sit in the scan, under a conditional.
-    state = dj.init_state(params, M, INNER, OUTER)
+    state = dj.init_state(params, M, inner_optimizer=INNER, outer_optimizer=OUTER)
     round_fn = functools.partial(
         dj.diloco_round, linear_loss, inner_optimizer=INNER, outer_optimizer=OUTER,
         backend=dj.make_backend("shard_map", M), state_sync={"mu": 2, "nu": 4},
@@ -115,15 +115,15 @@ def test_state_sync_bytes_are_counted_and_compiled_in_a_conditional():
 @pytest.mark.parametrize(
     "sync, match",
     [
-        ({"mu": 0}, r"state_sync\['mu'\] must be an integer >= 1"),
-        ({"mu": 1.5}, r"state_sync\['mu'\] must be an integer >= 1"),
-        ({"momentum": 3}, "not one field"),
-        ({}, "must be a dict"),
-        ("mu", "must be a dict"),
+        ({"mu": 0}, "StateSync.mu must be an integer >= 1"),
+        ({"mu": 1.5}, "StateSync.mu must be an integer >= 1"),
+        ({"momentum": 3}, "StateSync field 'momentum' is not one field"),
+        ({}, "StateSync needs at least one field"),
+        ("mu", "StateSync takes fields as keywords or a dict"),
     ],
 )
 def test_bad_state_sync(sync, match):
     with pytest.raises(ValueError, match=match):
-        state_sync.check(sync, INNER.init(PARAMS))
+        dj.StateSync(sync).check_run(INNER.init(PARAMS))
     with pytest.raises(ValueError, match=match):
         _train(make_data(np.random.default_rng(2), 1, M, H), state_sync=sync)

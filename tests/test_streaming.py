@@ -106,7 +106,7 @@ def test_each_sync_sends_only_its_fragment():
     params = {"a": jnp.zeros(1000), "b": jnp.zeros(3000)}
     inner, outer = optax.sgd(0.1), dj.default_outer_optimizer()
     backend = dj.make_backend("shard_map", 4)
-    state = dj.init_state(params, 4, inner, outer, fragments=2)
+    state = dj.init_state(params, 4, inner_optimizer=inner, outer_optimizer=outer, fragments=2)
     batch = {"x": jnp.ones((4, 4, 2)), "y": jnp.ones((4, 4, 2))}
     loss = lambda p, b: jnp.mean(p["a"]) * jnp.mean(b["x"]) + jnp.mean(p["b"]) * jnp.mean(b["y"])
     round_fn = functools.partial(
@@ -115,6 +115,7 @@ def test_each_sync_sends_only_its_fragment():
         inner_optimizer=inner,
         outer_optimizer=outer,
         fragments=2,
+        exclude_nonfinite=False,  # the unweighted exchange: no weights beside the deltas
         backend=backend,
     )
     found = hlo.collectives(jax.jit(round_fn).lower(state, batch).compile())
@@ -150,7 +151,7 @@ def test_streaming_with_compression_and_resume(tmp_path):
     "kwargs, match",
     [
         (dict(fragments=2, inner_steps=3), "multiple of the number of fragments"),
-        (dict(fragments=0), "fragments must be between 1"),
+        (dict(fragments=0), "Streaming.fragments must be an int >= 1"),
         (dict(fragments=3), "fragments must be between 1"),
         (dict(fragments=True), "fragments must be"),
         (dict(fragments={"w": 0}), "fragments must be an int >= 1 or a pytree"),

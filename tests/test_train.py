@@ -389,7 +389,7 @@ def test_diloco_round_composes_under_jit():
     data = make_data(rng, num_rounds=2, num_workers=2, inner_steps=2)
     params = {"w": np.asarray([0.3, -0.2, 0.1], np.float32), "b": np.float32(0.5)}
     inner, outer = optax.sgd(0.05), optax.sgd(0.7, **NESTEROV)
-    state = dj.init_state(params, 2, inner, outer)
+    state = dj.init_state(params, 2, inner_optimizer=inner, outer_optimizer=outer)
     step = jax.jit(
         lambda s, b: dj.diloco_round(
             linear_loss, s, b, inner_optimizer=inner, outer_optimizer=outer

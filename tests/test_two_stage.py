@@ -90,7 +90,9 @@ def _round(backend, devices, compression, exclude=False):
 
 def _mean_blocks(backend, devices, compression, batch, exclude=False):
     """The exchanged mean as blocks [NB, 32] (and the round's metrics)."""
-    state = dj.init_state(_params(), M, INNER, OUTER, compression=compression)
+    state = dj.init_state(
+        _params(), M, inner_optimizer=INNER, outer_optimizer=OUTER, compression=compression
+    )
     state, metrics = _round(backend, devices, compression, exclude)(state, batch)
     mean = jax.tree.map(lambda x: -np.asarray(x), state.params)
     return np_blocks([mean["b"], mean["w"]]), state, metrics
@@ -169,7 +171,13 @@ def _compiled_wire_bytes(num_workers, compression, fragments=None, exclude=False
         return 0.5 * jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 
     state = dj.init_state(
-        WIRE_PARAMS, num_workers, INNER, OUTER, compression, fragments=fragments, **delay
+        WIRE_PARAMS,
+        num_workers,
+        inner_optimizer=INNER,
+        outer_optimizer=OUTER,
+        compression=compression,
+        fragments=fragments,
+        **delay,
     )
     batch = {"x": jnp.ones((num_workers, 2, 2, 256)), "y": jnp.ones((num_workers, 2, 2, 64))}
     round_fn = functools.partial(

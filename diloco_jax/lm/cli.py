@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from diloco_jax.lm import config
 from diloco_jax.lm.config import (
     ALGOS,
     DTYPES,
@@ -277,8 +278,6 @@ class Invocation:
 def parse(argv: list[str] | None = None) -> Invocation:
     """Parses and validates a command line without touching the disk or the accelerator.
     Raises ConfigError for a bad value; argparse errors exit with code 2 (one line)."""
-    from diloco_jax.lm import config
-
     args = build_parser().parse_args(argv)
     overrides = {k: getattr(args, k, None) for k in _CONFIG_FLAGS if k != "preset"}
     cfg = config.make_config(args.preset, **overrides)
@@ -375,12 +374,16 @@ RUN_IDENTITY = "run.json"  # in OUT/checkpoints: what run the checkpoints there 
 
 def run_identity(cfg: Any, algo: str | None, data_info: dict[str, Any]) -> dict[str, Any]:
     """What makes checkpoints resumable by a rerun: the algorithm, the whole config (another
-    --rounds changes the learning-rate schedule, for one) and the data's sha256."""
-    return {
+    --rounds changes the learning-rate schedule, for one), the DiLoCo spec it builds (its
+    stable repr) and the data's sha256."""
+    identity = {
         "algo": algo,
         "config": json.loads(json.dumps(dataclasses.asdict(cfg))),  # tuples as JSON lists
         "data_sha256": data_info.get("sha256"),
     }
+    if algo == "diloco":
+        identity["method"] = repr(config.method(cfg))
+    return identity
 
 
 def check_resumable(out: Path, identity: dict[str, Any]) -> None:
@@ -410,6 +413,8 @@ def check_resumable(out: Path, identity: dict[str, Any]) -> None:
         for k, v in identity["config"].items()
         if k in old and old[k] != v  # a field newer than the checkpoints: kept
     ]
+    if "method" in identity and saved.get("method") not in (None, identity["method"]):
+        changed.append(f"method {saved['method']} -> {identity.get('method')}")
     if saved.get("data_sha256") not in (None, identity["data_sha256"]):
         changed.append("data (another sha256)")
     if changed:

@@ -9,10 +9,9 @@ from typing import Any
 
 import optax
 
-from diloco_jax import delay
-from diloco_jax.compression import parse_compression
 from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.lm.tokenizer import parse_spec
+from diloco_jax.method import DiLoCo, method_from_options
 from diloco_jax.optimizers import muon_inner_optimizer
 from diloco_jax.schedule import check_schedule
 
@@ -252,8 +251,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"outer_lr must be a finite number > 0, got {cfg.outer_lr!r}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be in (0, 1), got {cfg.val_fraction!r}")
-    if cfg.drop_probability is not None and not 0 <= cfg.drop_probability <= 1:
-        raise ConfigError(f"drop_probability must be in [0, 1], got {cfg.drop_probability!r}")
     if cfg.step_seconds is not None and (
         len(cfg.step_seconds) != cfg.workers or not all(s > 0 for s in cfg.step_seconds)
     ):
@@ -267,11 +264,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"dn_c must be a finite number >= 0, got {cfg.dn_c!r}")
     if (cfg.dn_buffer is not None or cfg.dn_c) and cfg.outer_optimizer != "delayed_nesterov":
         raise ConfigError("dn_buffer and dn_c apply to outer_optimizer 'delayed_nesterov' only")
-    try:
-        parse_compression(cfg.compression)
-        delay.check(cfg.outer_delay, cfg.eager)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     if not 0 <= cfg.outer_momentum < 1:
         raise ConfigError(f"outer_momentum must be in [0, 1), got {cfg.outer_momentum!r}")
     if cfg.outer_momentum != 0.9 and cfg.outer_optimizer not in ("nesterov", "delayed_nesterov"):
@@ -283,26 +275,43 @@ def validate(cfg: RunConfig) -> None:
         state_sync_of(cfg)
         if cfg.inner_optimizer != "adamw":
             raise ConfigError("state_sync averages AdamW's moments: it needs inner_optimizer adamw")
-    if cfg.fragments is not None:
-        at_least("fragments", 1)
-        try:
-            check_schedule(cfg.fragments, cfg.inner_steps, cfg.overlap_steps, cfg.merge_alpha)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    elif cfg.overlap_steps or cfg.merge_alpha:
-        raise ConfigError("overlap_steps and merge_alpha need fragments")
-    if cfg.outer_clip is not None and not cfg.outer_clip > 0:
-        raise ConfigError(f"outer_clip must be a number > 0, got {cfg.outer_clip!r}")
     if cfg.weighting not in ("uniform", "norm_softmax"):
         raise ConfigError(f"weighting must be 'uniform' or 'norm_softmax', got {cfg.weighting!r}")
-    if not (math.isfinite(cfg.temperature) and cfg.temperature > 0):
-        raise ConfigError(f"temperature must be a finite number > 0, got {cfg.temperature!r}")
-    if cfg.temperature != 1.0 and cfg.weighting != "norm_softmax":
-        raise ConfigError("temperature applies to weighting 'norm_softmax' only")
-    if cfg.eager and (cfg.weighting != "uniform" or cfg.anomaly_skip):
-        raise ConfigError("eager can't be combined with weighting or anomaly_skip")
-    if cfg.eager and cfg.drop_probability is not None:
-        raise ConfigError("eager can't be combined with drop_probability (see diloco_jax.delay)")
+    try:  # the method's own rules, from the library's spec (checked once, there)
+        spec = method(cfg)
+        if spec.schedule is not None:
+            check_schedule(cfg.fragments, cfg.inner_steps, cfg.overlap_steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def method(cfg: RunConfig) -> DiLoCo:
+    """The run's DiLoCo spec, built from the config by the library's keyword shorthand (so
+    its parts check every rule; `ValueError` names the part and field)."""
+    # temperature 1.0 is the field's default: given to the spec only with its weighting, or
+    # when set, so that a temperature without norm_softmax is the library's refusal.
+    softmax = cfg.weighting == "norm_softmax"
+    return method_from_options(
+        None,
+        dict(
+            inner_optimizer=inner_optimizer(cfg),
+            outer_optimizer=outer_optimizer(cfg),
+            outer_clip=cfg.outer_clip,
+            compression=cfg.compression,
+            drop_probability=cfg.drop_probability,
+            drop_seed=cfg.seed,
+            outer_delay=cfg.outer_delay,
+            eager=cfg.eager,
+            weighting=cfg.weighting,
+            temperature=cfg.temperature if softmax or cfg.temperature != 1.0 else None,
+            anomaly=cfg.anomaly_skip or None,
+            state_sync=state_sync_of(cfg),
+            fragments=cfg.fragments,
+            overlap_steps=cfg.overlap_steps,
+            merge_alpha=cfg.merge_alpha,
+        ),
+        caller="RunConfig",
+    )
 
 
 def state_sync_of(cfg: RunConfig) -> dict[str, int] | None:

@@ -1,0 +1,322 @@
+"""`DiLoCo`: the method as one value, built from parts that check themselves.
+
+A spec is frozen and hashable, like an optax transformation: build it once, pass it to
+`init_state`, `diloco_round` and `train_diloco`. Each part validates its own fields when it is
+built and owns its rules with the other parts (`check_with`, called once here):
+
+- inner, outer: optax transformations (None: the paper's AdamW and Nesterov). EDiT's clip is
+  `optax.chain(clip_outer_norm(phi), outer)`; outer-momentum restarts `restart_momentum(outer,
+  every=K)`: outer rules are transformations, not fields;
+- schedule: None (standard DiLoCo) or `Streaming` (`diloco_jax.schedule`);
+- compression: a `Compression` (a string spec parses into it; `diloco_jax.compression`);
+- weights: `Weights` (`diloco_jax.faults`): exclusion, drops, per-worker steps, weighting,
+  anomaly skip;
+- delay: None, `Delayed(d)` or `Eager(d)` (`diloco_jax.delay`);
+- state_sync: None or `StateSync(mu=K_u, nu=K_v)` (`diloco_jax.state_sync`).
+
+What needs the params, M or H (fragments against the leaves, H a multiple of P, worker steps
+per worker, state-sync fields of the inner state) is checked by `check_run` when a round is
+built. `method_from_options` turns the keyword shorthand of `train_diloco` and friends into a
+spec: `train_diloco(..., fragments=2)` is `method=DiLoCo(schedule=Streaming(2))`.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+
+from diloco_jax.comm import round_wire_bytes
+from diloco_jax.compression import Compression, parse_compression
+from diloco_jax.delay import Delayed, Eager
+from diloco_jax.faults import NormSoftmax, Weights
+from diloco_jax.outer import clip_outer_norm
+from diloco_jax.schedule import Schedule, Streaming, fragment_of, make_schedule
+from diloco_jax.state_sync import StateSync, Syncs
+
+
+def default_inner_optimizer() -> optax.GradientTransformation:
+    """The paper's inner optimizer: AdamW(lr 4e-4, b1 0.9, b2 0.95, weight decay 0.1)."""
+    return optax.adamw(4e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+
+
+def default_outer_optimizer() -> optax.GradientTransformation:
+    """The paper's outer optimizer: SGD with Nesterov momentum (lr 0.7, momentum 0.9)."""
+    return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCo:
+    """A DiLoCo method (see the module docstring); every field at its default is the paper's
+    DiLoCo. `weights.exclude_nonfinite=None` resolves here: on for the exact exchange without
+    eager updates, off otherwise."""
+
+    inner: optax.GradientTransformation | None = None
+    outer: optax.GradientTransformation | None = None
+    schedule: Streaming | None = None
+    compression: "Compression | str | None" = None
+    weights: Weights = Weights()
+    delay: Delayed | None = None
+    state_sync: StateSync | None = None
+
+    def __post_init__(self):
+        for name in ("inner", "outer"):
+            opt = getattr(self, name)
+            if opt is not None and not (
+                callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))
+            ):
+                raise ValueError(
+                    f"DiLoCo.{name} ({name}_optimizer) must be an optax GradientTransformation, "
+                    f"got {opt!r}"
+                )
+        for name, kind in (
+            ("schedule", Streaming),
+            ("weights", Weights),
+            ("delay", Delayed),
+            ("state_sync", StateSync),
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, kind) or (value is None and name != "weights")):
+                raise ValueError(f"DiLoCo.{name} must be a {kind.__name__}, got {value!r}")
+        object.__setattr__(self, "compression", parse_compression(self.compression))
+        if self.weights.exclude_nonfinite is None:
+            auto = self._default_weights().exclude_nonfinite
+            object.__setattr__(
+                self, "weights", dataclasses.replace(self.weights, exclude_nonfinite=auto)
+            )
+        # Each part owns its rules with the others (`check_with`), checked once, here.
+        for part in (self.schedule, self.compression, self.weights, self.delay, self.state_sync):
+            check_with = getattr(part, "check_with", None)
+            if check_with is not None:
+                check_with(self)
+
+    def __repr__(self) -> str:
+        """The parts that differ from DiLoCo's defaults; optimizers as `<optax>` (they have
+        no stable text), so the repr is stable across processes (checkpoints, run.json)."""
+        defaults = _DEFAULTS | {"weights": self._default_weights()}
+        shown = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value == defaults[field.name]:
+                continue
+            text = "<optax>" if field.name in ("inner", "outer") else repr(value)
+            shown.append(f"{field.name}={text}")
+        return f"DiLoCo({', '.join(shown)})"
+
+    def _default_weights(self) -> Weights:
+        """Weights() as resolved for this spec's compression and delay."""
+        exact = self.compression.kind == "none" and not self.eager
+        return Weights(exclude_nonfinite=exact)
+
+    @property
+    def inner_optimizer(self) -> optax.GradientTransformation:
+        return default_inner_optimizer() if self.inner is None else self.inner
+
+    @property
+    def outer_optimizer(self) -> optax.GradientTransformation:
+        return default_outer_optimizer() if self.outer is None else self.outer
+
+    @property
+    def outer_delay(self) -> int:
+        """d, the rounds a mean waits (0 without a delay)."""
+        return 0 if self.delay is None else self.delay.rounds
+
+    @property
+    def eager(self) -> bool:
+        return self.delay is not None and self.delay.eager
+
+    @property
+    def fragmented(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def carries_residual(self) -> bool:
+        """Whether rounds carry error-feedback residuals (a lossy kind with error feedback)."""
+        return self.compression.kind != "none" and self.compression.error_feedback
+
+    def check_run(
+        self, params: Any, num_workers: int, inner_steps: int
+    ) -> tuple[Schedule, Syncs | None]:
+        """The round's schedule and state syncs for `params` (arrays or shapes), M workers and H
+        inner steps; ValueError naming the part's field that can't run with them."""
+        schedule = make_schedule(params, inner_steps, self.schedule)
+        self.weights.check_run(num_workers, inner_steps)
+        syncs = None
+        if self.state_sync is not None:
+            syncs = self.state_sync.check_run(jax.eval_shape(self.inner_optimizer.init, params))
+        return schedule, syncs
+
+    def num_syncs(self, params: Any) -> int:
+        """Syncs per round: 1, or P with Streaming DiLoCo's fragments."""
+        return (
+            1 if self.schedule is None else max(fragment_of(params, self.schedule.assignment)) + 1
+        )
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The spec's checkpoint identity (JSON-able), in the fields checkpoints have carried
+        since before the spec existed, so older checkpoints of the same method restore. The
+        optimizers have no stable form and are not part of it."""
+        w = self.weights
+        faults = dict(
+            exclude_nonfinite=w.exclude_nonfinite,
+            drop_probability=w.drop_probability,
+            drop_seed=w.drop_seed,
+            worker_steps=w.worker_steps,
+            weighting=w.scheme,
+        )
+        s = self.schedule
+        streaming = (None, 0, 0.0) if s is None else (s.assignment, s.overlap_steps, s.merge_alpha)
+        variant = {}
+        if w.scheme == "norm_softmax":
+            variant["temperature"] = w.temperature
+        if w.anomaly is not None:
+            variant["anomaly"] = w.anomaly
+        if self.state_sync is not None:
+            variant["state_sync"] = self.state_sync.every
+        out = {"compression": repr(self.compression)}
+        # Runs from before the two-stage exchange have no such field (all "gather").
+        if self.compression.resolved_exchange == "two_stage":
+            out["exchange"] = "two_stage"
+        out |= {"faults": repr(faults), "fragments": repr(streaming)}
+        if self.delay is not None:
+            out["outer_delay"] = [self.outer_delay, self.eager]
+        if variant:
+            out["variant"] = [repr(variant), None]
+        return out
+
+    def round_wire_bytes(self, params: Any, num_workers: int) -> float:
+        """Bytes each worker sends on the wire per round, summed over the parts: the
+        schedule's syncs, each with the exchange's and the weights' bytes, and the loss
+        metric (`comm.round_wire_bytes`). DES-LOC's state syncs run on their own step
+        schedule: `state_sync.wire_bytes`."""
+        return round_wire_bytes(
+            params,
+            self.compression,
+            num_workers,
+            fragments=None if self.schedule is None else self.schedule.assignment,
+            weighted=self.weights.active,
+            softmax=self.weights.scheme == "norm_softmax",
+        )
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DiLoCo)}
+_DEFAULTS["compression"] = parse_compression(None)
+
+# The keyword shorthand: each keyword and the part it builds.
+SHORTHAND = (
+    "inner_optimizer",
+    "outer_optimizer",
+    "outer_clip",
+    "compression",
+    "exclude_nonfinite",
+    "drop_probability",
+    "drop_seed",
+    "worker_steps",
+    "weighting",
+    "temperature",
+    "anomaly",
+    "fragments",
+    "overlap_steps",
+    "merge_alpha",
+    "outer_delay",
+    "eager",
+    "state_sync",
+)
+
+
+def method_from_options(
+    method: "DiLoCo | None", options: dict[str, Any], *, caller: str, allowed=SHORTHAND
+) -> DiLoCo:
+    """The one spec a call describes: `method`, or the keyword shorthand `options` built into
+    a `DiLoCo` (never both). `caller` names the function in errors; `allowed` are the
+    keywords it takes (e.g. `train_async`: the optimizers only)."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(f"{caller}() got unexpected keyword arguments {unknown}")
+    if method is not None:
+        if options:
+            raise ValueError(
+                f"{caller}: give either method= or the keyword shorthand, not both "
+                f"(got method and {sorted(options)})"
+            )
+        if not isinstance(method, DiLoCo):
+            raise ValueError(f"{caller}: method must be a diloco_jax.DiLoCo, got {method!r}")
+        return method
+    o = dict(options)
+    outer = o.pop("outer_optimizer", None)
+    clip = o.pop("outer_clip", None)
+    if clip is not None:
+        outer = optax.chain(
+            clip_outer_norm(clip), default_outer_optimizer() if outer is None else outer
+        )
+    weighting = o.pop("weighting", "uniform")
+    temperature = o.pop("temperature", None)
+    if temperature is not None:
+        if weighting != "norm_softmax":
+            raise ValueError(
+                "temperature applies to weighting='norm_softmax' only (it is "
+                f"NormSoftmax.temperature), got weighting={weighting!r}"
+            )
+        weighting = NormSoftmax(temperature)
+    fragments = o.pop("fragments", None)
+    overlap, alpha = o.pop("overlap_steps", 0), o.pop("merge_alpha", 0.0)
+    if fragments is None and (overlap or alpha):
+        raise ValueError(
+            "overlap_steps and merge_alpha need fragments (they are Streaming.overlap_steps "
+            f"and Streaming.merge_alpha), got overlap_steps={overlap!r}, merge_alpha={alpha!r}"
+        )
+    d, eager = o.pop("outer_delay", 0), o.pop("eager", False)
+    if not isinstance(eager, bool):
+        raise ValueError(f"eager must be a bool, got {eager!r}")
+    delay = None
+    if d != 0 or eager:
+        delay = (Eager if eager else Delayed)(d)
+    state_sync = o.pop("state_sync", None)
+    weights = Weights(
+        exclude_nonfinite=o.pop("exclude_nonfinite", None),
+        drop_probability=o.pop("drop_probability", None),
+        drop_seed=o.pop("drop_seed", 0),
+        worker_steps=o.pop("worker_steps", None),
+        weighting=weighting,
+        anomaly=o.pop("anomaly", None),
+    )
+    return DiLoCo(
+        inner=o.pop("inner_optimizer", None),
+        outer=outer,
+        schedule=None if fragments is None else Streaming(fragments, overlap, alpha),
+        compression=o.pop("compression", None),
+        weights=weights,
+        delay=delay,
+        state_sync=None if state_sync is None else StateSync(state_sync),
+    )
+
+
+def only_optimizers(method: DiLoCo, caller: str, why: str) -> None:
+    """Raises ValueError naming the first part of `method` besides inner / outer that is not
+    at its default: `caller` (e.g. train_async) takes the optimizers only, for `why`."""
+    for field in dataclasses.fields(DiLoCo):
+        if field.name in ("inner", "outer"):
+            continue
+        value = getattr(method, field.name)
+        default = _DEFAULTS[field.name]
+        if field.name == "weights":  # exclusion resolves on by default: not a choice made
+            value = dataclasses.replace(value, exclude_nonfinite=None)
+        if value != default:
+            raise ValueError(
+                f"{caller} takes DiLoCo.inner and DiLoCo.outer only ({why}); got "
+                f"{field.name}={value!r}"
+            )
+
+
+__all__ = [
+    "DiLoCo",
+    "Delayed",
+    "Eager",
+    "NormSoftmax",
+    "StateSync",
+    "Streaming",
+    "Weights",
+    "default_inner_optimizer",
+    "default_outer_optimizer",
+    "method_from_options",
+]
