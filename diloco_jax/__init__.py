@@ -15,7 +15,8 @@ from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.delayed_nesterov import DelayedNesterovState, delayed_nesterov
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
-from diloco_jax.inner import inner_loop, inner_step
+from diloco_jax.inner import inner_loop, inner_step, step_key, worker_key
+from diloco_jax.layout import sync_steps, worker_rounds
 from diloco_jax.method import (
     DiLoCo,
     default_inner_optimizer,
@@ -96,9 +97,13 @@ __all__ = [
     "payload_bytes",
     "round_bytes",
     "scale_by_fan_ratio",
+    "step_key",
+    "sync_steps",
     "sync_step",
     "train_async",
     "train_diloco",
     "train_sync",
     "worker_delta",
+    "worker_key",
+    "worker_rounds",
 ]

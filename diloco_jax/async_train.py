@@ -38,9 +38,10 @@ import numpy as np
 import optax
 
 from diloco_jax import checkpoint
+from diloco_jax import trainable as trainable_lib
 from diloco_jax.comm import round_bytes
 from diloco_jax.distributed import to_host
-from diloco_jax.inner import LossFn, inner_loop
+from diloco_jax.inner import LossFn, check_loss_options, inner_loop, worker_key
 from diloco_jax.method import (
     DiLoCo,
     default_inner_optimizer,
@@ -201,6 +202,9 @@ def train_async(
     step_seconds: Sequence[float],
     grace_seconds: float = 0.0,
     dynamic_steps: bool = False,
+    has_aux: bool = False,
+    rng_seed: int | None = None,
+    trainable: Any = None,
     inner_optimizer: optax.GradientTransformation | None = None,
     outer_optimizer: optax.GradientTransformation | None = None,
     method: DiLoCo | None = None,
@@ -224,6 +228,12 @@ def train_async(
       num_workers: M >= 1. inner_steps: H >= 1. num_updates: >= 0.
       step_seconds: M positive finite floats, simulated seconds per inner step of each worker.
       grace_seconds, dynamic_steps: see `async_schedule`.
+      has_aux: `loss_fn` returns (loss, aux dict of scalars); each aux metric's mean over the
+        job's steps joins its history entry beside "loss".
+      rng_seed: `loss_fn(params, batch, key)`; job j of worker m, step h draws
+        fold_in(fold_in(fold_in(PRNGKey(rng_seed), j), m), h) (a job is that worker's round).
+      trainable: frozen leaves get zero inner updates, so their deltas are exactly 0 and the
+        outer step leaves them as they were (see `diloco_jax.trainable`).
       inner_optimizer: default AdamW(4e-4, b1=0.9, b2=0.95, weight_decay=0.1); its state
         stays with its worker across jobs.
       outer_optimizer: applied once per arrival; default SGD(0.7, momentum=0.9,
@@ -263,11 +273,14 @@ def train_async(
     if not isinstance(dynamic_steps, bool):
         raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
     _check_params(params)
+    check_loss_options(has_aux, rng_seed)
     given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
     given = {k: _optimizer(k, v, None) for k, v in given.items() if v is not None}
     method = method_from_options(method, given, caller="train_async")
     only_optimizers(method, "train_async", "each arrival applies one worker's whole delta")
     inner_optimizer = _optimizer("inner_optimizer", method.inner, default_inner_optimizer)
+    frozen = trainable_lib.frozen_leaves(params, trainable)
+    inner_optimizer = trainable_lib.masked_optimizer(inner_optimizer, params, frozen)
     outer_optimizer = _optimizer("outer_optimizer", method.outer, default_outer_optimizer)
     device = _device(backend, devices)
     ckpt = _checkpoints(
@@ -281,6 +294,7 @@ def train_async(
         step_seconds=list(seconds),
         grace_seconds=_checked_grace(grace_seconds),
         dynamic_steps=dynamic_steps,
+        **({} if rng_seed is None else {"rng_seed": rng_seed}),
     )
     schedule = async_schedule(
         seconds,
@@ -290,7 +304,7 @@ def train_async(
         dynamic_steps=dynamic_steps,
     )
     job_data = _job_data(data, num_workers, inner_steps, schedule.events, device)
-    run_job, apply_delta = _programs(loss_fn, inner_optimizer, outer_optimizer)
+    run_job, apply_delta = _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed)
     evaluate = jax.jit(eval_fn) if eval_fn is not None else None
 
     theta = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), device)
@@ -336,8 +350,13 @@ def train_async(
     total_steps = sum(e.steps for e in events[:done])
     pending = None
 
-    def finish(entry: Record, loss: jax.Array, evals: Any) -> None:
+    def finish(entry: Record, means: Any, evals: Any) -> None:
+        loss, aux = to_host(means)
         entry["loss"] = float(loss)
+        for name, value in aux.items():
+            if name in entry:
+                raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
+            entry[name] = float(value)
         if evals is not None:
             entry.update({k: float(v) for k, v in to_host(evals).items()})
         history.append(entry)
@@ -436,17 +455,23 @@ def _job_starts(
     )
 
 
-def _job(loss_fn, inner_optimizer, params, opt_state, data, job, worker, *, num_steps):
-    """One job of one worker: `num_steps` inner steps from `params` (its theta_start).
-    Returns (delta theta_start - theta_m in the delta dtype, new inner state, mean loss)."""
+def _job(
+    loss_fn, inner_optimizer, has_aux, rng_seed, params, opt_state, data, job, worker, *, num_steps
+):
+    """One job of one worker: `num_steps` inner steps from `params` (its theta_start), step h
+    keyed `step_key(worker_key(rng_seed, job, worker), h)` with a seed. Returns (delta
+    theta_start - theta_m in the delta dtype, new inner state, (mean loss, mean aux))."""
     if isinstance(data, Sampler):
         batches = functools.partial(_sample, data, job, worker)
     else:
         batches = data  # leaves [num_steps, ...]
-    new_params, opt_state, losses = inner_loop(
-        loss_fn, inner_optimizer, params, opt_state, batches, num_steps=num_steps
-    )
-    return worker_delta(params, new_params), opt_state, jnp.mean(losses)
+    key = None if rng_seed is None else worker_key(rng_seed, job, worker)
+    new_params, opt_state, losses, *aux = inner_loop(
+        loss_fn, inner_optimizer, params, opt_state, batches, num_steps=num_steps, key=key,
+        has_aux=has_aux,
+    )  # fmt: skip
+    means = jax.tree.map(jnp.mean, (losses, aux[0] if aux else {}))
+    return worker_delta(params, new_params), opt_state, means
 
 
 def _sample(sampler: Sampler, job, worker, step):
@@ -458,20 +483,22 @@ def _apply(outer_optimizer, params, outer_state, delta):
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_programs(loss_fn, inner_optimizer, outer_optimizer):
+def _cached_programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed):
     run_job = jax.jit(
-        functools.partial(_job, loss_fn, inner_optimizer), static_argnames=("num_steps",)
+        functools.partial(_job, loss_fn, inner_optimizer, has_aux, rng_seed),
+        static_argnames=("num_steps",),
     )
     return run_job, jax.jit(functools.partial(_apply, outer_optimizer))
 
 
-def _programs(loss_fn, inner_optimizer, outer_optimizer):
+def _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux=False, rng_seed=None):
     """(jitted job: one program per job length, jitted outer update); cached per
-    (loss_fn, optimizers) so repeated runs reuse the compilations."""
+    (loss_fn, optimizers, loss options) so repeated runs reuse the compilations."""
+    args = (loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed)
     try:
-        return _cached_programs(loss_fn, inner_optimizer, outer_optimizer)
+        return _cached_programs(*args)
     except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
-        return _cached_programs.__wrapped__(loss_fn, inner_optimizer, outer_optimizer)
+        return _cached_programs.__wrapped__(*args)
 
 
 def _job_data(

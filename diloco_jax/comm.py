@@ -30,7 +30,9 @@ def payload_bytes(tree: Any) -> int:
     )
 
 
-def round_bytes(params: Any, compression: "str | Compression | None" = None) -> int:
+def round_bytes(
+    params: Any, compression: "str | Compression | None" = None, frozen: tuple[int, ...] = ()
+) -> int:
     """Bytes one worker sends in one DiLoCo round's outer-gradient exchange.
 
     The per-worker operand of the round's collectives, for `params` (arrays or
@@ -48,7 +50,9 @@ def round_bytes(params: Any, compression: "str | Compression | None" = None) -> 
     as the device sums its workers first).
     """
     c = parse_compression(compression)
-    deltas = jax.eval_shape(widen, params)
+    deltas = [
+        x for i, x in enumerate(jax.tree.leaves(jax.eval_shape(widen, params))) if i not in frozen
+    ]
     if c.kind == "none":
         return payload_bytes(deltas)
     return tree_payload_bytes(deltas, c)
@@ -62,6 +66,7 @@ def round_wire_bytes(
     fragments: Any = None,
     weighted: bool = False,
     softmax: bool = False,
+    frozen: tuple[int, ...] = (),
 ) -> float:
     """Bytes each worker sends on the wire in one DiLoCo round, under ring algorithms over
     the M workers, for every collective the round runs, as if every worker had its own link
@@ -70,14 +75,15 @@ def round_wire_bytes(
     bytes (`exchange.wire_bytes`; `weighted`: the round carries fault weights) and the
     weights part's own (`Weights.sync_wire_bytes`: EDiT's softmax, `softmax`, all-reduces
     the smallest delta norm); plus the all-reduce of the round's mean loss, 2(M-1)/M x 4.
-    0 when M = 1. `fragments` is Streaming's P or pytree (None: one sync)."""
+    0 when M = 1. `fragments` is Streaming's P or pytree (None: one sync); `frozen` leaves
+    (`diloco_jax.trainable`) send nothing."""
     if num_workers <= 1:
         return 0.0
     c = parse_compression(compression)
     streaming = None if fragments is None else Streaming(fragments)
     weights = Weights(weighting=NormSoftmax() if softmax else "uniform")
     total = ring_wire_bytes("all-reduce", LOSS_BYTES, num_workers)
-    for synced in synced_groups(jax.eval_shape(widen, params), streaming):
+    for synced in synced_groups(jax.eval_shape(widen, params), streaming, frozen):
         total += wire_bytes(c, synced, num_workers, weighted)
         total += weights.sync_wire_bytes(num_workers)
     return total

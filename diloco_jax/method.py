@@ -135,11 +135,11 @@ class DiLoCo:
         return self.compression.kind != "none" and self.compression.error_feedback
 
     def check_run(
-        self, params: Any, num_workers: int, inner_steps: int
+        self, params: Any, num_workers: int, inner_steps: int, frozen: tuple = ()
     ) -> tuple[Schedule, Syncs | None]:
         """The round's schedule and state syncs for `params` (arrays or shapes), M workers and H
         inner steps; ValueError naming the part's field that can't run with them."""
-        schedule = make_schedule(params, inner_steps, self.schedule)
+        schedule = make_schedule(params, inner_steps, self.schedule, frozen)
         self.weights.check_run(num_workers, inner_steps)
         syncs = None
         if self.state_sync is not None:
@@ -184,11 +184,11 @@ class DiLoCo:
             out["variant"] = [repr(variant), None]
         return out
 
-    def round_wire_bytes(self, params: Any, num_workers: int) -> float:
+    def round_wire_bytes(self, params: Any, num_workers: int, frozen: tuple = ()) -> float:
         """Bytes each worker sends on the wire per round, summed over the parts: the
-        schedule's syncs, each with the exchange's and the weights' bytes, and the loss
-        metric (`comm.round_wire_bytes`). DES-LOC's state syncs run on their own step
-        schedule: `state_sync.wire_bytes`."""
+        schedule's syncs (`frozen` leaves in none), each with the exchange's and the weights'
+        bytes, and the loss metric (`comm.round_wire_bytes`). DES-LOC's state syncs run on
+        their own step schedule: `state_sync.wire_bytes`."""
         return round_wire_bytes(
             params,
             self.compression,
@@ -196,6 +196,7 @@ class DiLoCo:
             fragments=None if self.schedule is None else self.schedule.assignment,
             weighted=self.weights.active,
             softmax=self.weights.scheme == "norm_softmax",
+            frozen=frozen,
         )
 
 

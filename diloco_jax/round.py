@@ -32,14 +32,23 @@ from diloco_jax import delay, faults
 from diloco_jax import state_sync as state_syncs
 from diloco_jax.compression import init_residual
 from diloco_jax.exchange import make_exchange
-from diloco_jax.inner import LossFn, inner_loop, masked_step
+from diloco_jax.inner import (
+    LossFn,
+    check_loss_options,
+    inner_loop,
+    masked_step,
+    step_key,
+    step_means,
+    worker_key,
+)
 from diloco_jax.method import (
     DiLoCo,
     method_from_options,
 )
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
-from diloco_jax.schedule import Schedule, Sync, fragment_of, leaf_indices, part
+from diloco_jax.schedule import Schedule, Sync, leaf_indices, part, synced_groups
+from diloco_jax.trainable import frozen_leaves, masked_optimizer
 from diloco_jax.workers import WORKER_AXIS, Backend, exact_mean, make_backend, stack_workers
 
 
@@ -90,7 +99,12 @@ class DiLoCoState(NamedTuple):
 
 
 def init_state(
-    params: Any, num_workers: int, method: DiLoCo | None = None, **options
+    params: Any,
+    num_workers: int,
+    method: DiLoCo | None = None,
+    *,
+    trainable: Any = None,
+    **options,
 ) -> DiLoCoState:
     """Round-0 state for `method` (a `DiLoCo`; or its keyword shorthand, see
     `method_from_options`), M = `num_workers` >= 1 workers: θ copied (never aliased), M
@@ -99,8 +113,11 @@ def init_state(
     `local_params` = θ stacked [M, ...] with fragments or drops (else None). With a delay,
     zero deltas in flight (the first d rounds apply a zero mean); with eager updates, every
     worker's own θ and outer state (see `diloco_jax.delay`); with an anomaly skip, empty
-    norm statistics. `diloco_round` refuses a state built for another method."""
+    norm statistics. `trainable` (see `diloco_jax.trainable`): frozen leaves get no inner
+    optimizer state and no outer state. `diloco_round` refuses a state built for another
+    method."""
     method = method_from_options(method, options, caller="init_state")
+    frozen = frozen_leaves(params, trainable)
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     residual = None
     if method.carries_residual:
@@ -109,21 +126,20 @@ def init_state(
     if method.fragmented or method.weights.drop_probability is not None:
         local_params = stack_workers(params, num_workers)
     outer_optimizer = method.outer_optimizer
-    if not method.fragmented:
-        outer_opt_state = outer_init(outer_optimizer, params)
-    else:
-        frags, leaves = fragment_of(params, method.schedule.assignment), jax.tree.leaves(params)
-        outer_opt_state = tuple(
-            outer_init(outer_optimizer, [x for x, f in zip(leaves, frags, strict=True) if f == p])
-            for p in range(max(frags) + 1)
-        )
+    groups = synced_groups(params, method.schedule, frozen)
+    if method.fragmented:
+        outer_opt_state = tuple(outer_init(outer_optimizer, group) for group in groups)
+    else:  # over the caller's tree, or the list of its trainable leaves
+        outer_opt_state = outer_init(outer_optimizer, groups[0] if frozen else params)
     norm_stats = None
     if method.weights.anomaly is not None:
         norm_stats = faults.initial_stats(num_workers, method.num_syncs(params))
     state = DiLoCoState(
         params=params,
         outer_opt_state=outer_opt_state,
-        inner_opt_state=stack_workers(method.inner_optimizer.init(params), num_workers),
+        inner_opt_state=stack_workers(
+            masked_optimizer(method.inner_optimizer, params, frozen).init(params), num_workers
+        ),
         round=jnp.zeros((), jnp.int32),
         residual=residual,
         local_params=local_params,
@@ -144,6 +160,9 @@ def diloco_round(
     *,
     num_workers: int | None = None,
     inner_steps: int | None = None,
+    has_aux: bool = False,
+    rng_seed: int | None = None,
+    trainable: Any = None,
     **options,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
@@ -159,6 +178,15 @@ def diloco_round(
         `outer_delay`, ...: `method_from_options`). None and no options: plain DiLoCo.
       backend: "vmap" | "shard_map" | "pmap" | "auto", or a `Backend` from `make_backend`.
       num_workers, inner_steps: M and H, needed only when `batches` is a Sampler.
+      has_aux: `loss_fn` returns (loss, aux), aux a dict of scalars; each aux metric joins
+        the metrics like "loss" / "worker_loss": its mean over the steps taken, over workers
+        as metrics[name], per worker as metrics["worker_" + name] (float32 [M]).
+      rng_seed: an int >= 0: `loss_fn(params, batch, key)` with one key per (round, worker,
+        inner step): `step_key(worker_key(rng_seed, round, m), h)` (`diloco_jax.inner`), the
+        same on every backend and after a resume. None: `loss_fn(params, batch)`.
+      trainable: a pytree of bools like the params, or a callable (path, leaf) -> bool; the
+        frozen leaves keep their values bit for bit (`diloco_jax.trainable`). The state must
+        be built with the same mask.
 
     A weights part with fault options on (exclusion, drops, worker steps, weighting, anomaly)
     leaves workers out of a sync's mean or weighs them (`diloco_jax.faults`); a delay applies
@@ -176,6 +204,7 @@ def diloco_round(
       `round` still advances).
     """
     method = method_from_options(method, options, caller="diloco_round")
+    check_loss_options(has_aux, rng_seed)
     num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
     num_steps = _inner_steps_of(batches, inner_steps)
@@ -184,8 +213,9 @@ def diloco_round(
     like = state.params
     if like is None:
         like = jax.eval_shape(delay.global_params, state)
-    schedule, syncs = method.check_run(like, num_workers, num_steps)
-    _check_state(state, like, num_workers, method)
+    frozen = frozen_leaves(like, trainable)
+    schedule, syncs = method.check_run(like, num_workers, num_steps, frozen)
+    _check_state(state, like, num_workers, method, trainable)
     rule = method.weights
     weighted = rule.active
     drops = rule.drop_probability is not None
@@ -219,7 +249,7 @@ def diloco_round(
     body = functools.partial(
         _round_body,
         loss_fn=loss_fn,
-        inner_optimizer=method.inner_optimizer,
+        inner_optimizer=masked_optimizer(method.inner_optimizer, like, frozen),
         outer_optimizer=method.outer_optimizer,
         batches=batches,
         num_steps=num_steps,
@@ -232,7 +262,10 @@ def diloco_round(
         eager=eager,
         num_workers=num_workers,
         syncs=syncs,
+        has_aux=has_aux,
+        rng_seed=rng_seed,
     )
+    ids_M = None if rng_seed is None else jnp.arange(num_workers, dtype=jnp.int32)
     # Fragmented rounds keep the program they ran before the round bodies were folded into
     # this one (on vmap, the workers under a size-1 device axis), so those runs stay bit for
     # bit; un-nesting it is faster on CPU but rounds differently.
@@ -249,18 +282,15 @@ def diloco_round(
             worker_outer,
             state.norm_stats if rule.anomaly is not None else None,
             state.worker_params,
+            ids_M,
         ),
     )
     params, outer_states, grad_norm, skipped, delayed_means = same
-    local_params, inner_opt_state, residual, losses_MxH, excluded_M, dropped_M = mine[:6]
+    local_params, inner_opt_state, residual, outputs, excluded_M, dropped_M = mine[:6]
     pending, worker_outer, norm_stats, worker_params = mine[6:]
-    if rule.worker_steps is None:
-        loss, worker_loss = jnp.mean(losses_MxH), jnp.mean(losses_MxH, axis=1)
-    else:  # skipped steps hold loss 0: divide by the steps taken
-        steps_f = steps_M.astype(jnp.float32)
-        loss = jnp.sum(losses_MxH) / jnp.sum(steps_f)
-        worker_loss = jnp.sum(losses_MxH, axis=1) / steps_f
-    metrics = {"loss": loss, "worker_loss": worker_loss, "outer_grad_norm": grad_norm}
+    losses_MxH, aux_MxH = outputs
+    metrics = step_means(losses_MxH, aux_MxH, steps_M if rule.worker_steps else None)
+    metrics["outer_grad_norm"] = grad_norm
     if weighted:
         metrics |= {
             "excluded_workers": excluded_M,
@@ -304,7 +334,9 @@ def _round_body(
     outer_delay: int,
     eager: bool,
     num_workers: int,
-    syncs: "state_syncs.StateSync | None",
+    syncs: "state_syncs.Syncs | None",
+    has_aux: bool,
+    rng_seed: int | None,
 ):
     """The round on one device's k workers (leaves [k, ...]): inner-step segments between
     the schedule's boundaries; at each sync the deltas, weights, exchange, outer update and
@@ -313,7 +345,10 @@ def _round_body(
     global_params, outer_states, shared_data, delayed_means, round_ = shared
     params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k, pending_k, outer_k = local[:8]
     stats_k = None if local[8] is None else list(local[8])
-    theta_k = local[9]
+    theta_k, ids_k = local[9], local[10]
+    keys_k = None  # each worker's base key of this round's steps (`inner.worker_key`)
+    if rng_seed is not None:
+        keys_k = jax.vmap(lambda w: worker_key(rng_seed, round_, w))(ids_k)
     global_leaves = None if eager else treedef.flatten_up_to(global_params)
     outer_states = None if eager else list(outer_states)
     if eager:
@@ -326,7 +361,7 @@ def _round_body(
     res_leaves = None if residual_k is None else treedef.flatten_up_to(residual_k)
     false_k = jnp.zeros((num_local,), bool)
     excluded_k, dropped_any_k, skipped = false_k, false_k, jnp.bool_(False)
-    losses, snapshots, means = [], {}, []
+    losses, auxes, snapshots, means = [], [], {}, []
     if outer_delay:
         # Last round's deltas first: this exchange reads only the state, so it can run while
         # the workers take this round's inner steps.
@@ -336,16 +371,18 @@ def _round_body(
         (applied_mean, applied_weights), delayed_means = _applied(launched, delayed_means)
         applied_leaves = treedef.flatten_up_to(applied_mean)
         stale_leaves_k = treedef.flatten_up_to(pending_k[0][0])
-        fresh_leaves_k, in_flight_syncs = [None] * len(applied_leaves), []
+        # Each synced leaf's slot is filled at its sync; a frozen leaf (in no sync) keeps the
+        # zero delta it started with.
+        fresh_leaves_k, in_flight_syncs = treedef.flatten_up_to(pending_k[0][-1]), []
 
-    def segment(params, opt_state, steps, my_data, start, stop):
+    def segment(params, opt_state, steps, my_data, key, start, stop):
         data = worker_batches(batches, shared_data, my_data)
         if isinstance(batches, Sampler):
             data = data if start == 0 else functools.partial(_offset, data, start)
         elif (start, stop) != (0, num_steps):
             data = jax.tree.map(lambda x: x[start:stop], data)
         active = None if rule is None or rule.worker_steps is None else steps - start
-        return inner_loop(
+        out = inner_loop(
             loss_fn,
             inner_optimizer,
             params,
@@ -353,13 +390,21 @@ def _round_body(
             data,
             num_steps=stop - start,
             active_steps=active,
+            key=key,
+            first_step=start,
+            has_aux=has_aux,
         )
+        return out if has_aux else (*out, {})
 
-    def one_step(params, opt_state, steps, my_data, x):
+    def one_step(params, opt_state, steps, my_data, key, x):
         # One worker's inner step h (masked after its h_m steps), for the synced scan.
         h, batch = (x, worker_batches(batches, shared_data, my_data)(x)) if sampled else x
         active = None if rule is None or rule.worker_steps is None else h < steps
-        return masked_step(loss_fn, inner_optimizer, params, opt_state, batch, active)
+        h_key = None if key is None else step_key(key, h)
+        params, opt_state, loss, aux = masked_step(
+            loss_fn, inner_optimizer, params, opt_state, batch, active, key=h_key, has_aux=has_aux
+        )
+        return params, opt_state, (loss, aux)
 
     def synced_segment(start_params, in_axis, opt_k, start, stop):
         # DES-LOC: every worker steps under one scan, averaging state fields when due.
@@ -373,7 +418,8 @@ def _round_body(
         else:
             xs = (hs, jax.tree.map(lambda x: jnp.moveaxis(x[:, start:stop], 1, 0), data_k))
             x_axis = (None, 0)
-        step_k = jax.vmap(one_step, in_axes=(0, 0, 0, 0, x_axis))
+        key_axis = None if keys_k is None else 0
+        step_k = jax.vmap(one_step, in_axes=(0, 0, 0, 0, key_axis, x_axis))
 
         def average(field_k):
             mean = collectives.reduce(
@@ -382,7 +428,7 @@ def _round_body(
             return collectives.vary(mean)
 
         return state_syncs.synced_scan(
-            lambda p, o, x: step_k(p, o, steps_k, data_k, x),
+            lambda p, o, x: step_k(p, o, steps_k, data_k, keys_k, x),
             start_params,
             opt_k,
             xs,
@@ -399,13 +445,15 @@ def _round_body(
         else:
             start_params, in_axis = params_k, 0
         if syncs:
-            params_k, opt_k, loss_kxS = synced_segment(start_params, in_axis, opt_k, start, stop)
+            params_k, opt_k, out_kxS = synced_segment(start_params, in_axis, opt_k, start, stop)
         else:
             run = functools.partial(segment, start=start, stop=stop)
-            params_k, opt_k, loss_kxS = jax.vmap(run, in_axes=(in_axis, 0, 0, 0))(
-                start_params, opt_k, steps_k, data_k
+            key_axis = None if keys_k is None else 0
+            params_k, opt_k, *out_kxS = jax.vmap(run, in_axes=(in_axis, 0, 0, 0, key_axis))(
+                start_params, opt_k, steps_k, data_k, keys_k
             )
-        losses.append(loss_kxS)
+        losses.append(out_kxS[0])
+        auxes.append(out_kxS[1])
         for sync in schedule.syncs:
             if sync.snapshot == stop:
                 snapshots[sync.index] = jax.tree.leaves(params_k)
@@ -464,8 +512,8 @@ def _round_body(
                 )(old_k, outer_k[sync.index], tilde_k)
                 for i, value in zip(indices, jax.tree.leaves(new_k), strict=True):
                     theta_leaves_k[i] = value
-                if not schedule.fragmented:
-                    params_k = new_k
+                if not schedule.fragmented:  # the whole tree (frozen leaves as they were)
+                    params_k = jax.tree.unflatten(treedef, theta_leaves_k)
                     continue
                 params_k = _merged(
                     local_leaves, theta_leaves_k, indices, schedule.merge_alpha, None, None,
@@ -495,6 +543,7 @@ def _round_body(
     grad_norm = optax.tree.norm(means[0] if len(means) == 1 else means).astype(jnp.float32)
     residual_k = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
     losses_kxH = losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
+    aux_kxH = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *auxes)
     new_global = None if eager else jax.tree.unflatten(treedef, global_leaves)
     outer_states = None if eager else tuple(outer_states)
     if eager:
@@ -509,7 +558,7 @@ def _round_body(
         pending_k = (pending_k[0][1:] if eager else ()) + (fresh_k,), in_flight
     same = (new_global, outer_states, grad_norm, skipped, delayed_means)
     faulted = (None, None) if rule is None else (excluded_k, dropped_any_k)
-    local_out = (params_k if carried else None, opt_k, residual_k, losses_kxH, *faulted)
+    local_out = (params_k if carried else None, opt_k, residual_k, (losses_kxH, aux_kxH), *faulted)
     stats_out = None if stats_k is None else tuple(stats_k)
     return same, (*local_out, pending_k, outer_k, stats_out, theta_k)
 
@@ -557,7 +606,9 @@ def _launch(exchanges, schedule, pending_k, res_leaves, rule, treedef, collectiv
     one per fragment [P]), this device's updated residual leaves)."""
     deltas_k, weights_k = pending_k
     delta_leaves_k = treedef.flatten_up_to(deltas_k[-1])
-    mean_leaves, weight_sums = [None] * len(delta_leaves_k), []
+    # A frozen leaf (in no sync) has a zero mean.
+    mean_leaves = [jnp.zeros(x.shape[1:], x.dtype) for x in delta_leaves_k]
+    weight_sums = []
     res_leaves = None if res_leaves is None else list(res_leaves)
     for sync, exchange in zip(schedule.syncs, exchanges, strict=True):
         indices = leaf_indices(sync, len(delta_leaves_k))
@@ -630,10 +681,14 @@ def _where_k(mask_k, on_true_k, on_false):
     return jnp.where(mask, on_true_k, on_false)
 
 
-def _check_state(state: DiLoCoState, params_like: Any, num_workers: int, method: DiLoCo) -> None:
-    """Raises one ValueError when `state` is not what `init_state(params, M, method)` builds:
-    the fields that differ in structure, shape or dtype are named."""
-    want = jax.eval_shape(lambda p: init_state(p, num_workers, method), params_like)
+def _check_state(
+    state: DiLoCoState, params_like: Any, num_workers: int, method: DiLoCo, trainable: Any
+) -> None:
+    """Raises one ValueError when `state` is not what `init_state(params, M, method,
+    trainable=...)` builds: the fields that differ in structure, shape or dtype are named."""
+    want = jax.eval_shape(
+        lambda p: init_state(p, num_workers, method, trainable=trainable), params_like
+    )
     differ = [
         name
         for name, have, expect in zip(DiLoCoState._fields, state, want, strict=True)
@@ -641,9 +696,10 @@ def _check_state(state: DiLoCoState, params_like: Any, num_workers: int, method:
     ]
     if differ:
         raise ValueError(
-            f"state was built for another method than {method!r} or another number of workers "
-            f"({num_workers}): its fields {differ} differ from init_state(params, num_workers, "
-            "method)'s; build the state with the method you run"
+            f"state was built for another method than {method!r}, another number of workers "
+            f"({num_workers}) or another trainable mask: its fields {differ} differ from "
+            "init_state(params, num_workers, method, trainable=...)'s; build the state with "
+            "what you run"
         )
 
 

@@ -161,37 +161,48 @@ def check_schedule(num_fragments: int, inner_steps: int, overlap_steps: int) -> 
         )
 
 
-def make_schedule(params: Any, inner_steps: int, streaming: "Streaming | None" = None) -> Schedule:
+def make_schedule(
+    params: Any, inner_steps: int, streaming: "Streaming | None" = None, frozen: tuple = ()
+) -> Schedule:
     """The round's schedule: one sync of every leaf after H steps when `streaming` is None,
-    else Streaming DiLoCo's (see the module docstring). Raises ValueError naming the field of
-    `streaming` that can't run with these params and H."""
+    else Streaming DiLoCo's (see the module docstring). `frozen` leaves (indices into the
+    params' leaves, see `diloco_jax.trainable`) are in no sync. Raises ValueError naming the
+    field of `streaming` that can't run with these params and H."""
+    num_leaves = len(jax.tree.leaves(params))
     if streaming is None:
-        return Schedule((Sync(0, None, inner_steps, inner_steps),), False, 0.0)
+        synced = None if not frozen else tuple(i for i in range(num_leaves) if i not in frozen)
+        return Schedule((Sync(0, synced, inner_steps, inner_steps),), False, 0.0)
     frags = fragment_of(params, streaming.assignment)
     num_fragments = max(frags) + 1
     check_schedule(num_fragments, inner_steps, streaming.overlap_steps)
     per_fragment = inner_steps // num_fragments
-    syncs = tuple(
-        Sync(
-            p,
-            tuple(i for i, f in enumerate(frags) if f == p),
-            (p + 1) * per_fragment - streaming.overlap_steps,
-            (p + 1) * per_fragment,
+    syncs = []
+    for p in range(num_fragments):
+        leaves = tuple(i for i, f in enumerate(frags) if f == p and i not in frozen)
+        if not leaves:
+            raise ValueError(f"trainable freezes every leaf of fragment {p} (Streaming.fragments)")
+        syncs.append(
+            Sync(
+                p, leaves, (p + 1) * per_fragment - streaming.overlap_steps, (p + 1) * per_fragment
+            )
         )
-        for p in range(num_fragments)
-    )
-    return Schedule(syncs, True, streaming.merge_alpha)
+    return Schedule(tuple(syncs), True, streaming.merge_alpha)
 
 
-def synced_groups(params: Any, streaming: "Streaming | None") -> list[list[Any]]:
+def synced_groups(params: Any, streaming: "Streaming | None", frozen: tuple = ()) -> list[list]:
     """The leaves of `params` each sync of a round exchanges, in sync order (one group of
-    every leaf without fragments)."""
+    every leaf without fragments); `frozen` leaves are in none."""
     leaves = jax.tree.leaves(params)
     if streaming is None:
-        return [leaves]
+        return [[x for i, x in enumerate(leaves) if i not in frozen]]
     frags = fragment_of(params, streaming.assignment)
     return [
-        [x for x, f in zip(leaves, frags, strict=True) if f == p] for p in range(max(frags) + 1)
+        [
+            x
+            for i, (x, f) in enumerate(zip(leaves, frags, strict=True))
+            if f == p and i not in frozen
+        ]
+        for p in range(max(frags) + 1)
     ]
 
 

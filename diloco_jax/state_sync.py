@@ -98,22 +98,22 @@ def synced_scan(
 ) -> tuple[Any, Any, jax.Array]:
     """S inner steps of this device's k workers under one `lax.scan`.
 
-    step_k(params_k, opt_k, x) -> (params_k, opt_k, float32 losses [k]) steps every worker
+    step_k(params_k, opt_k, x) -> (params_k, opt_k, outputs: a pytree of [k]) steps every worker
     once (x: one entry of `xs_S`, leading dim S). After the step with global index
     s = first_step + i + 1, every field due (s % K == 0) is replaced by `average` of it
     (the mean over all M workers, given to each, leaves [k, ...]). Returns (params_k, opt_k,
-    losses float32 [k, S])."""
+    the outputs' leaves as [k, S])."""
 
     def body(carry, x):
         params_k, opt_k, step = carry
-        params_k, opt_k, loss_k = step_k(params_k, opt_k, x)
+        params_k, opt_k, out_k = step_k(params_k, opt_k, x)
         step = step + 1
         for name, every in syncs:
             field = optax.tree.get(opt_k, name)
             synced = lax.cond(step % every == 0, average, lambda f: f, field)
             opt_k = optax.tree.set(opt_k, **{name: synced})
-        return (params_k, opt_k, step), loss_k
+        return (params_k, opt_k, step), out_k
 
     start = jnp.asarray(first_step, jnp.int32)
-    (params_k, opt_k, _), losses_Sxk = lax.scan(body, (params_k, opt_k, start), xs_S)
-    return params_k, opt_k, losses_Sxk.T
+    (params_k, opt_k, _), out_Sxk = lax.scan(body, (params_k, opt_k, start), xs_S)
+    return params_k, opt_k, jax.tree.map(lambda x: x.T, out_Sxk)

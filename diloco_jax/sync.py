@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco_jax.inner import LossFn, checked_loss
+from diloco_jax.inner import LossFn, check_loss_options, loss_and_aux, step_means, worker_key
 from diloco_jax.sampler import num_workers_of, split_data, worker_batches
 from diloco_jax.workers import Backend, make_backend
 
@@ -34,28 +34,41 @@ def sync_step(
     optimizer: optax.GradientTransformation,
     backend: "str | Backend" = "vmap",
     num_workers: int | None = None,
+    has_aux: bool = False,
+    rng_seed: int | None = None,
 ) -> tuple[SyncState, dict[str, jax.Array]]:
     """One data-parallel step. Pure; jit it.
 
     Args:
       batch: batch pytree with leaves [M, ...] (worker m's batch is leaf[m]); or a `Sampler`
         (called with round = the step index and step = 0) with `num_workers`.
+      has_aux, rng_seed: as for `diloco_round`; worker m's key at step s is
+        `worker_key(rng_seed, s, m)` (`diloco_jax.inner`).
     Returns:
-      (new state, metrics): "loss" float32 mean over workers, "worker_loss" float32 [M].
-      The gradients are averaged over workers in the params' dtype.
+      (new state, metrics): "loss" float32 mean over workers, "worker_loss" float32 [M], and
+      each aux metric the same way. The gradients are averaged over workers in the params'
+      dtype.
     """
+    check_loss_options(has_aux, rng_seed)
     num_workers = num_workers_of(batch, num_workers)
     backend = make_backend(backend, num_workers)
     shared_data, per_worker_data = split_data(batch, num_workers, state.step)
+    ids_M = None if rng_seed is None else jnp.arange(num_workers, dtype=jnp.int32)
 
-    def worker(shared, my_data):
-        params, shared_data = shared
+    def worker(shared, mine):
+        (params, shared_data, step), (my_data, my_id) = shared, mine
         my_batch = worker_batches(batch, shared_data, my_data, step=0)
-        loss, grads = jax.value_and_grad(checked_loss(loss_fn))(params, my_batch)
-        return grads, loss.astype(jnp.float32)
+        key = None if rng_seed is None else worker_key(rng_seed, step, my_id)
+        (loss, aux), grads = jax.value_and_grad(
+            lambda p: loss_and_aux(loss_fn, p, my_batch, key, has_aux), has_aux=True
+        )(params)
+        return grads, (loss.astype(jnp.float32), aux)
 
-    grads, losses_M = backend.map_mean(worker)((state.params, shared_data), per_worker_data)
+    grads, outputs_M = backend.map_mean(worker)(
+        (state.params, shared_data, state.step), (per_worker_data, ids_M)
+    )
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": jnp.mean(losses_M), "worker_loss": losses_M}
+    losses_M, aux_M = outputs_M
+    metrics = step_means(losses_M[:, None], {k: v[:, None] for k, v in aux_M.items()}, None)
     return SyncState(params, opt_state, state.step + 1), metrics

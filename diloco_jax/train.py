@@ -18,9 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint, delay
 from diloco_jax import state_sync as state_sync_lib
+from diloco_jax import trainable as trainable_lib
 from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
 from diloco_jax.distributed import is_multiprocess, to_host
-from diloco_jax.inner import LossFn
+from diloco_jax.inner import LossFn, check_loss_options
 from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
 from diloco_jax.round import diloco_round, init_state
 from diloco_jax.sampler import Sampler
@@ -56,6 +57,9 @@ def train_diloco(
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
     data_parallel: int = 1,
+    has_aux: bool = False,
+    rng_seed: int | None = None,
+    trainable: Any = None,
     **options: Any,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
@@ -80,6 +84,17 @@ def train_diloco(
       data_parallel: devices per worker (shard_map): each worker's batch (the dim after
         [M, H]) is split over its devices and its gradients averaged there every inner step;
         the deltas are averaged over workers once a round.
+      has_aux: `loss_fn` returns (loss, aux), aux a dict of scalars (e.g. accuracy): each
+        joins the history like "loss" / "worker_loss", as history[r][name] (mean over the
+        round's steps and workers) and history[r]["worker_" + name] ([M]); a name that
+        collides with a history key is a ValueError.
+      rng_seed: an int >= 0: `loss_fn(params, batch, key)`, one key per (round r, worker m,
+        inner step h), `fold_in(fold_in(fold_in(PRNGKey(rng_seed), r), m), h)`: independent
+        streams per worker, bit-identical runs, the same keys after a resume and on every
+        backend. None: `loss_fn(params, batch)`.
+      trainable: a pytree of bools like `params`, or a callable (path, leaf) -> bool: frozen
+        leaves keep their values bit for bit (no inner update or weight decay, no delta, no
+        outer state, no bytes; see `diloco_jax.trainable`). None: every leaf trains.
       eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
         after the last one; its values join that round's history entry. Under eager updates
         it sees the mean of the workers' own params (as does the result's `params`).
@@ -105,15 +120,19 @@ def train_diloco(
       "dropped_workers" and "skipped" (see `diloco_round`).
     """
     method = method_from_options(method, options, caller="train_diloco")
+    check_loss_options(has_aux, rng_seed)
     _check_int("num_rounds", num_rounds, 0)
     _check_int("num_workers", num_workers, 1)
     _check_int("inner_steps", inner_steps, 1)
     _check_int("eval_every", eval_every, 1)
     _check_params(params)
     backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
-    _, syncs = method.check_run(params, num_workers, inner_steps)
-    worker_state = jax.eval_shape(method.inner_optimizer.init, params)
-    state = init_state(params, num_workers, method)
+    mask = trainable_lib.resolved(params, trainable)
+    frozen = trainable_lib.frozen_leaves(params, mask)
+    _, syncs = method.check_run(params, num_workers, inner_steps, frozen)
+    inner = trainable_lib.masked_optimizer(method.inner_optimizer, params, frozen)
+    worker_state = jax.eval_shape(inner.init, params)
+    state = init_state(params, num_workers, method, trainable=mask)
     step = _jitted(
         diloco_round,
         loss_fn,
@@ -121,23 +140,27 @@ def train_diloco(
         method=method,
         num_workers=num_workers,
         inner_steps=inner_steps,
+        **({"has_aux": True} if has_aux else {}),
+        **({"rng_seed": rng_seed} if rng_seed is not None else {}),
+        **({"trainable": mask} if mask is not None else {}),
     )
     # A lone worker has no one to send to: its mean over workers is local.
-    per_round = round_bytes(params, method.compression) if num_workers > 1 else 0
-    wire_per_round = method.round_wire_bytes(params, num_workers)
+    per_round = round_bytes(params, method.compression, frozen) if num_workers > 1 else 0
+    wire_per_round = method.round_wire_bytes(params, num_workers, frozen)
     faulty = method.weights.active
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
         synced = state_sync_lib.wire_bytes(syncs, worker_state, num_workers, (r + 1) * inner_steps)
-        return {
-            "round": r,
-            "steps": (r + 1) * inner_steps,
-            "loss": float(metrics["loss"]),
-            "worker_loss": [float(x) for x in metrics["worker_loss"]],
-            "outer_grad_norm": float(metrics["outer_grad_norm"]),
-            "bytes_communicated": (r + 1) * per_round,
-            "wire_bytes": round((r + 1) * wire_per_round + synced),
-        } | (_fault_record(metrics) if faulty else {})
+        return (
+            {"round": r, "steps": (r + 1) * inner_steps}
+            | _step_record(metrics)
+            | {
+                "outer_grad_norm": float(metrics["outer_grad_norm"]),
+                "bytes_communicated": (r + 1) * per_round,
+                "wire_bytes": round((r + 1) * wire_per_round + synced),
+            }
+            | (_fault_record(metrics) if faulty else {})
+        )
 
     loop = _Loop(
         backend=backend,
@@ -156,6 +179,8 @@ def train_diloco(
             num_workers=num_workers,
             inner_steps=inner_steps,
             **method.fingerprint(),
+            **({} if rng_seed is None else {"rng_seed": rng_seed}),
+            **({} if mask is None else {"trainable": list(mask.flags)}),
         ),
     )
     state, history = loop.run(step, record, state, data)
@@ -180,6 +205,9 @@ def train_sync(
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
     data_parallel: int = 1,
+    has_aux: bool = False,
+    rng_seed: int | None = None,
+    trainable: Any = None,
 ) -> TrainResult:
     """Synchronous data parallelism: each step averages M workers' gradients, then one update.
 
@@ -190,6 +218,8 @@ def train_sync(
       method: or a `DiLoCo` spec whose `inner` is the optimizer (so a DiLoCo run and its
         baseline share one value); its other parts don't apply to data parallelism and are
         refused. Not both `optimizer` and `method`.
+      rng_seed: worker m's key at step s is fold_in(fold_in(PRNGKey(rng_seed), s), m).
+      trainable: frozen leaves get zero updates (their gradients are still averaged).
       The rest as in `train_diloco` (checkpoints count steps instead of rounds).
 
     Returns:
@@ -197,8 +227,10 @@ def train_sync(
       "steps" (s + 1), "loss", "worker_loss" ([M]), "bytes_communicated" (cumulative bytes
       each worker contributes: size x itemsize of every averaged gradient leaf; 0 when
       M = 1) and "wire_bytes" (cumulative bytes it sends on the wire: the ring all-reduce
-      of the gradients and the loss, `comm.sync_step_wire_bytes`).
+      of the gradients and the loss, `comm.sync_step_wire_bytes`); with `has_aux`, each aux
+      metric and its "worker_" list.
     """
+    check_loss_options(has_aux, rng_seed)
     _check_int("num_steps", num_steps, 0)
     _check_int("num_workers", num_workers, 1)
     _check_int("eval_every", eval_every, 1)
@@ -214,22 +246,32 @@ def train_sync(
             )
         optimizer = method.inner
     optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
+    frozen = trainable_lib.frozen_leaves(params, trainable)
+    optimizer = trainable_lib.masked_optimizer(optimizer, params, frozen)
     backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
 
     state = init_sync_state(params, optimizer)
-    step = _jitted(sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers)
+    step = _jitted(
+        sync_step,
+        loss_fn,
+        backend,
+        optimizer=optimizer,
+        num_workers=num_workers,
+        **({"has_aux": True} if has_aux else {}),
+        **({"rng_seed": rng_seed} if rng_seed is not None else {}),
+    )
     per_step = payload_bytes(params) if num_workers > 1 else 0
     wire_per_step = sync_step_wire_bytes(params, num_workers)
 
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
-        return {
-            "step": s,
-            "steps": s + 1,
-            "loss": float(metrics["loss"]),
-            "worker_loss": [float(x) for x in metrics["worker_loss"]],
-            "bytes_communicated": (s + 1) * per_step,
-            "wire_bytes": round((s + 1) * wire_per_step),
-        }
+        return (
+            {"step": s, "steps": s + 1}
+            | _step_record(metrics)
+            | {
+                "bytes_communicated": (s + 1) * per_step,
+                "wire_bytes": round((s + 1) * wire_per_step),
+            }
+        )
 
     loop = _Loop(
         backend=backend,
@@ -246,6 +288,7 @@ def train_sync(
             params,
             algorithm="sync",
             num_workers=num_workers,
+            **({} if rng_seed is None else {"rng_seed": rng_seed}),
         ),
     )
     state, history = loop.run(step, record, state, data)
@@ -311,6 +354,17 @@ _PER_WORKER_FIELDS = (
     "pending_weights",
     "worker_params",
 )
+
+
+def _step_record(metrics: dict[str, np.ndarray]) -> Record:
+    """The per-step means of a round or step's metrics: "loss", "worker_loss" ([M]) and each
+    aux metric's pair, in the order the round returned them."""
+    out = {}
+    for name in metrics:
+        if "worker_" + name in metrics:
+            out[name] = float(metrics[name])
+            out["worker_" + name] = [float(x) for x in metrics["worker_" + name]]
+    return out
 
 
 def _fault_record(metrics: dict[str, np.ndarray]) -> Record:
