@@ -1,12 +1,40 @@
-"""Test setup: 8 fake CPU devices, set before any JAX backend initializes."""
+"""Test setup: 8 fake CPU devices, set before any JAX backend initializes, and one persistent
+JAX compilation cache per test run.
 
+The cache: many tests compile a program another test (or the same test) already compiled: a
+fresh loss function or optimizer object misses jit's in-memory cache though the program is
+the same, the pytest-xdist workers compile each other's programs, and the CLI processes that
+tests start compile the same model again. The process that starts the run (the xdist
+controller, or the only process without xdist) makes an empty directory and removes it when
+it exits; the workers and every subprocess inherit it through JAX_COMPILATION_CACHE_DIR. A
+hit loads the very executable a miss would have compiled, so bit-for-bit checks see the same
+program. DILOCO_JAX_TEST_CACHE=0 turns it off (JAX_COMPILATION_CACHE_DIR set beforehand is
+used as it is)."""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("DILOCO_JAX_TEST_CACHE", "1") != "0" and not os.environ.get(
+    "JAX_COMPILATION_CACHE_DIR"
+):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="diloco-jax-test-jit-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    # Every program that takes a moment to compile (the default, 1 s, would skip most).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): one worker per CPU this process may use, at most
+    4 (each worker holds a few GB: JAX with 8 fake devices and its compiled programs)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cpus or 1, 4))

@@ -1,18 +1,20 @@
-"""Bit-for-bit goldens: every case of tests/golden_cases.py ends with the final params, state
-and history recorded before the round bodies were folded into one (tests/data/golden_*).
+"""Bit-for-bit goldens: every case of tests/golden_cases.py's `checked_cases()` ends with the
+final params, state and history recorded before the round bodies were folded into one
+(tests/data/golden_*). One test per case, so that pytest-xdist workers share them out.
 
 One exception, on purpose: the old Streaming DiLoCo round accepted `exclude_nonfinite=True`
 and ignored it. Now the option takes effect (a weighted exchange that leaves non-finite
 workers out), so on the recorded finite data those cases agree to float rounding, not bit for
 bit, and their history gains the fault fields (nobody excluded, dropped or skipped)."""
 
+import functools
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from golden_cases import INNER_STEPS, NUM_ROUNDS, cases, data, optimizers, params
+from golden_cases import INNER_STEPS, NUM_ROUNDS, cases, checked_cases, data, optimizers, params
 from reference import linear_loss, precision
 
 import diloco_jax as dj
@@ -21,6 +23,7 @@ DATA = Path(__file__).parent / "data"
 ARRAYS, HISTORIES = DATA / "golden_rounds.npz", DATA / "golden_histories.json"
 WRITE = os.environ.get("DILOCO_JAX_WRITE_GOLDEN") == "1"
 CASES = cases()
+CHECKED = dict(checked_cases())
 
 
 def run_case(case):
@@ -46,17 +49,21 @@ def run_case(case):
     return arrays, result.history
 
 
+@functools.cache
 def _stored():
+    """(arrays by case name, then field; histories by case name), read once per process."""
     if not ARRAYS.exists():
         return None, None
+    arrays = {}
     with np.load(ARRAYS) as npz:
-        arrays = {k: npz[k] for k in npz.files}
+        for key in npz.files:
+            name, field = key.split("/", 1)
+            arrays.setdefault(name, {})[field] = npz[key]
     return arrays, json.loads(HISTORIES.read_text())
 
 
 @pytest.mark.slow
-def test_golden_cases_are_bit_identical():
-    stored_arrays, stored_histories = _stored()
+def test_golden_cases_are_recorded():
     if WRITE:
         arrays, histories = {}, {}
         for name, case in CASES:
@@ -66,25 +73,37 @@ def test_golden_cases_are_bit_identical():
         np.savez_compressed(ARRAYS, **arrays)
         HISTORIES.write_text(json.dumps(histories, indent=0, sort_keys=True))
         pytest.skip(f"wrote {len(CASES)} golden cases")
+    stored_arrays, stored_histories = _stored()
     assert stored_arrays is not None, "no goldens recorded"
-    failures = []
-    for name, case in CASES:
-        got, history = run_case(case)
-        want = {k[len(name) + 1 :]: v for k, v in stored_arrays.items() if k.startswith(name + "/")}
-        if want.keys() != got.keys():
-            failures.append(f"{name}: fields {sorted(got)} != {sorted(want)}")
-            continue
-        history = json.loads(json.dumps(history))  # "wire_bytes" came later
-        history = [{k: v for k, v in h.items() if k != "wire_bytes"} for h in history]
-        if name.endswith("-exclude-stream"):
-            failures += _rounding_only(name, want, got, history, stored_histories[name])
-            continue
-        for key, value in want.items():
-            if value.dtype != got[key].dtype or value.tobytes() != got[key].tobytes():
-                failures.append(f"{name}: {key} differs")
+    missing = [
+        name for name, _ in CASES if name not in stored_arrays or name not in stored_histories
+    ]
+    assert not missing, f"{len(missing)} cases not recorded: {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CHECKED))
+def test_golden_case_is_bit_identical(name):
+    if WRITE:
+        pytest.skip("writing the goldens (test_golden_cases_are_recorded)")
+    stored_arrays, stored_histories = _stored()
+    assert stored_arrays is not None, "no goldens recorded"
+    got, history = run_case(CHECKED[name])
+    want = stored_arrays.get(name, {})
+    assert want.keys() == got.keys(), f"{name}: fields {sorted(got)} != {sorted(want)}"
+    history = json.loads(json.dumps(history))  # "wire_bytes" came later
+    history = [{k: v for k, v in h.items() if k != "wire_bytes"} for h in history]
+    if name.endswith("-exclude-stream"):
+        failures = _rounding_only(name, want, got, history, stored_histories[name])
+    else:
+        failures = [
+            f"{name}: {key} differs"
+            for key, value in want.items()
+            if value.dtype != got[key].dtype or value.tobytes() != got[key].tobytes()
+        ]
         if history != stored_histories[name]:
             failures.append(f"{name}: history differs")
-    assert not failures, f"{len(failures)} of {len(CASES)} cases differ:\n" + "\n".join(failures)
+    assert not failures, "\n".join(failures)
 
 
 NO_FAULTS = {"excluded_workers": [], "dropped_workers": [], "skipped": False}

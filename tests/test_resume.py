@@ -187,6 +187,7 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path):
     _assert_same(resumed, full)
 
 
+CLI_ROUNDS = 20  # the kill lands after round 6: rounds enough left that it lands mid-run
 CLI = [
     sys.executable,
     "-m",
@@ -195,7 +196,7 @@ CLI = [
     "--preset",
     "micro",
     "--rounds",
-    "40",
+    str(CLI_ROUNDS),
     "--inner-steps",
     "2",
     "--pretrain-steps",
@@ -246,7 +247,7 @@ def test_cli_killed_with_sigkill_resumes_bit_identical(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     interrupted_at = dj.checkpoint.latest_step(run_dir)
-    assert interrupted_at is not None and 5 <= interrupted_at < 40
+    assert interrupted_at is not None and 5 <= interrupted_at < CLI_ROUNDS
     assert not (killed / "summary.json").exists()
     subprocess.run(
         [*CLI, "--out", str(killed)], check=True, env=env, capture_output=True, timeout=600
@@ -254,7 +255,9 @@ def test_cli_killed_with_sigkill_resumes_bit_identical(tmp_path):
     assert _run_records(killed / "metrics.jsonl") == _run_records(straight / "metrics.jsonl")
     # Every leaf of the final state is bit-identical: the checkpoints' CRC-32s agree.
     crcs = [
-        json.loads((d / "checkpoints" / "run" / "40" / "checksums" / "metadata").read_text())
+        json.loads(
+            (d / "checkpoints" / "run" / str(CLI_ROUNDS) / "checksums" / "metadata").read_text()
+        )
         for d in (straight, killed)
     ]
     assert crcs[0] == crcs[1]
