@@ -13,11 +13,44 @@ all-reduce. Compute utilization is H * t_step / t_round. This is the model of Ch
 behind the next round's inner steps (delayed or eager outer updates, `overlap=True`):
 
     t_round = max(H * t_step, latency + 8 * wire_bytes / bandwidth)
+
+That formula charges one latency per exchange. Measured over a shaped link (benchmarks/
+link.py: two processes with gloo CPU collectives over a loopback of known rate and one-way
+delay) the rounds took up to 5.7x its figure (a data-parallel step at 100 Mbit/s, 20 ms;
+2.1x a DiLoCo round and 2.5x a SparseLoCo round at 10 Mbit/s, 50 ms), because a round is
+many collectives and each waits for the link's delay several times. `program_seconds`
+costs the compiled program's collectives (`diloco_jax.hlo.collectives`) message by message
+as a transport sends them (`Transport`; `GLOO_TCP`, what XLA's CPU runtime uses across
+processes), which predicted every measured round within 15%:
+
+* every operand of a combined (variadic) all-reduce / all-gather is its own call, one after
+  the other (XLA's CPU thunks loop over the operands);
+* a message leaves only once its receiver has announced the matching receive (gloo's TCP
+  pairs are rendezvous-based): one round trip, 2 x the one-way delay, before its bytes;
+* a ring all-reduce splits its operand into at least 2n segments of at most 1 MiB, runs a
+  reduce-scatter then an all-gather phase of n - 1 segments per rank each, two messages in
+  flight; a ring all-gather sends its shard in two halves per step, n - 1 steps; XLA's
+  all-to-all posts every peer's chunk at once; a collective-permute is one message (a
+  reduce-scatter, which no round here uses, is costed as log2 n halving exchanges);
+* bytes cross at the link's payload rate: TCP/IP headers (52 bytes a segment) come out of
+  every MTU-sized packet.
+
+With `link.delay` the one-way delay (a round trip is 2 x delay), a round then takes
+
+    t_round = t_compute + program_seconds(collectives, link)
+
+or, where the exchange really runs under the next round's inner steps, the max of the two
+(`predict_round_seconds(..., overlap=True)`; on XLA's CPU runtime an eager round's exchange
+ran in sequence with its inner steps, so the measured rounds are the sum: see
+benchmarks/README.md, "link.py").
 """
 
+import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any
 
+from diloco_jax import hlo
 from diloco_jax.hlo import ring_wire_bytes
 
 BANDWIDTHS = {"100 Gbit/s": 100e9, "10 Gbit/s": 10e9, "1 Gbit/s": 1e9, "100 Mbit/s": 100e6}
@@ -129,3 +162,141 @@ def format_bandwidth(bits_per_second: float) -> str:
         if bits_per_second >= scale:
             return f"{bits_per_second / scale:.3g} {unit}"
     return f"{bits_per_second:.3g} bit/s"
+
+
+# --------------------------------------------------------------------------------------
+# Collectives costed message by message (the model benchmarks/link.py checks on packets).
+
+TCP_IP_HEADER_BYTES = 52  # IPv4 (20) + TCP (20) + timestamps option (12), each segment
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One worker's link: `rate` bit/s of IP packets (headers included) each way, `delay`
+    seconds one way (a round trip is 2 x delay), packets of at most `mtu` bytes."""
+
+    rate: float
+    delay: float
+    mtu: int = 1500
+
+    @property
+    def payload_rate(self) -> float:
+        """bit/s of TCP payload: each packet's TCP/IP headers take their share of the rate."""
+        return self.rate * (self.mtu - TCP_IP_HEADER_BYTES) / self.mtu
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """How a collectives library turns a collective into messages.
+
+    rendezvous: a message leaves only once the receiver has announced the matching receive
+      (one round trip before the bytes); in_flight: messages a ring keeps outstanding;
+      max_segment_bytes: the largest piece of an all-reduce operand sent as one message.
+    """
+
+    name: str
+    rendezvous: bool = True
+    in_flight: int = 2
+    max_segment_bytes: int = 1 << 20
+
+
+GLOO_TCP = Transport("gloo-tcp")
+
+
+def messages_seconds(count: int, message_bytes: float, link: Link, transport: Transport) -> float:
+    """Seconds until the last of `count` back-to-back messages of `message_bytes` arrives.
+
+    Message j may leave once its receiver's ready notice, sent when message j - in_flight
+    arrived, has crossed the link (rendezvous), and once message j - 1 is on the wire:
+    arrival_j = max(arrival_{j-k} + 2 delay + s, arrival_{j-1} + s), s = its serialization
+    time, with the first k ready notices sent at time 0. Without rendezvous a message only
+    needs the wire: delay + count * s.
+    """
+    if count <= 0:
+        return 0.0
+    serialize = 8 * message_bytes / link.payload_rate
+    if not transport.rendezvous:
+        return link.delay + count * serialize
+    k = transport.in_flight
+    arrivals = [0.0] * k
+    for _ in range(count):
+        arrivals.append(max(arrivals[-k] + 2 * link.delay, arrivals[-1]) + serialize)
+    return arrivals[-1]
+
+
+def collective_seconds(
+    op: str, operand_bytes: float, n: int, link: Link, transport: Transport = GLOO_TCP
+) -> float:
+    """Seconds for one call of collective `op` over n ranks with `operand_bytes` per rank
+    (one operand; the local shard for all-gather), as `transport`'s algorithms send it."""
+    if n <= 1 or operand_bytes <= 0:
+        return 0.0
+    if op == "all-reduce":  # ring: reduce-scatter, then all-gather, of 2n+ segments
+        segments = max(math.ceil(operand_bytes / transport.max_segment_bytes), 2 * n)
+        segments = math.ceil(segments / n) * n
+        per_phase = segments - segments // n
+        return 2 * messages_seconds(per_phase, operand_bytes / segments, link, transport)
+    if op == "all-gather":  # ring: n - 1 steps, the shard in two halves each
+        return messages_seconds(2 * (n - 1), operand_bytes / 2, link, transport)
+    if op == "all-to-all":  # every peer's chunk posted at once: one wait, n - 1 chunks
+        chunk = operand_bytes / n
+        return messages_seconds(1, chunk, link, transport) + (n - 2) * 8 * chunk / (
+            link.payload_rate
+        )
+    if op == "collective-permute":
+        return messages_seconds(1, operand_bytes, link, transport)
+    if op == "reduce-scatter":  # recursive halving: log2(n) exchanges of halving size
+        steps = math.ceil(math.log2(n))
+        size = ring_wire_bytes(op, operand_bytes, n) / steps
+        return steps * messages_seconds(1, size, link, transport)
+    raise ValueError(f"no message model for collective {op!r}")
+
+
+def operand_sizes(c: "hlo.Collective") -> list[int]:
+    """Bytes of each operand of a collective (the same widths `hlo` counts with)."""
+    return [
+        math.ceil(math.prod(shape) * hlo._dtype_bits(dtype) / 8)
+        for dtype, shape in zip(c.operand_dtypes, c.operand_shapes, strict=True)
+    ]
+
+
+def program_seconds(
+    collectives: Iterable["hlo.Collective"],
+    link: Link,
+    num_devices: int | None = None,
+    transport: Transport = GLOO_TCP,
+) -> float:
+    """Seconds a compiled program spends in its collectives (`hlo.collectives(compiled)`),
+    one after another: each operand of a combined all-reduce / all-gather its own call, an
+    all-to-all's operands (one per peer) one call. A collective printed without replica
+    groups spans `num_devices`. In-loop collectives raise (their trip count is the
+    caller's)."""
+    total = 0.0
+    for c in collectives:
+        if c.in_loop:
+            raise ValueError(f"collective {c.name} sits in a loop: multiply it yourself")
+        n = len(c.replica_groups[0]) if c.replica_groups else num_devices
+        if c.op == "collective-permute":
+            n = 2
+        if n is None:
+            raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
+        if c.op == "all-to-all":
+            total += collective_seconds(c.op, c.operand_bytes, n, link, transport)
+            continue
+        for size in operand_sizes(c):
+            total += collective_seconds(c.op, size, n, link, transport)
+    return total
+
+
+def predict_round_seconds(
+    compute_seconds: float,
+    collectives: Iterable["hlo.Collective"],
+    link: Link,
+    num_devices: int | None = None,
+    overlap: bool = False,
+    transport: Transport = GLOO_TCP,
+) -> float:
+    """A round's seconds on `link`: its compute (measured without shaping) plus its
+    collectives (`program_seconds`), or with `overlap` the larger of the two."""
+    comm = program_seconds(collectives, link, num_devices, transport)
+    return max(compute_seconds, comm) if overlap else compute_seconds + comm

@@ -1,0 +1,162 @@
+"""benchmarks/link.py: link specs, shaping commands and round timing by hand; and, where the
+machine allows it (root, ip / tc / iptables, network namespaces), a tiny run over a shaped
+loopback and its cleanup, on normal exit and on SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import link  # noqa: E402  (benchmarks/ is not a package)
+
+RUN_TIMEOUT_S = 170
+
+
+def test_parse_link():
+    spec = link.parse_link("100mbit:20ms")
+    assert (spec.rate, spec.delay, spec.loss) == (100e6, 0.02, 0.0)
+    spec = link.parse_link("1.5gbit:250us:0.1%")
+    assert spec.rate == pytest.approx(1.5e9)
+    assert spec.delay == pytest.approx(250e-6)
+    assert spec.loss == pytest.approx(0.001)
+    for bad in ("100mbit", "fast:20ms", "100mbit:20", "100mbit:20ms:2", "0mbit:1ms"):
+        with pytest.raises(ValueError):
+            link.parse_link(bad)
+
+
+def test_link_commands_shape_every_worker_uplink():
+    spec = link.parse_link("10mbit:50ms:1%")
+    netem = link.link_commands(spec, 2, netem=True, queue=1)
+    leaves = [c for c in netem if "netem" in c]
+    assert len(leaves) == 3  # two workers' classes and the one for unowned packets
+    assert leaves[0][-6:] == ["delay", "50000us", "limit", "100000", "loss", "1%"]
+    classes = [c for c in netem if c[:3] == ["tc", "class", "add"]]
+    assert [c[c.index("classid") + 1] for c in classes] == ["1:10", "1:11", "1:99"]
+    assert all(c[c.index("rate") + 1] == "10000000bit" for c in classes)
+    queued = link.link_commands(spec, 2, netem=False, queue=3)
+    assert not any("netem" in c for c in queued)
+    assert queued[-1][queued[-1].index("--queue-num") + 1] == "3"
+    # No link: only the removals (allowed to fail when nothing is there).
+    assert link.link_commands(None, 2, netem=False, queue=0) == netem[:2]
+    rules = link.classify_commands(2)
+    assert [r[r.index("--gid-owner") + 1] for r in rules] == ["46000", "46001"]
+
+
+def test_method_specs_keep_streaming_h_a_multiple_of_p():
+    specs = {s["name"]: s for s in link.method_specs(list(link.METHODS), 4, 6, None)}
+    assert specs["dp"]["inner_steps"] == 1 and specs["dp"]["rounds_per_block"] == 6
+    assert specs["diloco"]["inner_steps"] == 25 and specs["streaming"]["inner_steps"] == 24
+    short = {s["name"]: s for s in link.method_specs(["streaming", "eager"], 3, 3, 10)}
+    assert short["streaming"]["inner_steps"] == 8 and short["eager"]["inner_steps"] == 10
+
+
+def test_schedule_goes_forwards_then_backwards():
+    assert link.schedule(3, 1) == [0, 1, 2]
+    assert link.schedule(3, 3) == [0, 1, 2, 2, 1, 0, 0, 1, 2]
+
+
+def test_phase_gaps_drop_the_switch_and_the_last_gap():
+    # Blocks of 3 rounds on phases none, slow, slow, none: 13 entries. Unshaped rounds take
+    # 1 s, slow ones 5 s; the gap after a block's last entry straddles a switch (3 s), and
+    # the last gap is the dispatch artefact (0.1 s).
+    ends = [0, 1, 2, 5, 10, 15, 20, 25, 30, 33, 34, 35, 35.1]
+    run = {"round_end_s": ends, "phases": ["none", "slow"], "schedule": [0, 1, 1, 0]}
+    run["rounds_per_block"] = 3
+    assert link.phase_gaps(run, "none") == [1, 1, 1, 1]
+    assert link.phase_gaps(run, "slow") == [5, 5, 5, 5]
+    assert link.round_seconds(run, "slow") == 5
+
+
+def _cannot_shape() -> str | None:
+    if sys.platform != "linux":
+        return "network namespaces are Linux-only"
+    return link.requirements_problem()
+
+
+def _namespaces() -> str:
+    return subprocess.run([link.tool("ip"), "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _command(out: Path, *extra: str) -> list[str]:
+    """One 10 Mbit/s, 20 ms link; data parallelism and DiLoCo (H = 4) on the micro model,
+    two rounds each unshaped and shaped."""
+    return [
+        sys.executable,
+        str(ROOT / "benchmarks" / "link.py"),
+        *("--links", "10mbit:20ms", "--methods", "dp,diloco", "--preset", "micro"),
+        *("--inner-steps", "4", "--rounds", "2", "--dp-steps", "2", "--cycles", "1"),
+        *("--batch-size", "4", "--no-plot", "--out", str(out), *extra),
+    ]
+
+
+@pytest.mark.slow
+def test_tiny_run_over_a_shaped_link(tmp_path):
+    problem = _cannot_shape()
+    if problem:
+        pytest.skip(f"cannot shape a link here: {problem}")
+    out = tmp_path / "link.json"
+    done = subprocess.run(
+        _command(out, "--timeout", str(RUN_TIMEOUT_S - 20)),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["namespace"] not in _namespaces()
+    assert not (Path("/etc/netns") / result["namespace"]).exists()
+    probe = result["link_probes"]["10mbit:20ms"]
+    assert 0.03 < probe["rtt_s"] < 0.2  # two one-way delays of 20 ms
+    assert {r["method"] for r in result["rows"]} == {"dp", "diloco"}
+    for row in result["rows"]:
+        for field in (
+            "link",
+            "rate_bits_per_s",
+            "delay_s",
+            "method",
+            "measured_round_s",
+            "predicted_round_s",
+            "compute_round_s",
+            "inner_steps",
+        ):
+            assert field in row, field
+        assert row["rate_bits_per_s"] == 10e6 and row["delay_s"] == 0.02
+        # Every round waits for the link: several 40 ms round trips at least.
+        assert row["measured_round_s"] > row["compute_round_s"] + 0.1
+        assert row["predicted_round_s"] > row["compute_round_s"]
+
+
+@pytest.mark.slow
+def test_sigterm_tears_the_namespace_down(tmp_path):
+    problem = _cannot_shape()
+    if problem:
+        pytest.skip(f"cannot shape a link here: {problem}")
+    proc = subprocess.Popen(
+        _command(tmp_path / "link.json"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    name = f"djlink{proc.pid}"
+    try:
+        deadline = time.monotonic() + 60
+        while name not in _namespaces():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the namespace never appeared"
+            time.sleep(0.2)
+        time.sleep(3)  # the delay line and the probes are up; the workers are starting
+        assert proc.poll() is None, "link.py ended before the signal"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert name not in _namespaces()
+    assert not (Path("/etc/netns") / name).exists()
+    assert os.path.exists(tmp_path) and not (tmp_path / "link.json").exists()
