@@ -15,7 +15,7 @@ from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.delayed_nesterov import DelayedNesterovState, delayed_nesterov
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
-from diloco_jax.inner import inner_loop, inner_step, step_key, worker_key
+from diloco_jax.inner import StepInfo, inner_loop, inner_step, step_key, worker_key
 from diloco_jax.layout import sync_steps, worker_rounds
 from diloco_jax.method import (
     DiLoCo,
@@ -24,6 +24,7 @@ from diloco_jax.method import (
     method_from_options,
 )
 from diloco_jax.momentum_restart import restart_momentum
+from diloco_jax.nnx_model import NNXModelFns, nnx_model_fns
 from diloco_jax.optimizers import (
     DION_NS_COEFFS,
     default_is_hidden_matrix,
@@ -45,10 +46,12 @@ from diloco_jax.sampler import Sampler
 from diloco_jax.schedule import Streaming
 from diloco_jax.state_sync import StateSync
 from diloco_jax.sync import SyncState, init_sync_state, sync_step
-from diloco_jax.train import TrainResult, train_diloco, train_sync
+from diloco_jax.train import TrainResult, train_diloco, train_diloco_step, train_sync
 from diloco_jax.workers import WORKER_AXIS, Backend, make_backend
 
 __all__ = [
+    "NNXModelFns",
+    "StepInfo",
     "checkpoint",
     "WORKER_AXIS",
     "AnomalySkip",
@@ -88,6 +91,7 @@ __all__ = [
     "method_from_options",
     "restart_momentum",
     "muon_inner_optimizer",
+    "nnx_model_fns",
     "muon_labels",
     "ns_coefficients",
     "outer_init",
@@ -102,6 +106,7 @@ __all__ = [
     "sync_step",
     "train_async",
     "train_diloco",
+    "train_diloco_step",
     "train_sync",
     "worker_delta",
     "worker_key",

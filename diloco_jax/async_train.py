@@ -241,7 +241,9 @@ def train_async(
         paper's fix.
       method: or a `DiLoCo` spec giving `inner` and `outer` (its other parts don't apply to
         asynchronous arrivals and are refused); not together with the optimizer keywords.
-      eval_fn: optional jittable params -> dict of scalars, run every `eval_every` updates
+      eval_fn: optional jittable params -> dict of scalars, run every `eval_every` inner steps
+        per worker (after the first update at which the workers' applied steps reach each
+        multiple of M x eval_every)
         and after the last; its values join that update's history entry.
       callback: called with each history entry as it is recorded.
       backend, devices: "auto" or "vmap": jobs run one at a time (each depends on the theta
@@ -382,7 +384,11 @@ def train_async(
         sent[e.worker] += per_job
         total_steps += e.steps
         done = e.update + 1
-        due = evaluate is not None and (done % eval_every == 0 or done == num_updates)
+        # Every `eval_every` inner steps per worker: when the applied steps of all workers
+        # first reach each multiple of M x eval_every.
+        every = num_workers * eval_every
+        crossed = total_steps // every > (total_steps - e.steps) // every
+        due = evaluate is not None and (crossed or done == num_updates)
         entry = {
             "update": e.update,
             "time": e.time,

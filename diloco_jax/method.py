@@ -135,15 +135,24 @@ class DiLoCo:
         return self.compression.kind != "none" and self.compression.error_feedback
 
     def check_run(
-        self, params: Any, num_workers: int, inner_steps: int, frozen: tuple = ()
+        self,
+        params: Any,
+        num_workers: int,
+        inner_steps: int,
+        frozen: tuple = (),
+        inner_state: Any = None,
     ) -> tuple[Schedule, Syncs | None]:
         """The round's schedule and state syncs for `params` (arrays or shapes), M workers and H
-        inner steps; ValueError naming the part's field that can't run with them."""
+        inner steps (`inner_state`: one worker's inner state or its shapes, when it is not the
+        inner optimizer's, e.g. a worker step's); ValueError naming the part's field that
+        can't run with them."""
         schedule = make_schedule(params, inner_steps, self.schedule, frozen)
         self.weights.check_run(num_workers, inner_steps)
         syncs = None
         if self.state_sync is not None:
-            syncs = self.state_sync.check_run(jax.eval_shape(self.inner_optimizer.init, params))
+            if inner_state is None:
+                inner_state = jax.eval_shape(self.inner_optimizer.init, params)
+            syncs = self.state_sync.check_run(inner_state)
         return schedule, syncs
 
     def num_syncs(self, params: Any) -> int:

@@ -29,22 +29,28 @@ import optax
 from jax import lax
 
 from diloco_jax import delay, faults
+from diloco_jax import model_state as model_states
 from diloco_jax import state_sync as state_syncs
 from diloco_jax.compression import init_residual
 from diloco_jax.exchange import make_exchange
 from diloco_jax.inner import (
     LossFn,
+    Step,
+    StepInfo,
     check_loss_options,
-    inner_loop,
+    loss_step,
     masked_step,
+    run_steps,
     step_key,
     step_means,
+    train_step,
     worker_key,
 )
 from diloco_jax.method import (
     DiLoCo,
     method_from_options,
 )
+from diloco_jax.model_state import check_model_state
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
 from diloco_jax.schedule import Schedule, Sync, leaf_indices, part, synced_groups
@@ -83,6 +89,11 @@ class DiLoCoState(NamedTuple):
     worker_params: under eager updates with fragments, each worker's own θ_m (leaves
       [M, ...] in the params' dtypes; each fragment as of that worker's last outer step of
       it), beside the params it keeps training in `local_params`. None otherwise.
+    model_state: each worker's model state (`diloco_jax.model_state`), leaves stacked
+      [M, ...] (merged leaves equal on every worker after a round); None without one.
+
+    With a worker step (`train_diloco_step`) `inner_opt_state` holds each worker's whole
+    worker state (its params as of its last step inside).
     """
 
     params: Any
@@ -96,6 +107,7 @@ class DiLoCoState(NamedTuple):
     delayed_means: Any = None
     norm_stats: Any = None
     worker_params: Any = None
+    model_state: Any = None
 
 
 def init_state(
@@ -104,6 +116,8 @@ def init_state(
     method: DiLoCo | None = None,
     *,
     trainable: Any = None,
+    model_state: Any = None,
+    worker_state: Any = None,
     **options,
 ) -> DiLoCoState:
     """Round-0 state for `method` (a `DiLoCo`; or its keyword shorthand, see
@@ -114,8 +128,10 @@ def init_state(
     zero deltas in flight (the first d rounds apply a zero mean); with eager updates, every
     worker's own θ and outer state (see `diloco_jax.delay`); with an anomaly skip, empty
     norm statistics. `trainable` (see `diloco_jax.trainable`): frozen leaves get no inner
-    optimizer state and no outer state. `diloco_round` refuses a state built for another
-    method."""
+    optimizer state and no outer state. `model_state` (a pytree of arrays, see
+    `diloco_jax.model_state`): copied to every worker, [M, ...]. `worker_state`: a worker
+    step's state (`train_diloco_step`), copied to every worker as `inner_opt_state` in place
+    of the inner optimizer's. `diloco_round` refuses a state built for another method."""
     method = method_from_options(method, options, caller="init_state")
     frozen = frozen_leaves(params, trainable)
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
@@ -134,16 +150,22 @@ def init_state(
     norm_stats = None
     if method.weights.anomaly is not None:
         norm_stats = faults.initial_stats(num_workers, method.num_syncs(params))
+    if worker_state is None:
+        inner_state = masked_optimizer(method.inner_optimizer, params, frozen).init(params)
+    else:
+        inner_state = worker_state
+    if model_state is not None:
+        check_model_state(model_state)
+        model_state = stack_workers(model_state, num_workers)
     state = DiLoCoState(
         params=params,
         outer_opt_state=outer_opt_state,
-        inner_opt_state=stack_workers(
-            masked_optimizer(method.inner_optimizer, params, frozen).init(params), num_workers
-        ),
+        inner_opt_state=stack_workers(inner_state, num_workers),
         round=jnp.zeros((), jnp.int32),
         residual=residual,
         local_params=local_params,
         norm_stats=norm_stats,
+        model_state=model_state,
     )
     if not method.outer_delay:
         return state
@@ -163,12 +185,17 @@ def diloco_round(
     has_aux: bool = False,
     rng_seed: int | None = None,
     trainable: Any = None,
+    model_state_merge: Any = None,
+    params_of: Any = None,
+    with_params: Any = None,
     **options,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
 
     Args:
-      loss_fn: (params, batch) -> float scalar.
+      loss_fn: (params, batch) -> float scalar; with a model state in `state` (`init_state(...,
+        model_state=)`), (params, model_state, batch) -> (loss, new_model_state). With
+        `params_of` and `with_params`, a worker step instead (see `train_diloco_step`).
       state: from `init_state` with the same method, or a previous round (a state built for
         another method is a ValueError).
       batches: batch pytree with leaves [M, H, ...] (worker m's step h uses leaf[m, h]); or a
@@ -187,6 +214,12 @@ def diloco_round(
       trainable: a pytree of bools like the params, or a callable (path, leaf) -> bool; the
         frozen leaves keep their values bit for bit (`diloco_jax.trainable`). The state must
         be built with the same mask.
+      model_state_merge: the merge rule of the model state's leaves at the round's end, one
+        rule or a pytree of rules: "mean" (float leaves' default), "first", "keep" (the
+        default for other leaves; `diloco_jax.model_state`).
+      params_of, with_params: `loss_fn` is a worker step `(worker_state, batch, info) ->
+        (worker_state, metrics)` over the worker states in `state.inner_opt_state`
+        (`init_state(..., worker_state=)`); these read and write its params.
 
     A weights part with fault options on (exclusion, drops, worker steps, weighting, anomaly)
     leaves workers out of a sync's mean or weighs them (`diloco_jax.faults`); a delay applies
@@ -205,6 +238,7 @@ def diloco_round(
     """
     method = method_from_options(method, options, caller="diloco_round")
     check_loss_options(has_aux, rng_seed)
+    custom = _check_step_functions(params_of, with_params, method, has_aux)
     num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
     num_steps = _inner_steps_of(batches, inner_steps)
@@ -214,8 +248,20 @@ def diloco_round(
     if like is None:
         like = jax.eval_shape(delay.global_params, state)
     frozen = frozen_leaves(like, trainable)
-    schedule, syncs = method.check_run(like, num_workers, num_steps, frozen)
-    _check_state(state, like, num_workers, method, trainable)
+    worker_like = _one_worker(state.inner_opt_state) if custom else None
+    model_like = None if state.model_state is None else _one_worker(state.model_state)
+    schedule, syncs = method.check_run(like, num_workers, num_steps, frozen, worker_like)
+    _check_state(state, like, num_workers, method, trainable, model_like, worker_like)
+    rules = None
+    if model_like is not None:
+        rules = model_states.merge_rules(model_like, model_state_merge)
+    elif model_state_merge is not None:
+        raise ValueError("model_state_merge needs a model state (init_state(..., model_state=))")
+    if custom:
+        step = train_step(loss_fn, params_of, with_params, frozen)
+    else:
+        inner = masked_optimizer(method.inner_optimizer, like, frozen)
+        step = loss_step(loss_fn, inner, has_aux, with_model_state=model_like is not None)
     rule = method.weights
     weighted = rule.active
     drops = rule.drop_probability is not None
@@ -248,8 +294,7 @@ def diloco_round(
     shared_data, per_worker_data = split_data(batches, num_workers, state.round)
     body = functools.partial(
         _round_body,
-        loss_fn=loss_fn,
-        inner_optimizer=masked_optimizer(method.inner_optimizer, like, frozen),
+        step=step,
         outer_optimizer=method.outer_optimizer,
         batches=batches,
         num_steps=num_steps,
@@ -262,10 +307,12 @@ def diloco_round(
         eager=eager,
         num_workers=num_workers,
         syncs=syncs,
-        has_aux=has_aux,
         rng_seed=rng_seed,
+        merge_rules=rules,
     )
-    ids_M = None if rng_seed is None else jnp.arange(num_workers, dtype=jnp.int32)
+    ids_M = None
+    if rng_seed is not None or custom:  # what a step's key or StepInfo needs
+        ids_M = jnp.arange(num_workers, dtype=jnp.int32)
     # Fragmented rounds keep the program they ran before the round bodies were folded into
     # this one (on vmap, the workers under a size-1 device axis), so those runs stay bit for
     # bit; un-nesting it is faster on CPU but rounds differently.
@@ -283,11 +330,12 @@ def diloco_round(
             state.norm_stats if rule.anomaly is not None else None,
             state.worker_params,
             ids_M,
+            state.model_state,
         ),
     )
     params, outer_states, grad_norm, skipped, delayed_means = same
     local_params, inner_opt_state, residual, outputs, excluded_M, dropped_M = mine[:6]
-    pending, worker_outer, norm_stats, worker_params = mine[6:]
+    pending, worker_outer, norm_stats, worker_params, model_state = mine[6:]
     losses_MxH, aux_MxH = outputs
     metrics = step_means(losses_MxH, aux_MxH, steps_M if rule.worker_steps else None)
     metrics["outer_grad_norm"] = grad_norm
@@ -312,6 +360,7 @@ def diloco_round(
         delayed_means,
         norm_stats if rule.anomaly is not None else state.norm_stats,
         worker_params,
+        model_state,
     )
     return new_state, metrics
 
@@ -321,8 +370,7 @@ def _round_body(
     local,
     collectives,
     *,
-    loss_fn,
-    inner_optimizer,
+    step: Step,
     outer_optimizer,
     batches,
     num_steps,
@@ -335,8 +383,8 @@ def _round_body(
     eager: bool,
     num_workers: int,
     syncs: "state_syncs.Syncs | None",
-    has_aux: bool,
     rng_seed: int | None,
+    merge_rules: "model_states.Rules | None",
 ):
     """The round on one device's k workers (leaves [k, ...]): inner-step segments between
     the schedule's boundaries; at each sync the deltas, weights, exchange, outer update and
@@ -345,7 +393,8 @@ def _round_body(
     global_params, outer_states, shared_data, delayed_means, round_ = shared
     params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k, pending_k, outer_k = local[:8]
     stats_k = None if local[8] is None else list(local[8])
-    theta_k, ids_k = local[9], local[10]
+    theta_k, ids_k, model_k = local[9], local[10], local[11]
+    model_start_k = model_k
     keys_k = None  # each worker's base key of this round's steps (`inner.worker_key`)
     if rng_seed is not None:
         keys_k = jax.vmap(lambda w: worker_key(rng_seed, round_, w))(ids_k)
@@ -375,38 +424,42 @@ def _round_body(
         # zero delta it started with.
         fresh_leaves_k, in_flight_syncs = treedef.flatten_up_to(pending_k[0][-1]), []
 
-    def segment(params, opt_state, steps, my_data, key, start, stop):
+    def segment(params, opt_state, model_state, steps, my_data, key, worker, start, stop):
         data = worker_batches(batches, shared_data, my_data)
         if isinstance(batches, Sampler):
             data = data if start == 0 else functools.partial(_offset, data, start)
         elif (start, stop) != (0, num_steps):
             data = jax.tree.map(lambda x: x[start:stop], data)
         active = None if rule is None or rule.worker_steps is None else steps - start
-        out = inner_loop(
-            loss_fn,
-            inner_optimizer,
+        return run_steps(
+            step,
             params,
             opt_state,
+            model_state,
             data,
             num_steps=stop - start,
             active_steps=active,
             key=key,
             first_step=start,
-            has_aux=has_aux,
+            round_=None if worker is None else round_,
+            worker=worker,
         )
-        return out if has_aux else (*out, {})
 
-    def one_step(params, opt_state, steps, my_data, key, x):
-        # One worker's inner step h (masked after its h_m steps), for the synced scan.
+    def one_step(carried, opt_state, steps, my_data, key, worker, x):
+        # One worker's inner step h (masked after its h_m steps), for the synced scan; the
+        # model state rides with the params (`synced_scan` averages optimizer fields only).
         h, batch = (x, worker_batches(batches, shared_data, my_data)(x)) if sampled else x
         active = None if rule is None or rule.worker_steps is None else h < steps
-        h_key = None if key is None else step_key(key, h)
-        params, opt_state, loss, aux = masked_step(
-            loss_fn, inner_optimizer, params, opt_state, batch, active, key=h_key, has_aux=has_aux
+        info = StepInfo(
+            None if worker is None else round_, worker, h, None if key is None else step_key(key, h)
         )
-        return params, opt_state, (loss, aux)
+        (params, model_state) = carried
+        params, opt_state, model_state, loss, aux = masked_step(
+            step, params, opt_state, model_state, batch, info, active
+        )
+        return (params, model_state), opt_state, (loss, aux)
 
-    def synced_segment(start_params, in_axis, opt_k, start, stop):
+    def synced_segment(start_params, in_axis, opt_k, model_k, start, stop):
         # DES-LOC: every worker steps under one scan, averaging state fields when due.
         if in_axis is None:
             start_params = jax.tree.map(
@@ -419,7 +472,8 @@ def _round_body(
             xs = (hs, jax.tree.map(lambda x: jnp.moveaxis(x[:, start:stop], 1, 0), data_k))
             x_axis = (None, 0)
         key_axis = None if keys_k is None else 0
-        step_k = jax.vmap(one_step, in_axes=(0, 0, 0, 0, key_axis, x_axis))
+        id_axis = None if ids_k is None else 0
+        step_k = jax.vmap(one_step, in_axes=(0, 0, 0, 0, key_axis, id_axis, x_axis))
 
         def average(field_k):
             mean = collectives.reduce(
@@ -427,15 +481,16 @@ def _round_body(
             )
             return collectives.vary(mean)
 
-        return state_syncs.synced_scan(
-            lambda p, o, x: step_k(p, o, steps_k, data_k, keys_k, x),
-            start_params,
+        (params_k, model_k), opt_k, out_kxS = state_syncs.synced_scan(
+            lambda p, o, x: step_k(p, o, steps_k, data_k, keys_k, ids_k, x),
+            (start_params, model_k),
             opt_k,
             xs,
             round_ * num_steps + start,
             syncs,
             average,
         )
+        return params_k, opt_k, model_k, *out_kxS
 
     sampled = isinstance(batches, Sampler)
     bounds = schedule.boundaries(num_steps)
@@ -445,13 +500,16 @@ def _round_body(
         else:
             start_params, in_axis = params_k, 0
         if syncs:
-            params_k, opt_k, out_kxS = synced_segment(start_params, in_axis, opt_k, start, stop)
+            params_k, opt_k, model_k, *out_kxS = synced_segment(
+                start_params, in_axis, opt_k, model_k, start, stop
+            )
         else:
             run = functools.partial(segment, start=start, stop=stop)
             key_axis = None if keys_k is None else 0
-            params_k, opt_k, *out_kxS = jax.vmap(run, in_axes=(in_axis, 0, 0, 0, key_axis))(
-                start_params, opt_k, steps_k, data_k, keys_k
-            )
+            id_axis = None if ids_k is None else 0
+            params_k, opt_k, model_k, *out_kxS = jax.vmap(
+                run, in_axes=(in_axis, 0, 0, 0, 0, key_axis, id_axis)
+            )(start_params, opt_k, model_k, steps_k, data_k, keys_k, ids_k)
         losses.append(out_kxS[0])
         auxes.append(out_kxS[1])
         for sync in schedule.syncs:
@@ -539,7 +597,11 @@ def _round_body(
                 )  # fmt: skip
             if rule is not None and rule.leaves_out:
                 # A non-finite worker's new inner state may hold NaNs: back to the round's start.
-                opt_k = jax.vmap(faults.select_tree)(finite_k, opt_k, opt_start_k)
+                opt_k, model_k = jax.vmap(faults.select_tree)(
+                    finite_k, (opt_k, model_k), (opt_start_k, model_start_k)
+                )
+    if merge_rules is not None:  # once a round, after its last sync
+        model_k = model_states.merge(model_k, merge_rules, collectives, num_workers)
     grad_norm = optax.tree.norm(means[0] if len(means) == 1 else means).astype(jnp.float32)
     residual_k = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
     losses_kxH = losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
@@ -560,7 +622,7 @@ def _round_body(
     faulted = (None, None) if rule is None else (excluded_k, dropped_any_k)
     local_out = (params_k if carried else None, opt_k, residual_k, (losses_kxH, aux_kxH), *faulted)
     stats_out = None if stats_k is None else tuple(stats_k)
-    return same, (*local_out, pending_k, outer_k, stats_out, theta_k)
+    return same, (*local_out, pending_k, outer_k, stats_out, theta_k, model_k)
 
 
 def _weights(rule: faults.Weights, delta_k, steps_k, stats_k, index, round_, collectives):
@@ -682,12 +744,23 @@ def _where_k(mask_k, on_true_k, on_false):
 
 
 def _check_state(
-    state: DiLoCoState, params_like: Any, num_workers: int, method: DiLoCo, trainable: Any
+    state: DiLoCoState,
+    params_like: Any,
+    num_workers: int,
+    method: DiLoCo,
+    trainable: Any,
+    model_like: Any = None,
+    worker_like: Any = None,
 ) -> None:
     """Raises one ValueError when `state` is not what `init_state(params, M, method,
     trainable=...)` builds: the fields that differ in structure, shape or dtype are named."""
     want = jax.eval_shape(
-        lambda p: init_state(p, num_workers, method, trainable=trainable), params_like
+        lambda p, m, w: init_state(
+            p, num_workers, method, trainable=trainable, model_state=m, worker_state=w
+        ),
+        params_like,
+        model_like,
+        worker_like,
     )
     differ = [
         name
@@ -701,6 +774,27 @@ def _check_state(
             "init_state(params, num_workers, method, trainable=...)'s; build the state with "
             "what you run"
         )
+
+
+def _one_worker(tree_M: Any) -> Any:
+    """The shapes of one worker's slice of a [M, ...]-stacked pytree."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree_M)
+
+
+def _check_step_functions(params_of: Any, with_params: Any, method: DiLoCo, has_aux: bool) -> bool:
+    """Whether the round runs a worker step: both `params_of` and `with_params` are
+    callables (ValueError naming the one missing; or a method with its own inner optimizer,
+    which a worker step replaces)."""
+    if params_of is None and with_params is None:
+        return False
+    for name, fn in (("params_of", params_of), ("with_params", with_params)):
+        if not callable(fn):
+            raise ValueError(f"{name} must be a callable with a worker step, got {fn!r}")
+    if method.inner is not None:
+        raise ValueError("a worker step is its own inner optimizer: give a DiLoCo without inner")
+    if has_aux:
+        raise ValueError("has_aux does not apply to a worker step: its metrics dict is the aux")
+    return True
 
 
 def _shapes(tree: Any) -> Any:

@@ -17,11 +17,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint, delay
+from diloco_jax import model_state as model_state_lib
 from diloco_jax import state_sync as state_sync_lib
 from diloco_jax import trainable as trainable_lib
 from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
 from diloco_jax.distributed import is_multiprocess, to_host
-from diloco_jax.inner import LossFn, check_loss_options
+from diloco_jax.inner import LossFn, StepInfo, check_loss_options
 from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
 from diloco_jax.round import diloco_round, init_state
 from diloco_jax.sampler import Sampler
@@ -32,11 +33,14 @@ Record = dict[str, Any]
 
 
 class TrainResult(NamedTuple):
-    """params: final global params; state: the full final state; history: one dict a round."""
+    """params: final global params; state: the full final state; history: one dict a round
+    (a step for `train_sync`); model_state: the merged model state (leaves under "keep"
+    stacked [M, ...], see `diloco_jax.model_state`), None without one."""
 
     params: Any
     state: Any
     history: list[Record]
+    model_state: Any = None
 
 
 def train_diloco(
@@ -50,8 +54,9 @@ def train_diloco(
     method: DiLoCo | None = None,
     backend: "str | Backend" = "auto",
     devices: list[jax.Device] | None = None,
-    eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
+    eval_fn: Callable[..., dict[str, jax.Array]] | None = None,
     eval_every: int = 1,
+    eval_data: Any = None,
     callback: Callable[[Record], None] | None = None,
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
@@ -60,12 +65,16 @@ def train_diloco(
     has_aux: bool = False,
     rng_seed: int | None = None,
     trainable: Any = None,
+    model_state: Any = None,
+    model_state_merge: Any = None,
     **options: Any,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
 
     Args:
       loss_fn: (params, batch) -> float scalar; batch is one worker's batch for one step.
+        With `model_state`: (params, model_state, batch) -> (loss, new_model_state), or
+        (loss, (new_model_state, aux)) with `has_aux`; a key comes last with `rng_seed`.
       params: initial global params, any pytree of float arrays. Never mutated or donated.
       data: iterable of rounds; each a batch pytree with leaves [num_workers, inner_steps, ...].
         Exactly `num_rounds` items are consumed. Or a `Sampler`, which draws every inner
@@ -95,9 +104,20 @@ def train_diloco(
       trainable: a pytree of bools like `params`, or a callable (path, leaf) -> bool: frozen
         leaves keep their values bit for bit (no inner update or weight decay, no delta, no
         outer state, no bytes; see `diloco_jax.trainable`). None: every leaf trains.
-      eval_fn: optional jittable params -> dict of scalars, run every `eval_every` rounds and
-        after the last one; its values join that round's history entry. Under eager updates
-        it sees the mean of the workers' own params (as does the result's `params`).
+      model_state: a pytree of arrays beside the params (BatchNorm statistics, counters of
+        any dtype): each worker carries its own copy through its inner steps; at the end of
+        every round it is merged by `model_state_merge` (one rule or a pytree of rules:
+        "mean", the default for float leaves; "first"; "keep", the default for the others;
+        see `diloco_jax.model_state`). No optimizer sees it; it is not in the deltas or
+        "wire_bytes"; its merge's bytes are history's "model_state_wire_bytes".
+      eval_fn: optional jittable (params[, model_state][, eval_data]) -> dict of scalars (the
+        model state when the run has one, `eval_data` when given), run at the first round
+        end at or past every multiple of `eval_every` inner steps and after the last round;
+        its values join that round's history entry. Under eager updates it sees the mean of
+        the workers' own params (as does the result's `params`); the model state it sees is
+        the merged one (`TrainResult.model_state`).
+      eval_data: any pytree of arrays passed to `eval_fn` as its last argument (placed on the
+        devices once, not baked into the program).
       callback: called with each history entry as it is recorded (e.g. a progress bar).
       checkpoint_dir: if set, the full state and history are saved there (Orbax, atomic) every
         `checkpoint_every` rounds and after the last, keeping the newest `keep_checkpoints`;
@@ -108,7 +128,8 @@ def train_diloco(
         which have no stable form) is a ValueError.
 
     Returns:
-      TrainResult(params, state: DiLoCoState, history). history[r] has "round" (0-based),
+      TrainResult(params, state: DiLoCoState, history, model_state). history[r] has "round"
+      (0-based),
       "steps" (inner steps per worker so far), "loss", "worker_loss" ([M]), "outer_grad_norm"
       "bytes_communicated" (cumulative payload each worker contributes: size x itemsize of
       every averaged delta leaf, float32 or wider, or of every compressed payload array its
@@ -119,38 +140,181 @@ def train_diloco(
       (exclusion, drops, worker_steps, weighting, anomaly), also "excluded_workers",
       "dropped_workers" and "skipped" (see `diloco_round`).
     """
+    here = locals()
     method = method_from_options(method, options, caller="train_diloco")
     check_loss_options(has_aux, rng_seed)
+    return _train_diloco(
+        loss_fn,
+        params,
+        data,
+        method,
+        dict(num_rounds=num_rounds, num_workers=num_workers, inner_steps=inner_steps),
+        _RunOptions.of(here),
+        has_aux=has_aux,
+        model_state=model_state,
+        model_state_merge=model_state_merge,
+    )
+
+
+def train_diloco_step(
+    worker_step: Callable[[Any, Any, StepInfo], tuple[Any, dict[str, jax.Array]]],
+    worker_state: Any,
+    data: Iterable[Any],
+    *,
+    params_of: Callable[[Any], Any],
+    with_params: Callable[[Any, Any], Any],
+    num_rounds: int,
+    num_workers: int,
+    inner_steps: int,
+    method: DiLoCo | None = None,
+    backend: "str | Backend" = "auto",
+    devices: list[jax.Device] | None = None,
+    eval_fn: Callable[..., dict[str, jax.Array]] | None = None,
+    eval_every: int = 1,
+    eval_data: Any = None,
+    callback: Callable[[Record], None] | None = None,
+    checkpoint_dir: "str | os.PathLike | None" = None,
+    checkpoint_every: int = 1,
+    keep_checkpoints: int = 3,
+    data_parallel: int = 1,
+    rng_seed: int | None = None,
+    trainable: Any = None,
+    **options: Any,
+) -> TrainResult:
+    """DiLoCo around your own train step: `train_diloco` with the inner step replaced.
+
+    Args:
+      worker_step: (worker_state, batch, info) -> (worker_state, metrics), jittable; runs H
+        times per round inside the compiled round. `info` is a `StepInfo` (round, worker, step
+        within the round, and the step's key with `rng_seed`); `metrics` a dict of scalars
+        holding a float "loss" (before the update): the others join the history like aux
+        metrics ("name" and "worker_name").
+      worker_state: one worker's initial state (e.g. params, optimizer state, counters);
+        every worker starts from a copy, keeps all of it but its params from round to round,
+        and has its params set to θ (or its own, under fragments, drops or eager updates) at
+        each round's start.
+      params_of: worker_state -> params, the pytree DiLoCo averages (float leaves).
+      with_params: (worker_state, params) -> worker_state with those params.
+      method: a `DiLoCo` without `inner` (the worker step is the inner optimizer) or its
+        shorthand; every other part applies as in `train_diloco` (state sync finds its fields
+        by name inside the worker state).
+      trainable: frozen leaves of the params are written back after every step (bit for bit;
+        the worker step's optimizer still sees them).
+      The rest as in `train_diloco`; `eval_fn(params[, eval_data])`.
+
+    Returns:
+      TrainResult(params, state, history): `state.inner_opt_state` holds each worker's worker
+      state, leaves [M, ...]. The `loss_fn` form of `train_diloco` is this contract with the
+      worker state (params, inner optimizer state[, model state]).
+    """
+    here = locals()
+    method = method_from_options(method, options, caller="train_diloco_step")
+    if not callable(worker_step):
+        raise ValueError(f"worker_step must be a callable, got {worker_step!r}")
+    for name, fn in (("params_of", params_of), ("with_params", with_params)):
+        if not callable(fn):
+            raise ValueError(f"{name} must be a callable, got {fn!r}")
+    try:
+        params = params_of(worker_state)
+    except Exception as error:  # noqa: BLE001 (the user's function: say which one failed)
+        raise ValueError(f"params_of(worker_state) failed: {error}") from error
+    return _train_diloco(
+        worker_step,
+        params,
+        data,
+        method,
+        dict(num_rounds=num_rounds, num_workers=num_workers, inner_steps=inner_steps),
+        _RunOptions.of(here),
+        worker_state=(worker_state, params_of, with_params),
+    )
+
+
+class _RunOptions(NamedTuple):
+    """The run options both DiLoCo trainers take, as their keyword arguments name them."""
+
+    backend: Any
+    devices: Any
+    eval_fn: Any
+    eval_every: int
+    eval_data: Any
+    callback: Any
+    checkpoint_dir: Any
+    checkpoint_every: int
+    keep_checkpoints: int
+    data_parallel: int
+    rng_seed: int | None
+    trainable: Any
+
+    @classmethod
+    def of(cls, arguments: dict[str, Any]) -> "_RunOptions":
+        return cls(**{name: arguments[name] for name in cls._fields})
+
+
+def _train_diloco(
+    fn,
+    params,
+    data,
+    method: DiLoCo,
+    sizes: dict[str, int],
+    run: _RunOptions,
+    *,
+    has_aux: bool = False,
+    model_state: Any = None,
+    model_state_merge: Any = None,
+    worker_state: Any = None,
+) -> TrainResult:
+    """The host loop of `train_diloco` and `train_diloco_step` (`fn` a loss_fn or, with
+    `worker_state` = (state, params_of, with_params), a worker step)."""
+    num_rounds, num_workers, inner_steps = (sizes[k] for k in sizes)
+    check_loss_options(has_aux, run.rng_seed)
     _check_int("num_rounds", num_rounds, 0)
     _check_int("num_workers", num_workers, 1)
     _check_int("inner_steps", inner_steps, 1)
-    _check_int("eval_every", eval_every, 1)
+    _check_int("eval_every", run.eval_every, 1)
     _check_params(params)
-    backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
-    mask = trainable_lib.resolved(params, trainable)
+    backend = _check_processes(
+        make_backend(run.backend, num_workers, run.devices, run.data_parallel)
+    )
+    mask = trainable_lib.resolved(params, run.trainable)
     frozen = trainable_lib.frozen_leaves(params, mask)
-    _, syncs = method.check_run(params, num_workers, inner_steps, frozen)
-    inner = trainable_lib.masked_optimizer(method.inner_optimizer, params, frozen)
-    worker_state = jax.eval_shape(inner.init, params)
-    state = init_state(params, num_workers, method, trainable=mask)
+    step_options = {}
+    if worker_state is not None:
+        worker_state, params_of, with_params = worker_state
+        step_options = {"params_of": params_of, "with_params": with_params}
+        inner_state = jax.eval_shape(lambda w: w, worker_state)
+    else:
+        inner = trainable_lib.masked_optimizer(method.inner_optimizer, params, frozen)
+        inner_state = jax.eval_shape(inner.init, params)
+    _, syncs = method.check_run(params, num_workers, inner_steps, frozen, inner_state)
+    rules = _model_state_rules(model_state, model_state_merge)
+    if rules is not None:
+        step_options["model_state_merge"] = model_state_lib.Resolved(rules)
+    state = init_state(
+        params, num_workers, method, trainable=mask, model_state=model_state,
+        worker_state=worker_state,
+    )  # fmt: skip
     step = _jitted(
         diloco_round,
-        loss_fn,
+        fn,
         backend,
         method=method,
         num_workers=num_workers,
         inner_steps=inner_steps,
         **({"has_aux": True} if has_aux else {}),
-        **({"rng_seed": rng_seed} if rng_seed is not None else {}),
+        **({"rng_seed": run.rng_seed} if run.rng_seed is not None else {}),
         **({"trainable": mask} if mask is not None else {}),
+        **step_options,
     )
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, method.compression, frozen) if num_workers > 1 else 0
     wire_per_round = method.round_wire_bytes(params, num_workers, frozen)
+    merge_per_round = 0.0
+    if rules is not None:
+        merge_per_round = model_state_lib.wire_bytes(model_state, rules, num_workers)
     faulty = method.weights.active
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
-        synced = state_sync_lib.wire_bytes(syncs, worker_state, num_workers, (r + 1) * inner_steps)
+        synced = state_sync_lib.wire_bytes(syncs, inner_state, num_workers, (r + 1) * inner_steps)
         return (
             {"round": r, "steps": (r + 1) * inner_steps}
             | _step_record(metrics)
@@ -159,32 +323,56 @@ def train_diloco(
                 "bytes_communicated": (r + 1) * per_round,
                 "wire_bytes": round((r + 1) * wire_per_round + synced),
             }
+            | (
+                {}
+                if rules is None
+                else {"model_state_wire_bytes": round((r + 1) * merge_per_round)}
+            )
             | (_fault_record(metrics) if faulty else {})
         )
 
+    fingerprint = {}
+    if rules is not None:
+        fingerprint["model_state_merge"] = list(rules)
+    if step_options.get("params_of") is not None:
+        fingerprint["worker_step"] = True
     loop = _Loop(
         backend=backend,
         total=num_rounds,
         lead=(num_workers, inner_steps),
         what="[num_workers, inner_steps]",
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-        callback=callback,
+        eval_fn=run.eval_fn,
+        eval_every=run.eval_every,
+        eval_data=run.eval_data,
+        steps_each=inner_steps,
+        merge_rules=rules,
+        callback=run.callback,
         checkpoints=_checkpoints(
-            checkpoint_dir,
-            checkpoint_every,
-            keep_checkpoints,
+            run.checkpoint_dir,
+            run.checkpoint_every,
+            run.keep_checkpoints,
             params,
             algorithm="diloco",
             num_workers=num_workers,
             inner_steps=inner_steps,
             **method.fingerprint(),
-            **({} if rng_seed is None else {"rng_seed": rng_seed}),
+            **({} if run.rng_seed is None else {"rng_seed": run.rng_seed}),
             **({} if mask is None else {"trainable": list(mask.flags)}),
+            **fingerprint,
         ),
     )
     state, history = loop.run(step, record, state, data)
-    return _result(state, history)
+    return _result(state, history, rules)
+
+
+def _model_state_rules(model_state: Any, model_state_merge: Any) -> tuple[str, ...] | None:
+    """The model state's merge rules (None without one), its leaves checked."""
+    if model_state is None:
+        if model_state_merge is not None:
+            raise ValueError("model_state_merge needs a model_state")
+        return None
+    model_state_lib.check_model_state(model_state)
+    return model_state_lib.merge_rules(model_state, model_state_merge)
 
 
 def train_sync(
@@ -198,8 +386,9 @@ def train_sync(
     method: DiLoCo | None = None,
     backend: "str | Backend" = "auto",
     devices: list[jax.Device] | None = None,
-    eval_fn: Callable[[Any], dict[str, jax.Array]] | None = None,
+    eval_fn: Callable[..., dict[str, jax.Array]] | None = None,
     eval_every: int = 1,
+    eval_data: Any = None,
     callback: Callable[[Record], None] | None = None,
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
@@ -208,6 +397,8 @@ def train_sync(
     has_aux: bool = False,
     rng_seed: int | None = None,
     trainable: Any = None,
+    model_state: Any = None,
+    model_state_merge: Any = None,
 ) -> TrainResult:
     """Synchronous data parallelism: each step averages M workers' gradients, then one update.
 
@@ -220,10 +411,12 @@ def train_sync(
         refused. Not both `optimizer` and `method`.
       rng_seed: worker m's key at step s is fold_in(fold_in(PRNGKey(rng_seed), s), m).
       trainable: frozen leaves get zero updates (their gradients are still averaged).
-      The rest as in `train_diloco` (checkpoints count steps instead of rounds).
+      model_state: as in `train_diloco`, each worker's copy merged after every step.
+      The rest as in `train_diloco` (checkpoints count steps instead of rounds; `eval_every`
+      counts steps, as it does for every trainer).
 
     Returns:
-      TrainResult(params, state: SyncState, history). history[s] has "step" (0-based),
+      TrainResult(params, state: SyncState, history, model_state). history[s] has "step" (0-based),
       "steps" (s + 1), "loss", "worker_loss" ([M]), "bytes_communicated" (cumulative bytes
       each worker contributes: size x itemsize of every averaged gradient leaf; 0 when
       M = 1) and "wire_bytes" (cumulative bytes it sends on the wire: the ring all-reduce
@@ -249,8 +442,9 @@ def train_sync(
     frozen = trainable_lib.frozen_leaves(params, trainable)
     optimizer = trainable_lib.masked_optimizer(optimizer, params, frozen)
     backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
+    rules = _model_state_rules(model_state, model_state_merge)
 
-    state = init_sync_state(params, optimizer)
+    state = init_sync_state(params, optimizer, model_state, num_workers)
     step = _jitted(
         sync_step,
         loss_fn,
@@ -259,9 +453,13 @@ def train_sync(
         num_workers=num_workers,
         **({"has_aux": True} if has_aux else {}),
         **({"rng_seed": rng_seed} if rng_seed is not None else {}),
+        **({} if rules is None else {"model_state_merge": model_state_lib.Resolved(rules)}),
     )
     per_step = payload_bytes(params) if num_workers > 1 else 0
     wire_per_step = sync_step_wire_bytes(params, num_workers)
+    merge_per_step = 0.0
+    if rules is not None:
+        merge_per_step = model_state_lib.wire_bytes(model_state, rules, num_workers)
 
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
         return (
@@ -271,6 +469,7 @@ def train_sync(
                 "bytes_communicated": (s + 1) * per_step,
                 "wire_bytes": round((s + 1) * wire_per_step),
             }
+            | ({} if rules is None else {"model_state_wire_bytes": round((s + 1) * merge_per_step)})
         )
 
     loop = _Loop(
@@ -280,6 +479,8 @@ def train_sync(
         what="[num_workers]",
         eval_fn=eval_fn,
         eval_every=eval_every,
+        eval_data=eval_data,
+        merge_rules=rules,
         callback=callback,
         checkpoints=_checkpoints(
             checkpoint_dir,
@@ -289,20 +490,25 @@ def train_sync(
             algorithm="sync",
             num_workers=num_workers,
             **({} if rng_seed is None else {"rng_seed": rng_seed}),
+            **({} if rules is None else {"model_state_merge": list(rules)}),
         ),
     )
     state, history = loop.run(step, record, state, data)
-    return _result(state, history)
+    return _result(state, history, rules)
 
 
-def _result(state: Any, history: list[Record]) -> TrainResult:
+def _result(state: Any, history: list[Record], rules=None) -> TrainResult:
     """The final result; in a multi-process run as host NumPy arrays, whole on every process
     (per-worker state is all-gathered), since global arrays can't be read off one process.
-    Under eager updates the params are the mean of the workers' own."""
+    Under eager updates the params are the mean of the workers' own; the model state is the
+    merged one (`model_state.merged_view`)."""
     if is_multiprocess():
         state = to_host(state)
     params = state.params if state.params is not None else jax.jit(delay.global_params)(state)
-    return TrainResult(params, state, history)
+    model_state = None
+    if rules is not None:
+        model_state = model_state_lib.merged_view(state.model_state, rules)
+    return TrainResult(params, state, history, model_state)
 
 
 def _check_processes(backend: Backend) -> Backend:
@@ -353,6 +559,7 @@ _PER_WORKER_FIELDS = (
     "pending_deltas",
     "pending_weights",
     "worker_params",
+    "model_state",
 )
 
 
@@ -421,6 +628,36 @@ class _Loop:
     eval_every: int
     callback: Callable[[Record], None] | None
     checkpoints: _Checkpoints | None
+    eval_data: Any = None
+    steps_each: int = 1  # inner steps per worker in one iteration (H for a DiLoCo round)
+    merge_rules: tuple[str, ...] | None = None
+
+    def due(self, done: int) -> bool:
+        """Whether to evaluate after iteration `done` (1-based): the first iteration end at
+        or past each multiple of `eval_every` inner steps, and the last."""
+        step = self.steps_each
+        return (
+            done == self.total
+            or (done * step) // self.eval_every > ((done - 1) * step) // self.eval_every
+        )
+
+    def evaluator(self) -> Callable[[Any, Any], Any] | None:
+        """state, eval data -> eval_fn's dict, jitted: of θ (under eager updates, of the
+        workers' mean), with the merged model state and the eval data when they exist."""
+        if self.eval_fn is None:
+            return None
+        rules, with_data = self.merge_rules, self.eval_data is not None
+
+        def evaluate(state, eval_data):
+            params = delay.global_params(state) if hasattr(state, "round") else state.params
+            args = [params]
+            if rules is not None:
+                args.append(model_state_lib.merged_view(state.model_state, rules))
+            if with_data:
+                args.append(eval_data)
+            return self.eval_fn(*args)
+
+        return jax.jit(evaluate)
 
     def run(self, step, record, state, data) -> tuple[Any, list[Record]]:
         """Resumes from the latest checkpoint if any, then dispatches iteration i + 1 before
@@ -428,9 +665,10 @@ class _Loop:
         donated to each dispatch (it is the library's own, never the caller's)."""
         state = _place_state(state, self.backend)
         state, history = self._resume(state)
-        evaluate = None
-        if self.eval_fn is not None:  # of θ (under eager updates, of the workers' mean)
-            evaluate = jax.jit(lambda state: self.eval_fn(delay.global_params(state)))
+        evaluate = self.evaluator()
+        eval_data = None
+        if evaluate is not None and self.eval_data is not None:
+            eval_data = _place(self.backend.place_shared, self.eval_data)
         pending = None
 
         def finish(i, metrics, evals):
@@ -446,8 +684,7 @@ class _Loop:
             state, metrics = step(state, batch)
             done = i + 1
             last = done == self.total
-            due = evaluate and (done % self.eval_every == 0 or last)
-            evals = evaluate(state) if due else None
+            evals = evaluate(state, eval_data) if evaluate and self.due(done) else None
             if pending is not None:
                 finish(*pending)
             pending = (i, metrics, evals)

@@ -238,6 +238,18 @@ def _gather_leaf(x: jax.Array) -> jax.Array:
     return lax.all_gather(x, WORKER_AXIS, tiled=True, to=to)
 
 
+def match_varying(new: Any, like: Any) -> Any:
+    """`new` with each leaf typed varying over every manual mesh axis its counterpart in `like`
+    varies over (a scan's carry must keep its type: e.g. a step that returns a constant
+    counter under shard_map). The identity outside shard_map and where the types agree."""
+
+    def leaf(n, old):
+        missing = _varying_axes(old) - _varying_axes(n)
+        return lax.pcast(n, tuple(sorted(missing)), to="varying") if missing else n
+
+    return jax.tree.map(leaf, new, like)
+
+
 def _varying_axes(x: jax.Array) -> frozenset:
     """Manual mesh axes `x` is typed as varying over (jax 0.10: `.mat.varying`; older: `.vma`)."""
     aval = jax.typeof(x)

@@ -314,7 +314,9 @@ def test_dylu_is_deterministic_leaves_params_alone_and_compiles_once_per_job_len
     assert a.history == b.history
     assert seen == a.history + b.history
     assert {x["steps"] for x in a.history} == {4, 2, 1}
-    assert [x["update"] for x in a.history if "eval_loss" in x] == [3, 7, 9]
+    # eval_every = 4 steps per worker: the applied steps (1, 4, 2, 1, 4, ...: totals 1, 5, 7,
+    # 8, 12, ...) first reach 3 x 4 = 12 at update 4, never 24; update 9 is the last.
+    assert [x["update"] for x in a.history if "eval_loss" in x] == [4, 9]
     np.testing.assert_allclose(a.history[-1]["eval_loss"], np.sum(np.asarray(a.params["w"]) ** 2))
     run_job, _ = async_train._programs(loss, inner, outer)
     assert run_job._cache_size() == 3  # one program per job length: 4, 2 and 1 steps
@@ -342,7 +344,14 @@ def test_resume_is_bit_identical_and_may_run_longer(grace, every, tmp_path):
     assert dj.checkpoint.latest_step(tmp_path) == 8
     resumed = run(12, checkpoint_dir=tmp_path, checkpoint_every=every, callback=seen.append)
     jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
-    assert resumed.history == full.history and seen == full.history[8:]
+    # The 8-update run evaluated after its last update (7); the 12-update one did not (its
+    # steps reach a multiple of M x eval_every = 6 at updates 2, 5, 8, 10).
+    cut = dict(resumed.history[7])
+    assert "eval_loss" in cut and "eval_loss" not in full.history[7]
+    del cut["eval_loss"]
+    assert [*resumed.history[:7], cut, *resumed.history[8:]] == full.history
+    assert seen == full.history[8:]
+    assert [e["update"] for e in full.history if "eval_loss" in e] == [2, 5, 8, 10, 11]
     assert (resumed.elapsed_seconds, resumed.utilization) == (
         full.elapsed_seconds,
         full.utilization,

@@ -64,6 +64,8 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     main_run = [r for r in records if r["run"] == "diloco"]
     assert len(pre) == 2 and [r["round"] for r in main_run] == [0, 1]
     assert all("eval_loss" in r for r in main_run)
+    # The loss's aux metric, next-token accuracy (bf16 compute: float32 logits), per worker too.
+    assert all(0 <= r["accuracy"] <= 1 and len(r["worker_accuracy"]) == 2 for r in main_run)
     # DiLoCo sends one float32 delta of every parameter per round.
     assert main_run[-1]["bytes_communicated"] == 2 * 4 * config["num_params"]
     summary = json.loads((out / "summary.json").read_text())
@@ -194,6 +196,7 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
     records = _read_jsonl(out / "metrics.jsonl")
     assert {rec["run"] for rec in records} == {"pretrain", *runs}
+    assert all(0 <= rec["accuracy"] <= 1 for rec in records)
 
 
 @pytest.mark.parametrize(

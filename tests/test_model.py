@@ -132,6 +132,41 @@ def test_loss_at_init_is_about_log_vocab():
     assert abs(float(loss) - math.log(256)) < 0.1
 
 
+def _half_right_batch(config, params, key, batch_size=4):
+    """Random inputs whose targets are the model's own argmax prediction (NumPy, from
+    `apply`'s logits) at the even positions and another token at the odd ones: accuracy 1/2."""
+    inputs = jax.random.randint(key, (batch_size, config.seq_len), 0, config.vocab_size)
+    logits = np.asarray(_apply(config, params, inputs))
+    predicted = np.argmax(logits, axis=-1)
+    odd = np.arange(config.seq_len) % 2 == 1
+    targets = np.where(odd, (predicted + 1) % config.vocab_size, predicted).astype(np.int32)
+    return {"inputs": inputs, "targets": jnp.asarray(targets)}, logits
+
+
+def test_loss_with_accuracy_matches_numpy_argmax_and_keeps_the_loss_bit_for_bit():
+    params = _params(MICRO)
+    batch, logits = _half_right_batch(MICRO, params, jax.random.key(11))
+    half = jax.tree.map(lambda x: 0.5 * x, params)  # other params: not the batch's own model
+    with_aux = jax.jit(model.make_loss_fn(MICRO, has_aux=True))
+    for p, want_logits in ((params, logits), (half, None)):
+        if want_logits is None:
+            want_logits = np.asarray(_apply(MICRO, p, batch["inputs"]))
+        want = np.mean(np.argmax(want_logits, axis=-1) == np.asarray(batch["targets"]))
+        loss, aux = with_aux(p, batch)
+        assert set(aux) == {"accuracy"} and aux["accuracy"].dtype == jnp.float32
+        assert aux["accuracy"].shape == () and float(aux["accuracy"]) == np.float32(want)
+        assert loss.dtype == jnp.float32 and np.asarray(loss) == np.asarray(_micro_loss(p, batch))
+    assert float(with_aux(params, batch)[1]["accuracy"]) == 0.5  # as the batch was built
+    # The gradients are the loss's alone: the same bits as without the accuracy.
+    plain = jax.jit(jax.value_and_grad(model.make_loss_fn(MICRO)))(half, batch)
+    aux_grad = jax.jit(jax.value_and_grad(model.make_loss_fn(MICRO, has_aux=True), has_aux=True))
+    (loss, _), grads = aux_grad(half, batch)
+    assert np.asarray(loss) == np.asarray(plain[0])
+    jax.tree.map(np.testing.assert_array_equal, grads, plain[1])
+    with pytest.raises(ValueError, match="has_aux must be True or False"):
+        model.make_loss_fn(MICRO, has_aux=1)
+
+
 def test_sgd_steps_reduce_loss_on_fixed_batch():
     loss_fn = model.make_loss_fn(MICRO)
     params = _params(MICRO)

@@ -16,6 +16,7 @@ from diloco_jax.lm.runlog import RunLog
 # What the issue asks TensorBoard to show, by metrics.jsonl field.
 FIELDS = {
     "loss": "train/loss",
+    "accuracy": "train/accuracy",  # the LM loss's aux metric (any such metric: train/NAME)
     "eval_loss": "eval/loss",
     "eval_bits_per_byte": "eval/bits_per_byte",
     "outer_grad_norm": "diloco/outer_grad_norm",
@@ -59,7 +60,7 @@ def test_train_with_bpe_and_tensorboard_on_a_text_folder(tmp_path, monkeypatch):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     diloco = [r for r in records if r["run"] == "diloco"]
     assert len(diloco) == 2 and _events(out / "tensorboard" / "diloco") == _expected(diloco)
-    assert {"outer_grad_norm", "eval_bits_per_byte", "mfu"} <= set(diloco[-1])
+    assert {"outer_grad_norm", "eval_bits_per_byte", "mfu", "accuracy"} <= set(diloco[-1])
     # config.json records the tokenizer: its vocabulary (the model's) and its file's checksum.
     config = json.loads((out / "config.json").read_text())
     tok = config["tokenizer"]

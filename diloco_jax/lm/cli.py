@@ -465,12 +465,15 @@ def train_command(
     the checkpoints folder instead: the shared OUT of every process of a multi-process run.
     With `tensorboard`, the pretrain's and the run's scalars also go to out/tensorboard/pretrain
     and out/tensorboard/ALGO (rewritten whole at the end of a checkpointed run, like
-    metrics.jsonl).
+    metrics.jsonl). Records, scalars and the progress bar carry the loss's train metrics
+    (`experiment.aux_names`, e.g. accuracy) beside the loss.
     """
     from diloco_jax.lm import experiment, tblog
     from diloco_jax.lm.runlog import RunLog, write_json, write_jsonl
 
     tb = lambda name: tblog.run_dir(out, name) if tensorboard else None
+    aux = experiment.aux_names(cfg)  # train metrics beside the loss, e.g. accuracy
+    run_log = lambda total, desc, name: RunLog(metrics, total, desc, progress, tb(name), aux)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", experiment.config_record(cfg, corpus, algo=algo))
     metrics = out / "metrics.jsonl"
@@ -482,11 +485,11 @@ def train_command(
         if not identity.exists():
             identity.parent.mkdir(parents=True, exist_ok=True)
             write_json(identity, run_identity(cfg, algo, corpus.info))
-    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress, tb("pretrain")) as log:
+    with run_log(cfg.pretrain_steps, "pretrain M=1", "pretrain") as log:
         params, pre_history = experiment.pretrain(
             cfg, corpus, on_record=log, checkpoint_dir=ckpt("pretrain")
         )
-    with RunLog(metrics, cfg.total_steps, f"{algo} M={cfg.workers}", progress, tb(algo)) as log:
+    with run_log(cfg.total_steps, f"{algo} M={cfg.workers}", algo) as log:
         summary, history = experiment.run(
             cfg,
             corpus,
@@ -499,8 +502,8 @@ def train_command(
         )
     write_jsonl(metrics, pre_history + history)
     if tensorboard and checkpoint_every:  # a resumed run logged only its last part live
-        tblog.write_history(tb("pretrain"), pre_history)
-        tblog.write_history(tb(algo), history)
+        tblog.write_history(tb("pretrain"), pre_history, aux)
+        tblog.write_history(tb(algo), history, aux)
     write_json(out / "summary.json", summary)
     print(
         f"{algo}: eval loss {summary['final_eval_loss']:.4f} "

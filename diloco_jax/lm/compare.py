@@ -36,15 +36,17 @@ def compare_command(
     each), summary.json, summary.md, eval_loss_vs_tokens.png, eval_loss_vs_bytes.png, and with
     `tensorboard` the event files of each run (pretrain too) in out/tensorboard/RUN/."""
     tb = lambda name: tblog.run_dir(out, name) if tensorboard else None
+    aux = experiment.aux_names(cfg)  # train metrics beside the loss, e.g. accuracy
+    run_log = lambda total, desc, name: RunLog(metrics, total, desc, progress, tb(name), aux)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", experiment.config_record(cfg, corpus, runs=runs_of(cfg)))
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     summaries, histories = {}, {}
-    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress, tb("pretrain")) as log:
+    with run_log(cfg.pretrain_steps, "pretrain M=1", "pretrain") as log:
         params, _ = experiment.pretrain(cfg, corpus, on_record=log)
     for name, (algo, workers) in runs_of(cfg).items():
-        with RunLog(metrics, cfg.total_steps, f"{name} M={workers}", progress, tb(name)) as log:
+        with run_log(cfg.total_steps, f"{name} M={workers}", name) as log:
             summaries[name], histories[name] = experiment.run(
                 cfg, corpus, algo, workers, name=name, params=params, on_record=log
             )

@@ -129,11 +129,16 @@ def make_sampler(cfg: RunConfig, corpus: Corpus, num_workers: int, salt: int) ->
 
 
 def make_eval_fn(loss_fn: Callable, corpus: Corpus) -> Callable[[Any], dict[str, jax.Array]]:
-    """params -> {"eval_loss": mean loss over the fixed eval batches} (nats per token)."""
+    """params -> {"eval_loss": mean loss over the fixed eval batches} (nats per token).
+    `loss_fn` returns the loss, or (loss, aux) like `init_model`'s (the aux is not used)."""
     evals = jax.tree.map(jnp.asarray, corpus.eval_batches)
 
+    def batch_loss(params, batch):
+        out = loss_fn(params, batch)
+        return out[0] if isinstance(out, tuple) else out
+
     def eval_fn(params):
-        losses = jax.lax.map(lambda batch: loss_fn(params, batch), evals)
+        losses = jax.lax.map(lambda batch: batch_loss(params, batch), evals)
         return {"eval_loss": jnp.mean(losses)}
 
     return eval_fn
@@ -155,10 +160,22 @@ def check_model(cfg: RunConfig) -> dict[str, str]:
 
 def init_model(cfg: RunConfig) -> tuple[model_lib.ModelConfig, Any, Callable]:
     """(model config, initial params, loss_fn) for cfg.model with cfg's dtypes, attention and
-    embedding, seeded by cfg.seed."""
+    embedding, seeded by cfg.seed. loss_fn(params, batch) -> (loss, aux), the trainers'
+    `has_aux=True` form: aux is `model.metrics` of the batch (e.g. "accuracy"), which every
+    history entry then holds like the loss."""
     model_cfg = model_config(cfg)
     params = model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
-    return model_cfg, params, model_lib.make_loss_fn(model_cfg)
+    return model_cfg, params, model_lib.make_loss_fn(model_cfg, has_aux=True)
+
+
+def aux_names(cfg: RunConfig) -> tuple[str, ...]:
+    """The names of the aux metrics `init_model`'s loss_fn returns (its output's shape, traced
+    without computing anything): the train metrics each history entry holds beside "loss"."""
+    model_cfg = model_config(cfg)
+    params = jax.eval_shape(model_lib.init_params, model_cfg, jax.random.key(0))
+    batch = {k: jax.ShapeDtypeStruct((1, 1), jnp.int32) for k in ("inputs", "targets")}
+    _, aux = jax.eval_shape(model_lib.make_loss_fn(model_cfg, has_aux=True), params, batch)
+    return tuple(aux)
 
 
 def _recorder(
@@ -224,9 +241,11 @@ def run(
     cfg.step_seconds (cfg.dynamic_steps: DyLU), each arriving delta applied with the outer
     optimizer, for as many server updates as it takes to match DiLoCo's total inner steps
     (M x H x R summed over workers: equal compute and tokens), evaluated every M updates.
-    Every history entry gets "run", "workers", "tokens_per_worker", "wall_seconds" and, where
-    evaluated, "eval_loss". The summary's throughput fields cover the whole call (compiles and
-    evaluations included): "tokens_per_second" (all workers), "model_flops_per_token"
+    Every history entry gets "run", "workers", "tokens_per_worker", "wall_seconds", the train
+    metrics of `init_model`'s loss ("accuracy" beside "loss"; "worker_accuracy" too, except
+    for async) and, where evaluated, "eval_loss". The summary's throughput fields cover the
+    whole call (compiles and evaluations included): "tokens_per_second" (all workers),
+    "model_flops_per_token"
     (`model.flops_per_token` at cfg.seq_len), "peak_flops" (`mfu.peak_flops` for cfg.dtype on
     the devices the workers use) and "mfu" (None where no peak is known). With
     `checkpoint_dir`, the run checkpoints every `checkpoint_every` rounds (steps for sync, M
@@ -241,6 +260,7 @@ def run(
     common = dict(
         num_workers=num_workers,
         backend=cfg.backend,
+        has_aux=True,
         eval_fn=make_eval_fn(loss_fn, corpus),
         callback=_recorder(cfg, corpus, name, num_workers, on_record),
         checkpoint_dir=checkpoint_dir,
@@ -254,7 +274,7 @@ def run(
             num_rounds=cfg.rounds,
             inner_steps=cfg.inner_steps,
             method=method(cfg),
-            eval_every=eval_every,
+            eval_every=cfg.inner_steps * eval_every,
             **common,
         )
     elif algo == "sync":
@@ -339,10 +359,11 @@ def _run_async(cfg: RunConfig, loss_fn, params, sampler, num_workers: int, commo
         inner_optimizer=inner_optimizer(cfg),
         outer_optimizer=outer_optimizer(cfg),
         eval_fn=common["eval_fn"],
-        eval_every=num_workers,
+        eval_every=cfg.inner_steps,  # in steps per worker: about M updates
         callback=common["callback"],
         checkpoint_dir=common["checkpoint_dir"],
         checkpoint_every=common["checkpoint_every"] * num_workers,  # about M updates a round
+        has_aux=common["has_aux"],
     )
     return result, seconds
 
@@ -406,6 +427,7 @@ def pretrain(
         callback=_recorder(cfg, corpus, "pretrain", 1, on_record),
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=cfg.pretrain_steps,
+        has_aux=True,
     )
     return result.params, result.history
 

@@ -6,6 +6,7 @@ pure functions of a plain nested dict of arrays:
   params = init_params(config, key)          # {"token_embed": {"embedding": ...}, ...}
   logits_BxLxV = apply(config, params, x_BxL)  # jit / vmap / grad / scan friendly
   loss = make_loss_fn(config)(params, batch)
+  loss, {"accuracy": acc} = make_loss_fn(config, has_aux=True)(params, batch)
 
 `apply` rebuilds the module from a cached abstract GraphDef (from `nnx.eval_shape`) and
 the given arrays with `nnx.merge`, so it holds no hidden state and can be traced inside
@@ -483,21 +484,43 @@ def init_model(
     return functools.partial(apply, config), init_params(config, key)
 
 
-def make_loss_fn(config: ModelConfig) -> Callable[[Params, dict[str, jax.Array]], jax.Array]:
+def make_loss_fn(
+    config: ModelConfig, *, has_aux: bool = False
+) -> Callable[[Params, dict[str, jax.Array]], Any]:
     """Returns loss_fn(params, batch) -> mean next-token cross entropy (float32 scalar, nats).
 
     `batch` is {"inputs": int [B, L], "targets": int [B, L]} with targets[:, t] the token
     following inputs[:, t].
+
+    With `has_aux`, loss_fn returns (loss, metrics) as the trainers' `has_aux=True` takes it:
+    the same loss, bit for bit, and `metrics(logits, targets)` of the same logits (e.g.
+    "accuracy"), which carry no gradient.
     """
 
-    def loss_fn(params: Params, batch: dict[str, jax.Array]) -> jax.Array:
-        logits_BxLxV = apply(config, params, batch["inputs"])
-        loss_BxL = optax.softmax_cross_entropy_with_integer_labels(
-            logits_BxLxV.astype(jnp.float32), batch["targets"]
-        )
-        return jnp.mean(loss_BxL)
+    def loss_and_logits(params: Params, batch: dict[str, jax.Array]):
+        logits_BxLxV = apply(config, params, batch["inputs"]).astype(jnp.float32)
+        loss_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+        return jnp.mean(loss_BxL), logits_BxLxV
 
-    return loss_fn
+    def loss_fn(params: Params, batch: dict[str, jax.Array]) -> jax.Array:
+        return loss_and_logits(params, batch)[0]
+
+    def loss_and_metrics_fn(
+        params: Params, batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        loss, logits_BxLxV = loss_and_logits(params, batch)
+        return loss, metrics(logits_BxLxV, batch["targets"])
+
+    if not isinstance(has_aux, bool):
+        raise ValueError(f"has_aux must be True or False, got {has_aux!r}")
+    return loss_and_metrics_fn if has_aux else loss_fn
+
+
+def metrics(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> dict[str, jax.Array]:
+    """A batch's training metrics beside the loss, float32 scalars by name: "accuracy", the
+    fraction of target tokens that are the logits' argmax (the first one on a tie)."""
+    predictions_BxL = jnp.argmax(jax.lax.stop_gradient(logits_BxLxV), axis=-1)
+    return {"accuracy": jnp.mean((predictions_BxL == targets_BxL).astype(jnp.float32))}
 
 
 def count_params(params: Params) -> int:

@@ -4,6 +4,7 @@ and atomic JSON files."""
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,21 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     os.replace(f.name, path)
 
 
+def aux_metrics(record: dict[str, Any], names: Iterable[str] = ()) -> dict[str, float]:
+    """The train metrics a record holds beside "loss" (the loss_fn's aux outputs), in record
+    order: every number k with a "worker_" + k field too (what train_diloco and train_sync
+    record for each aux metric), and those of `names` that it holds (train_async records
+    only the mean, no per-worker list). Values that are not numbers are left out."""
+    names = set(names)
+    out = {}
+    for key, value in record.items():
+        if key == "loss" or not (key in names or "worker_" + key in record):
+            continue
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000:
@@ -35,8 +51,10 @@ def _human_bytes(n: float) -> str:
 
 class RunLog:
     """Appends each record to `metrics_path` (flushed, one JSON object a line) and advances a
-    progress bar showing loss, eval loss, tokens/s, bytes communicated and the ETA. With
-    `tensorboard` (a folder), each record's scalars also go there (lm/tblog.py)."""
+    progress bar showing loss, the train metrics beside it (`aux_metrics`, e.g. accuracy; `aux`
+    names those a record without per-worker lists holds), eval loss, tokens/s, bytes
+    communicated and the ETA. With `tensorboard` (a folder), each record's scalars also go
+    there (lm/tblog.py)."""
 
     def __init__(
         self,
@@ -45,13 +63,15 @@ class RunLog:
         desc: str,
         progress: bool = True,
         tensorboard: Path | None = None,
+        aux: Iterable[str] = (),
     ):
+        self._aux = tuple(aux)
         self._file = open(metrics_path, "a")  # noqa: SIM115 - closed in close()
         self._tensorboard = None
         if tensorboard is not None:
             from diloco_jax.lm.tblog import TensorBoardLog
 
-            self._tensorboard = TensorBoardLog(tensorboard)
+            self._tensorboard = TensorBoardLog(tensorboard, aux=self._aux)
         self._bar = tqdm(
             total=total,
             desc=desc,
@@ -72,6 +92,8 @@ class RunLog:
         self._done = steps
         seconds = max(record.get("wall_seconds", 0.0), 1e-9)
         postfix = {"loss": f"{record['loss']:.3f}"}
+        for name, value in aux_metrics(record, self._aux).items():
+            postfix[name] = f"{value:.3f}"
         if "eval_loss" in record:
             postfix["eval"] = f"{record['eval_loss']:.3f}"
         postfix["tok/s"] = f"{record['tokens_per_worker'] * record['workers'] / seconds:,.0f}"

@@ -4,12 +4,16 @@ Each run (pretrain, diloco, sync_1worker, sync_data_parallel, ...) writes its ow
 OUT/tensorboard/RUN/, so `tensorboard --logdir OUT/tensorboard` overlays DiLoCo and the
 baselines on one chart per tag. The x axis is steps per worker (a DiLoCo round shows at its
 last inner step; an async server update at the workers' mean steps so far, rounded), and
-every scalar is a field of the run's metrics.jsonl record (SCALARS), stored as float32 as
-TensorBoard does.
+every scalar is a field of the run's metrics.jsonl record (SCALARS, and each train metric
+beside the loss as "train/NAME", e.g. train/accuracy: `runlog.aux_metrics`), stored as
+float32 as TensorBoard does.
 """
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from diloco_jax.lm.runlog import aux_metrics
 
 # metrics.jsonl field -> TensorBoard tag.
 SCALARS = {
@@ -30,22 +34,28 @@ def run_dir(out: Path, name: str) -> Path:
     return Path(out) / "tensorboard" / name
 
 
-def scalars(record: dict[str, Any]) -> dict[str, float]:
+def scalars(record: dict[str, Any], aux: Iterable[str] = ()) -> dict[str, float]:
     """The TensorBoard tags and values of one metrics record: the SCALARS fields it has that
-    are numbers (None, e.g. an unknown MFU, is left out; NaN and inf are kept)."""
+    are numbers (None, e.g. an unknown MFU, is left out; NaN and inf are kept), then its train
+    metrics beside the loss as "train/NAME" (`runlog.aux_metrics(record, aux)`)."""
     out = {}
     for key, tag in SCALARS.items():
         value = record.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             out[tag] = float(value)
+    for name, value in aux_metrics(record, aux).items():
+        if name not in SCALARS:
+            out[f"train/{name}"] = value
     return out
 
 
 class TensorBoardLog:
     """Writes one run's records as scalars into `folder`, replacing event files an earlier
-    run left there (so rerunning a command into the same OUT doesn't stack two runs)."""
+    run left there (so rerunning a command into the same OUT doesn't stack two runs). `aux`
+    as for `scalars`."""
 
-    def __init__(self, folder: Path, flush_secs: int = 10):
+    def __init__(self, folder: Path, flush_secs: int = 10, aux: Iterable[str] = ()):
+        self._aux = tuple(aux)
         from tensorboardX import SummaryWriter  # imported only when TensorBoard is asked for
 
         folder = Path(folder)
@@ -55,7 +65,7 @@ class TensorBoardLog:
         self._writer = SummaryWriter(logdir=str(folder), flush_secs=flush_secs)
 
     def __call__(self, record: dict[str, Any]) -> None:
-        for tag, value in scalars(record).items():
+        for tag, value in scalars(record, self._aux).items():
             self._writer.add_scalar(tag, value, global_step=x_step(record))
 
     def close(self) -> None:
@@ -74,8 +84,8 @@ def x_step(record: dict[str, Any]) -> int:
     return round(record.get("steps_per_worker", record["steps"]))
 
 
-def write_history(folder: Path, history: list[dict[str, Any]]) -> None:
+def write_history(folder: Path, history: list[dict[str, Any]], aux: Iterable[str] = ()) -> None:
     """Rewrites `folder` with a whole history (a resumed run's, once it is complete)."""
-    with TensorBoardLog(folder) as log:
+    with TensorBoardLog(folder, aux=aux) as log:
         for record in history:
             log(record)

@@ -1,0 +1,114 @@
+"""Flax NNX models, directly (`nnx_model_fns`): the split into params and model state, the pure
+apply in train and eval mode against NumPy BatchNorm, dropout keyed per step, and a DiLoCo run
+of a BatchNorm + Dropout model that repeats and resumes bit for bit; the bundled digits data
+against scikit-learn's copy when it is installed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import diloco_jax as dj
+from diloco_jax.datasets import load_digits
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(self.bn(self.lin(x))))[:, 0]
+
+
+def test_the_split_puts_params_apart_from_model_state():
+    model = Net(nnx.Rngs(0))
+    fns = dj.nnx_model_fns(model)
+    assert set(fns.params) == {"lin", "bn", "out"}
+    assert set(fns.params["bn"]) == {"scale", "bias"}  # BatchNorm's own params train
+    assert set(fns.model_state) == {"bn", "drop"}
+    assert set(fns.model_state["bn"]) == {"mean", "var"}
+    key_data = fns.model_state["drop"]["rngs"]["key"]["key_data"]
+    assert key_data.dtype == jnp.uint32  # plain arrays only
+    np.testing.assert_array_equal(fns.params["lin"]["kernel"], model.lin.kernel[...])
+    with pytest.raises(ValueError, match="model must be a flax.nnx.Module"):
+        dj.nnx_model_fns(lambda x: x)
+
+
+def test_apply_updates_batch_statistics_like_numpy_and_eval_uses_them():
+    model = Net(nnx.Rngs(0))
+    fns = dj.nnx_model_fns(model)
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    _, new = fns.apply(fns.params, fns.model_state, x, rng=jax.random.key(0))
+    h = x @ np.asarray(fns.params["lin"]["kernel"]) + np.asarray(fns.params["lin"]["bias"])
+    np.testing.assert_allclose(new["bn"]["mean"], 0.1 * h.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new["bn"]["var"], 0.9 + 0.1 * h.var(0), rtol=1e-5)
+    out, same = fns.apply(fns.params, new, x, train=False)
+    np.testing.assert_array_equal(same["bn"]["mean"], new["bn"]["mean"])  # eval: no update
+    normed = (h - np.asarray(new["bn"]["mean"])) / np.sqrt(np.asarray(new["bn"]["var"]) + 1e-5)
+    want = normed @ np.asarray(fns.params["out"]["kernel"])[:, 0] + float(
+        fns.params["out"]["bias"][0]
+    )
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    merged = fns.merge(fns.params, new)
+    merged.eval()
+    np.testing.assert_allclose(merged(x), out, rtol=1e-6)
+    assert model.bn.mean[...].sum() == 0  # the user's model is never modified
+
+
+def test_dropout_draws_from_the_step_key():
+    fns = dj.nnx_model_fns(Net(nnx.Rngs(0)))
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+    run = jax.jit(lambda k: fns.apply(fns.params, fns.model_state, x, rng=k)[0])
+    a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def _digits_run(rounds, num_rounds, checkpoint_dir=None):
+    fns = dj.nnx_model_fns(Net(nnx.Rngs(0)))
+
+    def loss_fn(params, model_state, batch, key):
+        pred, model_state = fns.apply(params, model_state, batch["x"], rng=key)
+        return jnp.mean((pred - batch["y"]) ** 2), model_state
+
+    return dj.train_diloco(
+        loss_fn, fns.params, rounds, num_rounds=num_rounds, num_workers=2, inner_steps=2,
+        rng_seed=3, model_state=fns.model_state, inner_optimizer=optax.adamw(1e-2),
+        checkpoint_dir=checkpoint_dir,
+    )  # fmt: skip
+
+
+def test_a_batchnorm_dropout_model_trains_repeats_and_resumes_bit_identically(tmp_path):
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(64, 3)).astype(np.float32)}
+    data["y"] = data["x"] @ np.array([1.0, -2.0, 0.5], np.float32)
+    rounds = dj.worker_rounds(data, 2, 2, 4, num_rounds=4)
+    first, second = _digits_run(rounds, 4), _digits_run(rounds, 4)
+    for a, b in zip(jax.tree.leaves(first.state), jax.tree.leaves(second.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _digits_run(rounds[:2], 2, tmp_path)
+    resumed = _digits_run(rounds, 4, tmp_path)
+    for a, b in zip(jax.tree.leaves(first.state), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert first.history[-1]["loss"] < first.history[0]["loss"]
+    # The running mean is merged ("mean"), the RNG state kept per worker ("keep").
+    assert first.model_state["bn"]["mean"].shape == (4,)
+    assert first.model_state["drop"]["rngs"]["count"].shape == (2,)
+
+
+def test_bundled_digits_are_scikit_learns():
+    images, labels = load_digits()
+    assert images.shape == (1797, 8, 8, 1) and labels.shape == (1797,)
+    assert images.dtype == np.float32 and 0 <= images.min() and images.max() == 1.0
+    np.testing.assert_array_equal(
+        np.bincount(labels), [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    )
+    datasets = pytest.importorskip("sklearn.datasets")
+    reference = datasets.load_digits()
+    np.testing.assert_array_equal(images[..., 0] * 16, reference.images)
+    np.testing.assert_array_equal(labels, reference.target)
