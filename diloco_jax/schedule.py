@@ -193,15 +193,17 @@ def synced_groups(params: Any, streaming: "Streaming | None", frozen: tuple = ()
     """The leaves of `params` each sync of a round exchanges, in sync order (one group of
     every leaf without fragments); `frozen` leaves are in none."""
     leaves = jax.tree.leaves(params)
+    return [[leaves[i] for i in group] for group in synced_indices(params, streaming, frozen)]
+
+
+def synced_indices(params: Any, streaming: "Streaming | None", frozen: tuple = ()) -> list:
+    """`synced_groups` as leaf indices (into `jax.tree.leaves(params)`)."""
+    n = len(jax.tree.leaves(params))
     if streaming is None:
-        return [[x for i, x in enumerate(leaves) if i not in frozen]]
+        return [tuple(i for i in range(n) if i not in frozen)]
     frags = fragment_of(params, streaming.assignment)
     return [
-        [
-            x
-            for i, (x, f) in enumerate(zip(leaves, frags, strict=True))
-            if f == p and i not in frozen
-        ]
+        tuple(i for i, f in enumerate(frags) if f == p and i not in frozen)
         for p in range(max(frags) + 1)
     ]
 

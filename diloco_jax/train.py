@@ -18,14 +18,17 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint, delay
 from diloco_jax import model_state as model_state_lib
+from diloco_jax import placement as placement_lib
 from diloco_jax import state_sync as state_sync_lib
 from diloco_jax import trainable as trainable_lib
 from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
 from diloco_jax.distributed import is_multiprocess, to_host
 from diloco_jax.inner import LossFn, StepInfo, check_loss_options
 from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
+from diloco_jax.placement import Placement
 from diloco_jax.round import diloco_round, init_state
 from diloco_jax.sampler import Sampler
+from diloco_jax.schedule import synced_indices
 from diloco_jax.sync import init_sync_state, sync_step
 from diloco_jax.workers import Backend, make_backend
 
@@ -67,6 +70,10 @@ def train_diloco(
     trainable: Any = None,
     model_state: Any = None,
     model_state_merge: Any = None,
+    mesh: Mesh | None = None,
+    worker_axis: str = "workers",
+    param_sharding: Any = None,
+    batch_sharding: P | None = None,
     **options: Any,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
@@ -93,6 +100,15 @@ def train_diloco(
       data_parallel: devices per worker (shard_map): each worker's batch (the dim after
         [M, H]) is split over its devices and its gradients averaged there every inner step;
         the deltas are averaged over workers once a round.
+      mesh, worker_axis, param_sharding, batch_sharding: the user's `jax.sharding.Mesh`, with
+        one axis `worker_axis` of size M; its other axes partition each worker
+        (`diloco_jax.placement`). `param_sharding`: a pytree like `params` of
+        `PartitionSpec`s over the other axes, or a callable (path, leaf) -> PartitionSpec;
+        None keeps each param's own `NamedSharding` spec, else replicates it inside a worker.
+        θ and the outer state sit at each leaf's spec, every per-worker field at
+        P(worker_axis, *spec); the result's arrays keep these shardings. `batch_sharding`:
+        one worker's one-step batch (default: its leading dim over every other axis). Not
+        with `devices` or `data_parallel`.
       has_aux: `loss_fn` returns (loss, aux), aux a dict of scalars (e.g. accuracy): each
         joins the history like "loss" / "worker_loss", as history[r][name] (mean over the
         round's steps and workers) and history[r]["worker_" + name] ([M]); a name that
@@ -179,6 +195,10 @@ def train_diloco_step(
     data_parallel: int = 1,
     rng_seed: int | None = None,
     trainable: Any = None,
+    mesh: Mesh | None = None,
+    worker_axis: str = "workers",
+    param_sharding: Any = None,
+    batch_sharding: P | None = None,
     **options: Any,
 ) -> TrainResult:
     """DiLoCo around your own train step: `train_diloco` with the inner step replaced.
@@ -244,6 +264,10 @@ class _RunOptions(NamedTuple):
     data_parallel: int
     rng_seed: int | None
     trainable: Any
+    mesh: Any
+    worker_axis: str
+    param_sharding: Any
+    batch_sharding: Any
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> "_RunOptions":
@@ -272,9 +296,7 @@ def _train_diloco(
     _check_int("inner_steps", inner_steps, 1)
     _check_int("eval_every", run.eval_every, 1)
     _check_params(params)
-    backend = _check_processes(
-        make_backend(run.backend, num_workers, run.devices, run.data_parallel)
-    )
+    backend = _check_processes(_backend(run, num_workers))
     mask = trainable_lib.resolved(params, run.trainable)
     frozen = trainable_lib.frozen_leaves(params, mask)
     step_options = {}
@@ -286,6 +308,7 @@ def _train_diloco(
         inner = trainable_lib.masked_optimizer(method.inner_optimizer, params, frozen)
         inner_state = jax.eval_shape(inner.init, params)
     _, syncs = method.check_run(params, num_workers, inner_steps, frozen, inner_state)
+    placed = _placement(run, backend, params, method, frozen)
     rules = _model_state_rules(model_state, model_state_merge)
     if rules is not None:
         step_options["model_state_merge"] = model_state_lib.Resolved(rules)
@@ -304,10 +327,18 @@ def _train_diloco(
         **({"rng_seed": run.rng_seed} if run.rng_seed is not None else {}),
         **({"trainable": mask} if mask is not None else {}),
         **step_options,
+        placement=placed,
     )
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, method.compression, frozen) if num_workers > 1 else 0
     wire_per_round = method.round_wire_bytes(params, num_workers, frozen)
+    per_device = None
+    if placed is not None:  # what each device sends: the same exchange over its shards
+        shards = _shards(params, placed)
+        inner_shards = inner_state
+        if worker_state is None:
+            inner_shards = jax.eval_shape(inner.init, shards)
+        per_device = (method.round_wire_bytes(shards, num_workers, frozen), inner_shards)
     merge_per_round = 0.0
     if rules is not None:
         merge_per_round = model_state_lib.wire_bytes(model_state, rules, num_workers)
@@ -315,6 +346,11 @@ def _train_diloco(
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
         synced = state_sync_lib.wire_bytes(syncs, inner_state, num_workers, (r + 1) * inner_steps)
+        device = {}
+        if per_device is not None:
+            steps = (r + 1) * inner_steps
+            device_synced = state_sync_lib.wire_bytes(syncs, per_device[1], num_workers, steps)
+            device = {"wire_bytes_per_device": round((r + 1) * per_device[0] + device_synced)}
         return (
             {"round": r, "steps": (r + 1) * inner_steps}
             | _step_record(metrics)
@@ -323,6 +359,7 @@ def _train_diloco(
                 "bytes_communicated": (r + 1) * per_round,
                 "wire_bytes": round((r + 1) * wire_per_round + synced),
             }
+            | device
             | (
                 {}
                 if rules is None
@@ -346,6 +383,7 @@ def _train_diloco(
         eval_data=run.eval_data,
         steps_each=inner_steps,
         merge_rules=rules,
+        placement=placed,
         callback=run.callback,
         checkpoints=_checkpoints(
             run.checkpoint_dir,
@@ -363,6 +401,52 @@ def _train_diloco(
     )
     state, history = loop.run(step, record, state, data)
     return _result(state, history, rules)
+
+
+def _backend(run: _RunOptions, num_workers: int) -> Backend:
+    """The backend of a run's options (ValueError naming the placement option given without
+    a mesh)."""
+    if run.mesh is None:
+        for name in ("param_sharding", "batch_sharding"):
+            if getattr(run, name) is not None:
+                raise ValueError(f"{name} needs a mesh (mesh=jax.sharding.Mesh(...))")
+        if run.worker_axis != "workers":
+            raise ValueError("worker_axis needs a mesh (mesh=jax.sharding.Mesh(...))")
+    return make_backend(
+        run.backend, num_workers, run.devices, run.data_parallel, mesh=run.mesh,
+        worker_axis=run.worker_axis, batch_sharding=run.batch_sharding,
+    )  # fmt: skip
+
+
+def _placement(
+    run: _RunOptions, backend: Backend, params: Any, method: DiLoCo | None, frozen: tuple
+) -> Placement | None:
+    """The state's shardings on a user's mesh (None without one)."""
+    if not backend.mesh_axes:
+        return None
+    specs = placement_lib.resolve_param_specs(params, backend.mesh, run.param_sharding)
+    groups = ()
+    if method is not None:
+        if method.compression.kind != "none" and any(len(s) for s in specs):
+            raise ValueError(
+                "compression of sharded params on a mesh is not supported yet: its codecs "
+                "would need their blocks per shard; replicate the params inside each worker "
+                "(param_sharding=None on unsharded params) or drop the compression"
+            )
+        groups = synced_indices(params, method.schedule, frozen)
+    return placement_lib.placement(params, backend.mesh, specs, groups)
+
+
+def _shards(params: Any, placed: Placement) -> Any:
+    """One device's shard of each param leaf (shapes and dtypes)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(placement_lib.shard_shape(np.shape(x), s, placed.mesh), x.dtype)
+            for x, s in zip(leaves, placed.specs, strict=True)
+        ],
+    )
 
 
 def _model_state_rules(model_state: Any, model_state_merge: Any) -> tuple[str, ...] | None:
@@ -399,6 +483,10 @@ def train_sync(
     trainable: Any = None,
     model_state: Any = None,
     model_state_merge: Any = None,
+    mesh: Mesh | None = None,
+    worker_axis: str = "workers",
+    param_sharding: Any = None,
+    batch_sharding: P | None = None,
 ) -> TrainResult:
     """Synchronous data parallelism: each step averages M workers' gradients, then one update.
 
@@ -412,6 +500,9 @@ def train_sync(
       rng_seed: worker m's key at step s is fold_in(fold_in(PRNGKey(rng_seed), s), m).
       trainable: frozen leaves get zero updates (their gradients are still averaged).
       model_state: as in `train_diloco`, each worker's copy merged after every step.
+      mesh, worker_axis, param_sharding, batch_sharding: as in `train_diloco`: each
+        worker's gradients are computed on its devices, the params and optimizer state sit
+        at the params' specs; history adds "wire_bytes_per_device".
       The rest as in `train_diloco` (checkpoints count steps instead of rounds; `eval_every`
       counts steps, as it does for every trainer).
 
@@ -441,7 +532,9 @@ def train_sync(
     optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
     frozen = trainable_lib.frozen_leaves(params, trainable)
     optimizer = trainable_lib.masked_optimizer(optimizer, params, frozen)
-    backend = _check_processes(make_backend(backend, num_workers, devices, data_parallel))
+    run = _RunOptions.of(locals())
+    backend = _check_processes(_backend(run, num_workers))
+    placed = _placement(run, backend, params, None, ())
     rules = _model_state_rules(model_state, model_state_merge)
 
     state = init_sync_state(params, optimizer, model_state, num_workers)
@@ -454,9 +547,13 @@ def train_sync(
         **({"has_aux": True} if has_aux else {}),
         **({"rng_seed": rng_seed} if rng_seed is not None else {}),
         **({} if rules is None else {"model_state_merge": model_state_lib.Resolved(rules)}),
+        placement=placed,
     )
     per_step = payload_bytes(params) if num_workers > 1 else 0
     wire_per_step = sync_step_wire_bytes(params, num_workers)
+    per_device = None
+    if placed is not None:
+        per_device = sync_step_wire_bytes(_shards(params, placed), num_workers)
     merge_per_step = 0.0
     if rules is not None:
         merge_per_step = model_state_lib.wire_bytes(model_state, rules, num_workers)
@@ -469,6 +566,7 @@ def train_sync(
                 "bytes_communicated": (s + 1) * per_step,
                 "wire_bytes": round((s + 1) * wire_per_step),
             }
+            | ({} if per_device is None else {"wire_bytes_per_device": round((s + 1) * per_device)})
             | ({} if rules is None else {"model_state_wire_bytes": round((s + 1) * merge_per_step)})
         )
 
@@ -481,6 +579,7 @@ def train_sync(
         eval_every=eval_every,
         eval_data=eval_data,
         merge_rules=rules,
+        placement=placed,
         callback=callback,
         checkpoints=_checkpoints(
             checkpoint_dir,
@@ -631,6 +730,7 @@ class _Loop:
     eval_data: Any = None
     steps_each: int = 1  # inner steps per worker in one iteration (H for a DiLoCo round)
     merge_rules: tuple[str, ...] | None = None
+    placement: "Placement | None" = None  # the state's shardings on a user's mesh
 
     def due(self, done: int) -> bool:
         """Whether to evaluate after iteration `done` (1-based): the first iteration end at
@@ -663,7 +763,10 @@ class _Loop:
         """Resumes from the latest checkpoint if any, then dispatches iteration i + 1 before
         pulling iteration i's metrics, so the host never stalls the device. The state is
         donated to each dispatch (it is the library's own, never the caller's)."""
-        state = _place_state(state, self.backend)
+        if self.placement is not None:
+            state = jax.device_put(state, self.placement.shardings(state))
+        else:
+            state = _place_state(state, self.backend)
         state, history = self._resume(state)
         evaluate = self.evaluator()
         eval_data = None
@@ -738,19 +841,27 @@ class _Loop:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_jit(fn, loss_fn, backend, options):
-    return jax.jit(
-        functools.partial(fn, loss_fn, backend=backend, **dict(options)), donate_argnums=0
-    )
+def _cached_jit(fn, loss_fn, backend, options, placement=None):
+    step = functools.partial(fn, loss_fn, backend=backend, **dict(options))
+    if placement is not None:
+        step = functools.partial(_kept_in_place, step, placement)
+    return jax.jit(step, donate_argnums=0)
 
 
-def _jitted(fn, loss_fn, backend: Backend, **options):
+def _kept_in_place(step, placement: Placement, state, batch):
+    """`step`, its new state constrained to the placement's shardings (so every field stays
+    where `Placement` puts it, round after round)."""
+    new_state, metrics = step(state, batch)
+    return jax.lax.with_sharding_constraint(new_state, placement.shardings(new_state)), metrics
+
+
+def _jitted(fn, loss_fn, backend: Backend, placement: "Placement | None" = None, **options):
     """The jitted step, donating its state; cached so repeated runs reuse the compilation."""
     key = tuple(sorted(options.items()))
     try:
-        return _cached_jit(fn, loss_fn, backend, key)
+        return _cached_jit(fn, loss_fn, backend, key, placement)
     except TypeError:  # an unhashable loss_fn or optimizer: compile without the cache
-        return _cached_jit.__wrapped__(fn, loss_fn, backend, key)
+        return _cached_jit.__wrapped__(fn, loss_fn, backend, key, placement)
 
 
 def _placed(

@@ -56,6 +56,10 @@ class Backend:
     num_workers: int
     devices: tuple[jax.Device, ...]
     data_parallel: int = 1
+    # A user's mesh (`make_backend(mesh=...)`): its axes in order, (name, size), the worker
+    # axis named WORKER_AXIS, and `devices` in the mesh's order; () otherwise.
+    mesh_axes: tuple[tuple[str, int], ...] = ()
+    batch_spec: P | None = None  # one worker's one-step batch on the other axes
 
     @property
     def workers_per_device(self) -> int:
@@ -64,6 +68,10 @@ class Backend:
 
     @property
     def mesh(self) -> Mesh:
+        if self.mesh_axes:
+            names, sizes = zip(*self.mesh_axes, strict=True)
+            grid = np.array(self.devices).reshape(sizes)
+            return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
         if self.data_parallel == 1:
             return Mesh(np.array(self.devices), (WORKER_AXIS,), axis_types=(AxisType.Auto,))
         grid = np.array(self.devices).reshape(-1, self.data_parallel)
@@ -85,7 +93,8 @@ class Backend:
         if self.name == "vmap":
             return functools.partial(_run_nested if nested else _run_one_device, body)
         if self.name == "shard_map":
-            return _shard_map_workers(body, self.mesh, self.data_parallel > 1)
+            partial_manual = self.data_parallel > 1 or bool(self.mesh_axes)
+            return _shard_map_workers(body, self.mesh, partial_manual)
         return _pmap_workers(body, self.devices, self.num_workers)
 
     def map_reduce(
@@ -119,7 +128,10 @@ class Backend:
 
     def place_batches(self, tree: Any, lead: int) -> Any:
         """Puts batches with leaves [M, <lead - 1 more dims>, B, ...] on the devices: split
-        along workers, and with `data_parallel` > 1 the batch dim B along DATA_AXIS."""
+        along workers, and with `data_parallel` > 1 the batch dim B along DATA_AXIS (on a
+        user's mesh: each worker's batch at `batch_spec`)."""
+        if self.mesh_axes:
+            return _put(tree, self._batch_shardings(tree, lead))
         if self.data_parallel == 1:
             return self.place_workers(tree)
         for leaf in jax.tree.leaves(tree):
@@ -131,6 +143,29 @@ class Backend:
         spec = P(WORKER_AXIS, *[None] * (lead - 1), DATA_AXIS)
         return _put(tree, _sharding(self, spec))
 
+    def _batch_shardings(self, tree: Any, lead: int) -> Any:
+        sizes = dict(self.mesh_axes)
+        spec = self.batch_spec
+
+        def one(leaf):
+            shape = np.shape(leaf)[lead:]
+            if len(spec) > len(shape):
+                raise ValueError(
+                    f"batch_sharding {spec} has more entries than a batch leaf of shape "
+                    f"{np.shape(leaf)} has dims after the leading {lead}"
+                )
+            for dim, entry in enumerate(spec):
+                names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+                ways = int(np.prod([sizes[n] for n in names], dtype=np.int64))
+                if shape[dim] % ways:
+                    raise ValueError(
+                        f"batch_sharding {spec}: a batch leaf of shape {np.shape(leaf)} has dim "
+                        f"{dim + lead} of size {shape[dim]}, not divisible by {ways}"
+                    )
+            return _sharding(self, P(WORKER_AXIS, *[None] * (lead - 1), *spec))
+
+        return jax.tree.map(one, tree)
+
 
 @functools.lru_cache(maxsize=256)
 def _sharding(backend: Backend, spec: P) -> jax.sharding.Sharding:
@@ -140,11 +175,19 @@ def _sharding(backend: Backend, spec: P) -> jax.sharding.Sharding:
     return NamedSharding(backend.mesh, spec)
 
 
-def _put(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-    """`jax.device_put(tree, sharding)`, skipped when every leaf already is a jax.Array with
-    that sharding (e.g. batches a user placed once, fed to every round): the copy-free path."""
+def _put(tree: Any, sharding: Any) -> Any:
+    """`jax.device_put(tree, sharding)` (one sharding, or a pytree of them like `tree`),
+    skipped when every leaf already is a jax.Array with its sharding (e.g. batches a user
+    placed once, fed to every round): the copy-free path."""
     leaves = jax.tree.leaves(tree)
-    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+    targets = (
+        [sharding] * len(leaves)
+        if isinstance(sharding, jax.sharding.Sharding)
+        else jax.tree.leaves(sharding)
+    )
+    if all(
+        isinstance(x, jax.Array) and x.sharding == t for x, t in zip(leaves, targets, strict=True)
+    ):
         return tree
     return jax.device_put(tree, sharding)
 
@@ -154,8 +197,18 @@ def make_backend(
     num_workers: int,
     devices: Sequence[jax.Device] | None = None,
     data_parallel: int = 1,
+    *,
+    mesh: Mesh | None = None,
+    worker_axis: str = WORKER_AXIS,
+    batch_sharding: P | None = None,
 ) -> Backend:
     """Resolves a backend name for M = `num_workers` on `devices` (default: `jax.devices()`).
+
+    `mesh`: the user's `jax.sharding.Mesh` (backend "auto" or "shard_map"; not with
+    `devices` or `data_parallel`): one axis `worker_axis` of size M, every other axis
+    partitions each worker; `batch_sharding` the `PartitionSpec` of one worker's one-step
+    batch over those axes (default: its leading dim over all of them). See
+    `diloco_jax.placement` for where the state goes.
 
     `data_parallel` = N >= 1 devices per worker (N > 1 needs "shard_map" or "auto" and a
     device count divisible by N). Raises ValueError naming `backend` for an unknown name,
@@ -164,6 +217,11 @@ def make_backend(
     """
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ValueError(f"data_parallel must be an integer >= 1, got {data_parallel!r}")
+    if mesh is not None:
+        return _mesh_backend(backend, num_workers, devices, data_parallel, mesh, worker_axis,
+                             batch_sharding)  # fmt: skip
+    if batch_sharding is not None:
+        raise ValueError("batch_sharding needs a mesh (make_backend(..., mesh=...))")
     if data_parallel > 1:
         return _data_parallel_backend(backend, num_workers, devices, data_parallel)
     if isinstance(backend, Backend):
@@ -190,6 +248,50 @@ def make_backend(
             f"{len(devices)}, or backend='vmap'"
         )
     return Backend(backend, num_workers, devices)
+
+
+def _mesh_backend(backend, num_workers, devices, data_parallel, mesh, worker_axis, batch_sharding):
+    if isinstance(backend, Backend):
+        if not backend.mesh_axes:
+            raise ValueError("mesh= with a backend built without one: pass backend='auto'")
+        return backend
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if backend not in ("auto", "shard_map"):
+        raise ValueError(f"a mesh needs backend 'shard_map' or 'auto', got {backend!r}")
+    if devices is not None or data_parallel != 1:
+        raise ValueError("mesh= replaces devices= and data_parallel=: give only the mesh")
+    names = tuple(mesh.axis_names)
+    if worker_axis not in names:
+        raise ValueError(f"mesh has no worker_axis {worker_axis!r}: its axes are {names}")
+    sizes = dict(zip(names, mesh.devices.shape, strict=True))
+    if sizes[worker_axis] != num_workers:
+        raise ValueError(
+            f"num_workers={num_workers} must equal the size {sizes[worker_axis]} of the mesh's "
+            f"worker_axis {worker_axis!r}"
+        )
+    if worker_axis != WORKER_AXIS and WORKER_AXIS in names:
+        raise ValueError(
+            f"mesh axis {WORKER_AXIS!r} is reserved for the worker axis; rename it or pass "
+            f"worker_axis={WORKER_AXIS!r}"
+        )
+    inner = tuple(n for n in names if n != worker_axis)
+    if batch_sharding is None:
+        batch_sharding = P(inner) if inner else P()
+    if not isinstance(batch_sharding, P):
+        raise ValueError(f"batch_sharding must be a PartitionSpec, got {batch_sharding!r}")
+    for entry in batch_sharding:
+        for name in () if entry is None else (entry if isinstance(entry, tuple) else (entry,)):
+            if name not in inner:
+                raise ValueError(
+                    f"batch_sharding {batch_sharding} names {name!r}, not one of the mesh's "
+                    f"non-worker axes {inner}"
+                )
+    axes = tuple((WORKER_AXIS if n == worker_axis else n, sizes[n]) for n in names)
+    per_worker = int(np.prod([sizes[n] for n in inner], dtype=np.int64))
+    return Backend(
+        "shard_map", num_workers, tuple(mesh.devices.flat), per_worker, axes, batch_sharding
+    )
 
 
 def _data_parallel_backend(backend, num_workers, devices, data_parallel) -> Backend:

@@ -1,0 +1,190 @@
+"""Where every array of a run lives on the user's mesh: the params' shardings inside a worker,
+and from them every state field's.
+
+The mesh has one worker axis (M workers) and any other axes ("fsdp", "tensor", ...), which
+partition each worker. A param leaf has a `PartitionSpec` over the non-worker axes; θ and the
+outer state sit at that spec (replicated over workers), every per-worker field at
+`P(workers, *spec)`. A state field's subtree that has the params' structure and shapes (an
+optax state's `mu`, a residual, a delta in flight; optax's masked leaves of frozen params
+included), or the list of one Streaming fragment's leaves, gets the params' specs leaf by leaf;
+any other leaf (counts, weights, statistics) is replicated inside its worker.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diloco_jax.workers import WORKER_AXIS
+
+# DiLoCoState / SyncState fields with one entry per worker (leading dim M).
+PER_WORKER_FIELDS = frozenset(
+    {"inner_opt_state", "residual", "local_params", "pending_deltas", "pending_weights",
+     "worker_params", "model_state"}
+)  # fmt: skip
+
+
+def resolve_param_specs(params: Any, mesh: Mesh, param_sharding: Any) -> tuple[P, ...]:
+    """One `PartitionSpec` per leaf of `params` (over the mesh's non-worker axes), from
+    `param_sharding`: a pytree of specs like `params`, a callable (path, leaf) -> spec, or None
+    (each leaf's own `NamedSharding` spec when it names only this mesh's non-worker axes, else
+    replicated). Raises ValueError naming `param_sharding` for a spec naming a missing axis or
+    the worker axis, an axis used twice, more dims than the leaf has, or a dim not divisible
+    by its axes' size."""
+    leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    inner_axes = {name for name in mesh.axis_names if name != WORKER_AXIS}
+    if param_sharding is None:
+        specs = [_own_spec(leaf, inner_axes) for _, leaf in leaves_with_paths]
+    elif callable(param_sharding):
+        specs = [param_sharding(path, leaf) for path, leaf in leaves_with_paths]
+    else:
+        try:
+            specs = jax.tree.leaves(
+                jax.tree.map(lambda _, s: s, params, param_sharding, is_leaf=_is_spec),
+                is_leaf=_is_spec,
+            )
+        except (ValueError, TypeError):
+            raise ValueError(
+                "param_sharding must be a pytree of PartitionSpecs with the params' structure, "
+                f"or a callable (path, leaf) -> PartitionSpec; got {param_sharding!r}"
+            ) from None
+    out = []
+    for (path, leaf), spec in zip(leaves_with_paths, specs, strict=True):
+        spec = P() if spec is None else spec
+        where = jax.tree_util.keystr(path)
+        if not isinstance(spec, P):
+            raise ValueError(f"param_sharding{where} must be a PartitionSpec, got {spec!r}")
+        shape = np.shape(leaf)
+        if len(spec) > len(shape):
+            raise ValueError(
+                f"param_sharding{where} = {spec} has more entries than the leaf's {len(shape)} dims"
+            )
+        used = []
+        for dim, entry in enumerate(spec):
+            names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            for name in names:
+                if name == WORKER_AXIS:
+                    raise ValueError(
+                        f"param_sharding{where} = {spec} names the worker axis: a param is "
+                        "sharded inside a worker, over the mesh's other axes"
+                    )
+                if name not in inner_axes:
+                    raise ValueError(
+                        f"param_sharding{where} = {spec} names {name!r}, not an axis of the mesh "
+                        f"{mesh.axis_names}"
+                    )
+                if name in used:
+                    raise ValueError(f"param_sharding{where} = {spec} uses {name!r} twice")
+                used.append(name)
+            ways = int(np.prod([sizes[n] for n in names], dtype=np.int64))
+            if shape[dim] % ways:
+                raise ValueError(
+                    f"param_sharding{where} = {spec}: dim {dim} of size {shape[dim]} is not "
+                    f"divisible by {ways} (the size of {names})"
+                )
+        out.append(spec)
+    return tuple(out)
+
+
+class Placement(NamedTuple):
+    """The state's shardings on `mesh` (hashable: an option of a cached program): the params'
+    structure, leaf shapes and specs, and the leaf indices of each Streaming fragment."""
+
+    mesh: Mesh
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    specs: tuple[P, ...]
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def shardings(self, state: Any) -> Any:
+        """A pytree of `NamedSharding`s like `state` (a DiLoCoState / SyncState of arrays or
+        shapes; under eager updates the outer state is per worker too)."""
+        per_worker = set(PER_WORKER_FIELDS)
+        if getattr(state, "params", True) is None:
+            per_worker.add("outer_opt_state")
+        return type(state)(
+            **{
+                name: self.tree(value, name in per_worker)
+                for name, value in state._asdict().items()
+            }
+        )
+
+    def tree(self, tree: Any, per_worker: bool) -> Any:
+        """Shardings for one field (`per_worker`: leading dim M over the worker axis)."""
+        templates = [(self.treedef, self.shapes, self.specs)]
+        for group in self.groups:
+            treedef = jax.tree.structure([0] * len(group))
+            templates.append(
+                (treedef, tuple(self.shapes[i] for i in group), tuple(self.specs[i] for i in group))
+            )
+        lead = 1 if per_worker else 0
+
+        def match(x):
+            for treedef, shapes, specs in templates:
+                leaves, structure = jax.tree.flatten(x, is_leaf=_masked)
+                if structure != treedef:
+                    continue
+                got = [None if _masked(v) else tuple(np.shape(v))[lead:] for v in leaves]
+                if all(g is None or g == s for g, s in zip(got, shapes, strict=True)):
+                    return specs
+            return None
+
+        def place(x):
+            specs = match(x)
+            if specs is None:  # a leaf outside any params-like subtree: replicated
+                if _masked(x) or x is None:
+                    return x
+                return self.sharding(P(), per_worker)
+            leaves, structure = jax.tree.flatten(x, is_leaf=_masked)
+            placed = [
+                v if _masked(v) else self.sharding(s, per_worker)
+                for v, s in zip(leaves, specs, strict=True)
+            ]
+            return jax.tree.unflatten(structure, placed)
+
+        return jax.tree.map(place, tree, is_leaf=lambda x: match(x) is not None or _masked(x))
+
+    def sharding(self, spec: P, per_worker: bool) -> NamedSharding:
+        return NamedSharding(self.mesh, P(WORKER_AXIS, *spec) if per_worker else spec)
+
+
+def placement(params: Any, mesh: Mesh, specs: tuple[P, ...], groups=()) -> Placement:
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = tuple(tuple(np.shape(x)) for x in leaves)
+    return Placement(mesh, treedef, shapes, specs, tuple(tuple(g) for g in groups))
+
+
+def shard_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
+    """The shape of one device's shard of a leaf of `shape` at `spec` on `mesh`."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        out[dim] //= int(np.prod([sizes[n] for n in names], dtype=np.int64))
+    return tuple(out)
+
+
+def _own_spec(leaf: Any, inner_axes: set[str]) -> P:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return P()
+    named = {
+        n for e in sharding.spec if e is not None for n in (e if isinstance(e, tuple) else (e,))
+    }
+    return sharding.spec if named <= inner_axes else P()
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P) or x is None
+
+
+def _masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+ParamSharding = Any | Callable[[Any, Any], P]

@@ -1,0 +1,328 @@
+"""Sharded workers on the user's mesh (`train_diloco(mesh=, param_sharding=)`): on 8 fake
+devices, (workers=2, fsdp=2, tensor=2) and (workers=2, fsdp=4) runs equal the vmap run on the
+same data; every state leaf's shard has the size its spec says; the cross-worker collectives
+the compiler emits carry exactly `wire_bytes_per_device`; checkpoints restore onto the same
+and onto another mesh shape; bad placement input is a ValueError naming the argument."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from reference import precision
+
+import diloco_jax as dj
+from diloco_jax import hlo
+from diloco_jax import placement as placement_lib
+
+M, H, R = 2, 4, 3
+D_IN, D_HID, D_OUT, B = 8, 16, 4, 8
+
+
+def mlp_loss(params, batch):
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def _params(dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(D_IN, D_HID)) * 0.3, dtype),
+        "b1": jnp.zeros(D_HID, dtype),
+        "w2": jnp.asarray(rng.normal(size=(D_HID, D_OUT)) * 0.3, dtype),
+    }
+
+
+def _rounds(dtype=np.float32):
+    rng = np.random.default_rng(1)
+    return [
+        {"x": rng.normal(size=(M, H, B, D_IN)).astype(dtype),
+         "y": rng.normal(size=(M, H, B, D_OUT)).astype(dtype)}
+        for _ in range(R)
+    ]  # fmt: skip
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+MESHES = {
+    "fsdp2xtensor2": (
+        (2, 2, 2), ("workers", "fsdp", "tensor"),
+        {"w1": P("fsdp", "tensor"), "b1": P("tensor"), "w2": P("tensor", "fsdp")},
+    ),
+    "fsdp4": (
+        (2, 4), ("workers", "fsdp"), {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp")}
+    ),
+}  # fmt: skip
+
+
+def _run(mesh_name=None, dtype=jnp.float32, **options):
+    common = dict(num_rounds=R, num_workers=M, inner_steps=H, **options)
+    if mesh_name is None:
+        return dj.train_diloco(mlp_loss, _params(dtype), _rounds(dtype), backend="vmap", **common)
+    shape, names, specs = MESHES[mesh_name]
+    return dj.train_diloco(
+        mlp_loss, _params(dtype), _rounds(dtype), mesh=_mesh(shape, names),
+        param_sharding=specs, **common,
+    )  # fmt: skip
+
+
+def _close(a, b, rtol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol)
+
+
+SGD_CASES = {
+    "plain": {},
+    "fragments": dict(fragments=2),
+    "delayed": dict(outer_delay=1),
+    "eager": dict(outer_delay=1, eager=True),
+    "faults": dict(drop_probability=0.4, worker_steps=(4, 3)),
+    "des_loc": dict(state_sync={"trace": 2}, inner_optimizer=optax.sgd(0.05, momentum=0.9)),
+    "muloco": dict(inner_optimizer=dj.muon_inner_optimizer(0.02)),
+}
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("case", list(SGD_CASES))
+def test_a_sharded_run_equals_the_vmap_run(mesh_name, case):
+    options = {"inner_optimizer": optax.sgd(0.05), **SGD_CASES[case]}
+    ref, got = _run(None, **options), _run(mesh_name, **options)
+    _close(ref.params, got.params, 1e-5)
+    _close(ref.state, got.state, 1e-5)
+    for a, b in zip(ref.history, got.history, strict=True):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    # The params keep their specs; the per-worker state is split over workers too.
+    _, _, specs = MESHES[mesh_name]
+    for name, spec in specs.items():
+        assert got.params[name].sharding.spec == spec
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_adam_in_float64_equals_the_vmap_run(mesh_name):
+    with precision("float64"):
+        ref, got = _run(None, jnp.float64), _run(mesh_name, jnp.float64)
+        _close(ref.params, got.params, 1e-12)
+        _close(ref.state, got.state, 1e-12)
+
+
+def test_every_state_leaf_holds_the_shard_its_spec_says():
+    result = _run("fsdp2xtensor2", outer_delay=1)
+    state = result.state
+    device0 = jax.devices()[0]
+
+    def shard_shape(x):
+        return next(s.data.shape for s in x.addressable_shards if s.device == device0)
+
+    # θ and the outer momentum: w1 [8, 16] at (fsdp, tensor) -> [4, 8] on each device.
+    assert shard_shape(state.params["w1"]) == (4, 8)
+    assert shard_shape(state.outer_opt_state[0].trace["w1"]) == (4, 8)
+    assert shard_shape(state.params["w2"]) == (8, 2)
+    assert shard_shape(state.params["b1"]) == (8,)
+    # Per-worker fields: [M, ...] split over workers and the spec.
+    mu = state.inner_opt_state[0].mu
+    assert shard_shape(mu["w1"]) == (1, 4, 8) and shard_shape(mu["w2"]) == (1, 8, 2)
+    assert shard_shape(state.pending_deltas[0]["w1"]) == (1, 4, 8)
+    # Per device, the matrices' leaves hold 1/4 of what the replicated layout puts there
+    # (each of a worker's 4 devices a whole copy of its worker's slice).
+    matrices = [
+        x
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if "'w1'" in jax.tree_util.keystr(path) or "'w2'" in jax.tree_util.keystr(path)
+    ]
+    sharded = sum(np.prod(shard_shape(x)) * x.dtype.itemsize for x in matrices)
+    replicated = sum(
+        x.nbytes / (M if x.sharding.spec and x.sharding.spec[0] == "workers" else 1)
+        for x in matrices
+    )
+    assert sharded / replicated == 0.25
+
+
+def _cross_worker_bytes(compiled, num_workers_per_axis):
+    """Ring bytes per device of the collectives outside loops whose groups pair devices of
+    different workers (devices 0..3 are worker 0 on a (2, ...) mesh of 8)."""
+    per_worker = 8 // num_workers_per_axis
+    total = 0.0
+    for c in hlo.collectives(compiled):
+        groups = c.replica_groups
+        if c.in_loop or not groups:
+            continue
+        if len({d // per_worker for d in groups[0]}) > 1:
+            total += hlo.ring_wire_bytes(c.op, c.operand_bytes, len(groups[0]))
+    return total
+
+
+@pytest.mark.parametrize("mesh_name", [*MESHES, "data_parallel"])
+def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_name):
+    params, (batch,) = _params(), _rounds()[:1]
+    if mesh_name == "data_parallel":
+        backend = dj.make_backend("shard_map", M, data_parallel=4)
+        result = dj.train_diloco(
+            mlp_loss, params, [batch], num_rounds=1, num_workers=M, inner_steps=H,
+            data_parallel=4,
+        )  # fmt: skip
+        placed = None
+        per_device = result.history[0]["wire_bytes"]  # replicated: each device the whole
+    else:
+        shape, names, specs = MESHES[mesh_name]
+        mesh = _mesh(shape, names)
+        backend = dj.make_backend("auto", M, mesh=mesh)
+        result = dj.train_diloco(
+            mlp_loss, params, [batch], num_rounds=1, num_workers=M, inner_steps=H, mesh=mesh,
+            param_sharding=specs,
+        )  # fmt: skip
+        placed = placement_lib.placement(
+            params, backend.mesh,
+            placement_lib.resolve_param_specs(params, backend.mesh, specs), [(0, 1, 2)],
+        )  # fmt: skip
+        per_device = result.history[0]["wire_bytes_per_device"]
+        # A device sends its shards' float32 bytes (w1 [8, 16] and w2 [16, 4] 4 ways; b1 [16]
+        # 2 ways on (fsdp, tensor), 4 ways on fsdp=4), plus the loss and the exclusion count:
+        # 4 bytes each; a ring all-reduce over M = 2 sends 2 (M - 1) / M = 1 x its operand.
+        shards = {"fsdp2xtensor2": 128 / 4 + 64 / 4 + 16 / 2, "fsdp4": (128 + 64 + 16) / 4}
+        assert per_device == 4 * shards[mesh_name] + 8
+        assert result.history[0]["wire_bytes"] == 4 * (128 + 64 + 16) + 8
+    state = dj.init_state(params, M)
+    if placed is not None:
+        state = jax.device_put(state, placed.shardings(state))
+    batches = backend.place_batches(batch, 2)
+    compiled = (
+        jax.jit(functools.partial(dj.diloco_round, mlp_loss, backend=backend))
+        .lower(state, batches)
+        .compile()
+    )
+    assert _cross_worker_bytes(compiled, M) == per_device
+
+
+def test_a_sharded_checkpoint_restores_onto_the_same_and_another_mesh(tmp_path):
+    whole = _run("fsdp2xtensor2")
+    shape, names, specs = MESHES["fsdp2xtensor2"]
+    common = dict(num_workers=M, inner_steps=H, checkpoint_dir=tmp_path)
+    dj.train_diloco(
+        mlp_loss, _params(), _rounds()[:1], num_rounds=1, mesh=_mesh(shape, names),
+        param_sharding=specs, **common,
+    )  # fmt: skip
+    # The rest on (workers=2, fsdp=4): restored onto the other mesh's shardings.
+    shape4, names4, specs4 = MESHES["fsdp4"]
+    resumed = dj.train_diloco(
+        mlp_loss, _params(), _rounds(), num_rounds=R, mesh=_mesh(shape4, names4),
+        param_sharding=specs4, **common,
+    )  # fmt: skip
+    _close(whole.state, resumed.state, 1e-5)
+    assert resumed.params["w1"].sharding.spec == specs4["w1"]
+    # And onto the same mesh: bit for bit.
+    again = tmp_path / "again"
+    first = dict(mesh=_mesh(shape, names), param_sharding=specs, num_workers=M, inner_steps=H)
+    dj.train_diloco(mlp_loss, _params(), _rounds()[:1], num_rounds=1, checkpoint_dir=again, **first)
+    same = dj.train_diloco(
+        mlp_loss, _params(), _rounds(), num_rounds=R, checkpoint_dir=again, **first
+    )
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(same.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_params_placed_by_the_user_keep_their_sharding():
+    shape, names, specs = MESHES["fsdp4"]
+    mesh = _mesh(shape, names)
+    params = {k: jax.device_put(v, jax.NamedSharding(mesh, specs[k])) for k, v in _params().items()}
+    result = dj.train_diloco(
+        mlp_loss, params, _rounds(), num_rounds=R, num_workers=M, inner_steps=H, mesh=mesh
+    )
+    assert result.params["w1"].sharding.spec == P(None, "fsdp")
+    assert result.state.inner_opt_state[0].mu["w1"].sharding.spec == P("workers", None, "fsdp")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mesh=_mesh((8,), ("data",))), "mesh has no worker_axis 'workers'"),
+        (dict(mesh=_mesh((4, 2), ("workers", "fsdp"))), "must equal the size 4"),
+        (dict(param_sharding={"w1": P("model"), "b1": P(), "w2": P()}), "names 'model'"),
+        (dict(param_sharding={"w1": P("workers"), "b1": P(), "w2": P()}), "worker axis"),
+        (dict(param_sharding={"w1": P(None, None, "fsdp"), "b1": P(), "w2": P()}), "more entries"),
+        (dict(param_sharding={"w1": P()}), "param_sharding must be a pytree"),
+        (dict(batch_sharding=P("tensor")), "batch_sharding"),
+        (dict(compression="int8", param_sharding={"w1": P(None, "fsdp"), "b1": P(), "w2": P()}),
+         "compression of sharded params"),
+        (dict(data_parallel=2), "mesh= replaces devices= and data_parallel="),
+    ],
+)  # fmt: skip
+def test_bad_placement_input_names_the_argument(kwargs, match):
+    kwargs = {"mesh": _mesh((2, 4), ("workers", "fsdp")), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        dj.train_diloco(
+            mlp_loss, _params(), _rounds(), num_rounds=R, num_workers=M, inner_steps=H, **kwargs
+        )
+
+
+def test_a_dim_not_divisible_by_its_axes_is_refused():
+    with pytest.raises(
+        ValueError, match=r"param_sharding\['w'\].*dim 0 of size 6 is not divisible"
+    ):
+        dj.train_diloco(
+            lambda p, b: jnp.sum(p["w"]) * jnp.mean(b), {"w": jnp.zeros(6)},
+            [np.ones((M, H, 8), np.float32)], num_rounds=1, num_workers=M, inner_steps=H,
+            mesh=_mesh((2, 4), ("workers", "fsdp")), param_sharding={"w": P("fsdp")},
+        )  # fmt: skip
+
+
+def test_placement_options_without_a_mesh_are_refused():
+    with pytest.raises(ValueError, match="param_sharding needs a mesh"):
+        dj.train_diloco(
+            mlp_loss, _params(), _rounds(), num_rounds=R, num_workers=M, inner_steps=H,
+            param_sharding={"w1": P()},
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_train_sync_on_a_mesh_equals_vmap(mesh_name):
+    shape, names, specs = MESHES[mesh_name]
+    steps = [{k: v[:, h] for k, v in r.items()} for r in _rounds() for h in range(H)]
+    common = dict(num_steps=len(steps), num_workers=M, optimizer=optax.sgd(0.05))
+    ref = dj.train_sync(mlp_loss, _params(), steps, backend="vmap", **common)
+    got = dj.train_sync(
+        mlp_loss, _params(), steps, mesh=_mesh(shape, names), param_sharding=specs, **common
+    )
+    _close(ref.params, got.params, 1e-5)
+    assert got.params["w1"].sharding.spec == specs["w1"]
+    # Each step all-reduces the device's gradient shards and the loss (M = 2: 1 x operand).
+    shards = {"fsdp2xtensor2": 128 / 4 + 64 / 4 + 16 / 2, "fsdp4": (128 + 64 + 16) / 4}
+    assert got.history[0]["wire_bytes_per_device"] == 4 * shards[mesh_name] + 4
+
+
+def test_model_state_and_a_train_step_run_on_a_mesh():
+    """Issue 23's parts on (workers, fsdp): a model state merged by its rules, and a worker
+    step, each equal to the vmap run."""
+    shape, names, specs = MESHES["fsdp4"]
+    mesh = _mesh(shape, names)
+    inner = optax.sgd(0.05)
+
+    def loss_ms(params, model_state, batch):
+        new = {"avg": 0.9 * model_state["avg"] + 0.1 * jnp.mean(batch["x"], axis=0)}
+        return mlp_loss(params, batch), new
+
+    ms = {"avg": jnp.zeros(D_IN)}
+    common = dict(num_rounds=R, num_workers=M, inner_steps=H, model_state=ms, inner_optimizer=inner)
+    ref = dj.train_diloco(loss_ms, _params(), _rounds(), backend="vmap", **common)
+    got = dj.train_diloco(loss_ms, _params(), _rounds(), mesh=mesh, param_sharding=specs, **common)
+    _close(ref.model_state, got.model_state, 1e-6)
+    _close(ref.params, got.params, 1e-5)
+
+    def step(state, batch, info):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
+        updates, opt_state = inner.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    by_step = dj.train_diloco_step(
+        step, (_params(), inner.init(_params())), _rounds(), params_of=lambda s: s[0],
+        with_params=lambda s, p: (p, s[1]), num_rounds=R, num_workers=M, inner_steps=H,
+        mesh=mesh, param_sharding=specs,
+    )  # fmt: skip
+    _close(ref.params, by_step.params, 1e-5)
+    assert by_step.state.inner_opt_state[0]["w1"].sharding.spec == P("workers", None, "fsdp")
