@@ -85,7 +85,10 @@ def train_diloco(
       params: initial global params, any pytree of float arrays. Never mutated or donated.
       data: iterable of rounds; each a batch pytree with leaves [num_workers, inner_steps, ...].
         Exactly `num_rounds` items are consumed. Or a `Sampler`, which draws every inner
-        step's batch inside the compiled round (round r, worker m, step h).
+        step's batch inside the compiled round (round r, worker m, step h). Or a callable
+        `start_round -> iterable of the rounds from start_round on`: a resumed run calls it
+        with its first round, so the skipped rounds are never drawn (the same for
+        `train_sync`'s steps).
       num_rounds: R >= 0. num_workers: M >= 1. inner_steps: H >= 1.
       method: the method, a `DiLoCo` spec (inner / outer optimizers, schedule, compression,
         weights, delay, state sync: see `diloco_jax.method`); None: the paper's DiLoCo, or
@@ -312,10 +315,11 @@ def _train_diloco(
     rules = _model_state_rules(model_state, model_state_merge)
     if rules is not None:
         step_options["model_state_merge"] = model_state_lib.Resolved(rules)
-    state = init_state(
-        params, num_workers, method, trainable=mask, model_state=model_state,
-        worker_state=worker_state,
-    )  # fmt: skip
+    init = functools.partial(init_state, num_workers=num_workers, method=method, trainable=mask)
+    if placed is None:
+        state = init(params, model_state=model_state, worker_state=worker_state)
+    else:  # built in place: no device ever holds more than its shards
+        state = _init_in_place(init, placed, params, model_state, worker_state)
     step = _jitted(
         diloco_round,
         fn,
@@ -339,6 +343,8 @@ def _train_diloco(
         if worker_state is None:
             inner_shards = jax.eval_shape(inner.init, shards)
         per_device = (method.round_wire_bytes(shards, num_workers, frozen), inner_shards)
+    elif backend.data_parallel > 1:  # replicated inside a worker: every device sends it all
+        per_device = (wire_per_round, inner_state)
     merge_per_round = 0.0
     if rules is not None:
         merge_per_round = model_state_lib.wire_bytes(model_state, rules, num_workers)
@@ -435,6 +441,18 @@ def _placement(
             )
         groups = synced_indices(params, method.schedule, frozen)
     return placement_lib.placement(params, backend.mesh, specs, groups)
+
+
+def _init_in_place(init, placed: Placement, params, model_state, worker_state):
+    """`init(params, model_state=, worker_state=)` compiled with its inputs and outputs at
+    the placement's shardings (the inputs copied to their shards first)."""
+    inputs = (params, model_state, worker_state)
+    shardings = (placed.tree(params, False), placed.tree(model_state, False),
+                 placed.tree(worker_state, False))  # fmt: skip
+    inputs = jax.device_put(inputs, shardings)
+    build = lambda p, m, w: init(p, model_state=m, worker_state=w)  # noqa: E731
+    out = placed.shardings(jax.eval_shape(build, *inputs))
+    return jax.jit(build, out_shardings=out)(*inputs)
 
 
 def _shards(params: Any, placed: Placement) -> Any:
@@ -554,6 +572,8 @@ def train_sync(
     per_device = None
     if placed is not None:
         per_device = sync_step_wire_bytes(_shards(params, placed), num_workers)
+    elif backend.data_parallel > 1:
+        per_device = wire_per_step
     merge_per_step = 0.0
     if rules is not None:
         merge_per_step = model_state_lib.wire_bytes(model_state, rules, num_workers)
@@ -872,7 +892,10 @@ def _placed(
     (the first `skip` items, already trained on, are read and dropped)."""
     if isinstance(data, Sampler):
         return itertools.repeat(_place(backend.place_shared, data), count - skip)
-    batches = itertools.islice(_batches(data, count, lead, what), skip, None)
+    if callable(data):  # start -> the items from there on: nothing skipped is drawn
+        batches = _batches(data(skip), count - skip, lead, what)
+    else:
+        batches = itertools.islice(_batches(data, count, lead, what), skip, None)
     place = functools.partial(backend.place_batches, lead=len(lead))
     return (_place(place, b) for b in batches)
 

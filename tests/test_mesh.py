@@ -167,7 +167,9 @@ def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_na
             data_parallel=4,
         )  # fmt: skip
         placed = None
-        per_device = result.history[0]["wire_bytes"]  # replicated: each device the whole
+        per_device = result.history[0]["wire_bytes_per_device"]
+        # Replicated inside each worker: every device all-reduces all of the params.
+        assert per_device == result.history[0]["wire_bytes"] == 4 * (128 + 64 + 16) + 8
     else:
         shape, names, specs = MESHES[mesh_name]
         mesh = _mesh(shape, names)
@@ -326,3 +328,17 @@ def test_model_state_and_a_train_step_run_on_a_mesh():
     )  # fmt: skip
     _close(ref.params, by_step.params, 1e-5)
     assert by_step.state.inner_opt_state[0]["w1"].sharding.spec == P("workers", None, "fsdp")
+
+
+def test_the_state_is_built_in_place_on_the_mesh():
+    """A zero-round run returns init_state's values, every leaf already at its shards."""
+    shape, names, specs = MESHES["fsdp2xtensor2"]
+    result = dj.train_diloco(
+        mlp_loss, _params(), [], num_rounds=0, num_workers=M, inner_steps=H,
+        mesh=_mesh(shape, names), param_sharding=specs, outer_delay=1,
+    )  # fmt: skip
+    eager = dj.init_state(_params(), M, outer_delay=1)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(result.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert result.state.pending_deltas[0]["w1"].sharding.spec == P("workers", "fsdp", "tensor")
+    assert result.state.outer_opt_state[0].trace["w2"].sharding.spec == P("tensor", "fsdp")
