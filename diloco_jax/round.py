@@ -309,6 +309,7 @@ def diloco_round(
         syncs=syncs,
         rng_seed=rng_seed,
         merge_rules=rules,
+        one_per_device=backend.name in ("shard_map", "pmap") and backend.workers_per_device == 1,
     )
     ids_M = None
     if rng_seed is not None or custom:  # what a step's key or StepInfo needs
@@ -385,6 +386,7 @@ def _round_body(
     syncs: "state_syncs.Syncs | None",
     rng_seed: int | None,
     merge_rules: "model_states.Rules | None",
+    one_per_device: bool = False,
 ):
     """The round on one device's k workers (leaves [k, ...]): inner-step segments between
     the schedule's boundaries; at each sync the deltas, weights, exchange, outer update and
@@ -395,6 +397,9 @@ def _round_body(
     stats_k = None if local[8] is None else list(local[8])
     theta_k, ids_k, model_k = local[9], local[10], local[11]
     model_start_k = model_k
+    # A device's workers step under a vmap; one worker a device steps without it: XLA's CPU
+    # dots lose half their speed to a unit batch dimension.
+    per_worker = _unbatched if one_per_device else _batched
     keys_k = None  # each worker's base key of this round's steps (`inner.worker_key`)
     if rng_seed is not None:
         keys_k = jax.vmap(lambda w: worker_key(rng_seed, round_, w))(ids_k)
@@ -473,7 +478,7 @@ def _round_body(
             x_axis = (None, 0)
         key_axis = None if keys_k is None else 0
         id_axis = None if ids_k is None else 0
-        step_k = jax.vmap(one_step, in_axes=(0, 0, 0, 0, key_axis, id_axis, x_axis))
+        step_k = per_worker(one_step, (0, 0, 0, 0, key_axis, id_axis, x_axis))
 
         def average(field_k):
             mean = collectives.reduce(
@@ -507,8 +512,8 @@ def _round_body(
             run = functools.partial(segment, start=start, stop=stop)
             key_axis = None if keys_k is None else 0
             id_axis = None if ids_k is None else 0
-            params_k, opt_k, model_k, *out_kxS = jax.vmap(
-                run, in_axes=(in_axis, 0, 0, 0, 0, key_axis, id_axis)
+            params_k, opt_k, model_k, *out_kxS = per_worker(
+                run, (in_axis, 0, 0, 0, 0, key_axis, id_axis)
             )(start_params, opt_k, model_k, steps_k, data_k, keys_k, ids_k)
         losses.append(out_kxS[0])
         auxes.append(out_kxS[1])
@@ -623,6 +628,26 @@ def _round_body(
     local_out = (params_k if carried else None, opt_k, residual_k, (losses_kxH, aux_kxH), *faulted)
     stats_out = None if stats_k is None else tuple(stats_k)
     return same, (*local_out, pending_k, outer_k, stats_out, theta_k, model_k)
+
+
+def _batched(fn, in_axes):
+    return jax.vmap(fn, in_axes=in_axes)
+
+
+def _unbatched(fn, in_axes):
+    """`jax.vmap(fn, in_axes)` for a batch of one (in_axes: 0 or None per argument), without
+    the batch dimension inside `fn`."""
+
+    def squeeze(a, axis):
+        if isinstance(axis, tuple):  # a prefix of the argument's tree
+            return tuple(squeeze(x, ax) for x, ax in zip(a, axis, strict=True))
+        return a if axis is None else jax.tree.map(lambda x: x[0], a)
+
+    def one(*args):
+        args = [squeeze(a, axis) for a, axis in zip(args, in_axes, strict=True)]
+        return jax.tree.map(lambda x: x[None], fn(*args))
+
+    return one
 
 
 def _weights(rule: faults.Weights, delta_k, steps_k, stats_k, index, round_, collectives):

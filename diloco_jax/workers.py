@@ -92,6 +92,11 @@ class Backend:
         """
         if self.name == "vmap":
             return functools.partial(_run_nested if nested else _run_one_device, body)
+        if self.mesh_axes and self.num_workers == 1:
+            # A worker axis of size 1: nothing crosses it, and XLA refuses a collective over
+            # a manual axis of size 1 beside auto axes. The one worker runs under plain jit
+            # (its axes partitioned by XLA), its reducers' collectives vanishing as on vmap.
+            return functools.partial(_run_one_device, body)
         if self.name == "shard_map":
             partial_manual = self.data_parallel > 1 or bool(self.mesh_axes)
             return _shard_map_workers(body, self.mesh, partial_manual)
@@ -185,8 +190,12 @@ def _put(tree: Any, sharding: Any) -> Any:
         if isinstance(sharding, jax.sharding.Sharding)
         else jax.tree.leaves(sharding)
     )
+    # An uncommitted array (e.g. from an eager init_state) is put even where its sharding
+    # matches: the round's own outputs are committed, and a program first called with
+    # uncommitted inputs compiles a second time at round 2.
     if all(
-        isinstance(x, jax.Array) and x.sharding == t for x, t in zip(leaves, targets, strict=True)
+        isinstance(x, jax.Array) and x.committed and x.sharding == t
+        for x, t in zip(leaves, targets, strict=True)
     ):
         return tree
     return jax.device_put(tree, sharding)
