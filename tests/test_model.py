@@ -522,4 +522,4 @@ def test_bad_inputs_and_names_raise():
     with pytest.raises(ValueError, match="params"):
         model.apply(MICRO, {"token_embed": params["token_embed"]}, jnp.zeros((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="preset"):
-        model.get_config("1b")
+        model.get_config("10b")

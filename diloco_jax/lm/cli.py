@@ -61,7 +61,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, help="outer learning rate")
     p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS)
     p.add_argument("--outer-momentum", type=float, help="outer (delayed) Nesterov momentum")
-    p.add_argument("--model", help="model preset (micro, tiny, small, 60m, 150m, 400m, ...)")
+    p.add_argument("--model", help="model preset (micro, tiny, small, 60m, 150m, 400m, 1b, ...)")
     p.add_argument("--batch-size", type=int, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default float32)")
@@ -112,6 +112,12 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", help="auto | vmap | shard_map | pmap")
+    p.add_argument(
+        "--mesh",
+        help="a device mesh, e.g. workers=2,fsdp=2,tensor=2: the workers axis holds the M "
+        "workers, fsdp and tensor shard each worker's params (and every non-worker axis its "
+        "batch) over jax.devices()[:product]",
+    )
     p.add_argument("--out", help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -280,8 +286,12 @@ def parse(argv: list[str] | None = None) -> Invocation:
     Raises ConfigError for a bad value; argparse errors exit with code 2 (one line)."""
     args = build_parser().parse_args(argv)
     overrides = {k: getattr(args, k, None) for k in _CONFIG_FLAGS if k != "preset"}
+    if args.mesh is not None:
+        overrides["mesh"] = config.parse_mesh(args.mesh)
     cfg = config.make_config(args.preset, **overrides)
     algo = getattr(args, "algo", None)
+    if algo == "async" and cfg.mesh is not None:
+        raise ConfigError("--mesh needs --algo diloco or sync, got async")
     if algo != "async" and any(getattr(args, k, None) is not None for k in _ASYNC_FLAGS):
         raise ConfigError("--step-seconds and --dynamic-steps need --algo async")
     if algo in ("sync", "async"):  # options of DiLoCo's round that these runs don't have
@@ -341,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         from diloco_jax.lm import experiment
 
         experiment.check_model(run.cfg)
+        experiment.check_mesh(run.cfg)
         corpus = experiment.load_corpus(run.cfg)
         if run.command == "train" and run.checkpoint_every is not None:
             check_resumable(run.out, run_identity(run.cfg, run.algo, corpus.info))

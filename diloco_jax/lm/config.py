@@ -26,6 +26,9 @@ DTYPES = ("float32", "bfloat16")
 # Nesterov(0.7, 0.9); plain SGD at 1.0 is parameter averaging (FedAvg); Adam rescales the
 # delta per coordinate, so it wants a step of the inner learning rate's order.
 DEFAULT_OUTER_LR = {"nesterov": 0.7, "sgd": 1.0, "adam": 1e-3, "delayed_nesterov": 0.7}
+# The mesh axis (`RunConfig.mesh`, --mesh) that holds the DiLoCo workers; every other axis
+# partitions each worker (`diloco_jax.lm.model.param_specs` names "fsdp" and "tensor").
+WORKER_AXIS = "workers"
 
 
 class ConfigError(ValueError):
@@ -86,6 +89,10 @@ class RunConfig:
     dn_c: float = 0.0
     seed: int = 0
     backend: str = "auto"
+    # a device mesh, ((axis name, size), ...) as --mesh workers=2,fsdp=2,tensor=2 writes it:
+    # the "workers" axis (size `workers`) holds the DiLoCo / data-parallel workers and every
+    # other axis partitions each of them (model.param_specs); None: the backend places them
+    mesh: tuple[tuple[str, int], ...] | None = None
 
     @property
     def total_steps(self) -> int:
@@ -146,6 +153,11 @@ PRESETS: dict[str, RunConfig] = {
     "default": RunConfig(),
     "h200_60m": _H200_60M,
     "h200_150m": dataclasses.replace(_H200_60M, model="150m", batch_size=16),
+    # The 1b model (1.0B parameters) with M = 2 workers on one H200, sized by arithmetic, not
+    # yet measured: per worker 16 GB of float32 params, gradients and AdamW moments, and
+    # about 11 GB of bf16 activations at batch 8 x 1024; 8 GB of outer params and momentum.
+    # On 8 GPUs, `--mesh workers=2,fsdp=4` shards each worker over 4 of them.
+    "h200_1b": dataclasses.replace(_H200_60M, model="1b", workers=2, batch_size=8, inner_lr=3e-4),
 }
 
 
@@ -175,6 +187,15 @@ def _check_types(cfg: RunConfig) -> None:
             ok = isinstance(value, bool)
         elif isinstance(value, bool):
             ok = False
+        elif declared.startswith("tuple[tuple[str, int]"):
+            ok = isinstance(value, tuple) and all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and isinstance(pair[0], str)
+                and isinstance(pair[1], int)
+                and not isinstance(pair[1], bool)
+                for pair in value
+            )
         elif declared.startswith("tuple[float"):
             ok = isinstance(value, tuple) and all(
                 isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
@@ -283,6 +304,81 @@ def validate(cfg: RunConfig) -> None:
             check_schedule(cfg.fragments, cfg.inner_steps, cfg.overlap_steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.mesh is not None:
+        _validate_mesh(cfg)
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
+    """--mesh "workers=2,fsdp=2,tensor=2" -> (("workers", 2), ("fsdp", 2), ("tensor", 2)), the
+    axes in the order given (the mesh's device order: later axes vary fastest). ConfigError
+    naming --mesh when malformed; the sizes and axes are checked by `validate`."""
+    axes = []
+    for part in text.split(","):
+        name, equals, size = (x.strip() for x in part.partition("="))
+        if not (name.isidentifier() and equals and size.isascii() and size.isdigit()):
+            raise ConfigError(
+                f"--mesh must look like 'workers=2,fsdp=2,tensor=2' (NAME=SIZE, comma-separated),"
+                f" got {text!r}"
+            )
+        axes.append((name, int(size)))
+    return tuple(axes)
+
+
+def format_mesh(mesh: tuple[tuple[str, int], ...]) -> str:
+    """The inverse of `parse_mesh`: "workers=2,fsdp=2,tensor=2"."""
+    return ",".join(f"{name}={size}" for name, size in mesh)
+
+
+def mesh_axes(cfg: RunConfig, num_workers: int | None = None) -> tuple[tuple[str, int], ...]:
+    """cfg.mesh with the workers axis resized to `num_workers` (default cfg.workers): the mesh
+    of a run of that many workers (a 1-worker baseline or the warm start keeps the other axes,
+    so each worker is partitioned the same way)."""
+    if cfg.mesh is None:
+        raise ValueError("cfg.mesh is None")
+    count = cfg.workers if num_workers is None else num_workers
+    return tuple((name, count if name == WORKER_AXIS else size) for name, size in cfg.mesh)
+
+
+def _validate_mesh(cfg: RunConfig) -> None:
+    """--mesh: distinct axis names, sizes >= 1, a "workers" axis of size `workers`, every
+    worker's batch divisible over the other axes, and the backend left to the mesh."""
+    shown = format_mesh(cfg.mesh)
+    names = [name for name, _ in cfg.mesh]
+    if not cfg.mesh or not all(name.isidentifier() for name in names):
+        raise ConfigError(f"--mesh must name its axes NAME=SIZE, got {shown!r}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--mesh names an axis twice: {shown!r}")
+    for name, size in cfg.mesh:
+        if size < 1:
+            raise ConfigError(f"--mesh axis {name} must have a size >= 1, got {shown!r}")
+    if WORKER_AXIS not in names:
+        raise ConfigError(
+            f"--mesh needs a {WORKER_AXIS!r} axis (the DiLoCo workers), got {shown!r}"
+        )
+    workers = dict(cfg.mesh)[WORKER_AXIS]
+    if workers != cfg.workers:
+        raise ConfigError(
+            f"--mesh {shown}: the {WORKER_AXIS} axis must have the run's {cfg.workers} workers "
+            f"(--workers), got {workers}"
+        )
+    per_worker = math.prod(size for name, size in cfg.mesh if name != WORKER_AXIS)
+    if cfg.batch_size % per_worker:
+        raise ConfigError(
+            f"--mesh {shown} splits each worker's batch over {per_worker} devices: batch_size "
+            f"must be a multiple of {per_worker}, got {cfg.batch_size}"
+        )
+    if cfg.backend != "auto":
+        raise ConfigError(
+            f"--mesh places the workers on its devices itself: it needs --backend auto, "
+            f"got {cfg.backend!r}"
+        )
+    if per_worker > 1 and cfg.compression != "none":
+        # The trainers' codecs work on whole leaves, not on their shards (issue 21).
+        raise ConfigError(
+            f"--mesh {shown} shards each worker's params: --compression {cfg.compression} of "
+            "sharded deltas is not supported yet (use --compression none, or a mesh of the "
+            f"{WORKER_AXIS} axis alone)"
+        )
 
 
 def method(cfg: RunConfig) -> DiLoCo:

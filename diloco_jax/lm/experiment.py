@@ -3,6 +3,7 @@ the synchronous baseline, evaluated on held-out documents. Used by the CLI and n
 
 import dataclasses
 import functools
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -18,9 +19,12 @@ from diloco_jax.lm import mfu as mfu_lib
 from diloco_jax.lm import model as model_lib
 from diloco_jax.lm import tokenizer as tokenizer_lib
 from diloco_jax.lm.config import (
+    WORKER_AXIS,
     ConfigError,
     RunConfig,
+    format_mesh,
     inner_optimizer,
+    mesh_axes,
     method,
     model_config,
     outer_optimizer,
@@ -158,6 +162,73 @@ def check_model(cfg: RunConfig) -> dict[str, str]:
         raise ConfigError(str(e)) from None
 
 
+def make_mesh(cfg: RunConfig, num_workers: int) -> jax.sharding.Mesh | None:
+    """The device mesh of a run of `num_workers` workers under cfg.mesh (None without one):
+    cfg.mesh's axes in its order, the "workers" axis resized to `num_workers`
+    (`config.mesh_axes`), over the first product-of-sizes devices of `jax.devices()`, every
+    axis `AxisType.Auto`. ConfigError naming --mesh when there are too few devices."""
+    if cfg.mesh is None:
+        return None
+    axes = mesh_axes(cfg, num_workers)
+    names = tuple(name for name, _ in axes)
+    sizes = tuple(size for _, size in axes)
+    devices = jax.devices()
+    count = math.prod(sizes)
+    if count > len(devices):
+        raise ConfigError(
+            f"--mesh {format_mesh(axes)} needs {count} devices, there are {len(devices)} "
+            f"({devices[0].platform})"
+        )
+    return jax.sharding.Mesh(
+        np.asarray(devices[:count], dtype=object).reshape(sizes),
+        names,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+    )
+
+
+def takes_mesh(trainer: Callable) -> bool:
+    """Whether a trainer (train_diloco, train_sync) takes `mesh=` (sharded workers)."""
+    return "mesh" in inspect.signature(trainer).parameters
+
+
+def check_mesh(cfg: RunConfig) -> None:
+    """Whether cfg.mesh can run here, before anything is written: enough devices for the run's
+    mesh, and trainers that take `mesh=`. ConfigError naming --mesh otherwise."""
+    if cfg.mesh is None:
+        return
+    make_mesh(cfg, cfg.workers)
+    for trainer in (train_diloco, train_sync):
+        if not takes_mesh(trainer):
+            raise ConfigError(
+                f"--mesh needs a diloco_jax whose {trainer.__name__} takes mesh= (sharded "
+                "workers); this one does not"
+            )
+
+
+def mesh_options(
+    cfg: RunConfig,
+    model_cfg: model_lib.ModelConfig,
+    params: Any,
+    num_workers: int,
+    trainer: Callable,
+) -> dict[str, Any]:
+    """The trainer keywords that shard `num_workers` workers over cfg.mesh: `mesh`,
+    `worker_axis` and `param_sharding` (`model.param_specs` over the non-worker axes; each
+    worker's batch takes the trainer's default, its leading dim over every non-worker axis).
+    {} without cfg.mesh, so a run without one passes exactly what it did before."""
+    mesh = make_mesh(cfg, num_workers)
+    if mesh is None:
+        return {}
+    if not takes_mesh(trainer):
+        raise ConfigError(f"--mesh: {trainer.__name__} does not take mesh= in this diloco_jax")
+    within = {name: size for name, size in mesh.shape.items() if name != WORKER_AXIS}
+    return dict(
+        mesh=mesh,
+        worker_axis=WORKER_AXIS,
+        param_sharding=model_lib.param_specs(model_cfg, params, within),
+    )
+
+
 def init_model(cfg: RunConfig) -> tuple[model_lib.ModelConfig, Any, Callable]:
     """(model config, initial params, loss_fn) for cfg.model with cfg's dtypes, attention and
     embedding, seeded by cfg.seed. loss_fn(params, batch) -> (loss, aux), the trainers'
@@ -249,9 +320,13 @@ def run(
     (`model.flops_per_token` at cfg.seq_len), "peak_flops" (`mfu.peak_flops` for cfg.dtype on
     the devices the workers use) and "mfu" (None where no peak is known). With
     `checkpoint_dir`, the run checkpoints every `checkpoint_every` rounds (steps for sync, M
-    updates for async) and resumes from a checkpoint found there.
+    updates for async) and resumes from a checkpoint found there. With cfg.mesh (diloco and
+    sync only) the workers run on `make_mesh(cfg, num_workers)`, each partitioned by
+    `model.param_specs` (`mesh_options`); without it the trainers get no mesh keyword at all.
     """
     name = name or algo
+    if algo == "async" and cfg.mesh is not None:
+        raise ConfigError("--mesh needs --algo diloco or sync, got async")
     model_cfg, init_params, loss_fn = init_model(cfg)
     params = init_params if params is None else params
     # async draws DiLoCo's stream: job j of worker m sees round j's batches of worker m.
@@ -276,6 +351,7 @@ def run(
             method=method(cfg),
             eval_every=cfg.inner_steps * eval_every,
             **common,
+            **mesh_options(cfg, model_cfg, params, num_workers, train_diloco),
         )
     elif algo == "sync":
         common["checkpoint_every"] = checkpoint_every * cfg.inner_steps
@@ -287,6 +363,7 @@ def run(
             optimizer=inner_optimizer(cfg),
             eval_every=cfg.inner_steps * eval_every,
             **common,
+            **mesh_options(cfg, model_cfg, params, num_workers, train_sync),
         )
     elif algo == "async":
         result, seconds = _run_async(cfg, loss_fn, params, sampler, num_workers, common)
@@ -389,17 +466,25 @@ def throughput(
     return {
         "tokens_per_second": tokens_per_second,
         "model_flops_per_token": flops_per_token,
-        "devices": len(make_backend(cfg.backend, num_workers).devices),
+        "devices": num_devices(cfg, num_workers),
         "peak_flops": peak,
         "mfu": mfu_lib.mfu(flops_per_token, tokens_per_second, peak),
     }
 
 
+def num_devices(cfg: RunConfig, num_workers: int) -> int:
+    """The devices `num_workers` workers use: their mesh's (`make_mesh`) under cfg.mesh, else
+    make_backend's choice for cfg.backend."""
+    mesh = make_mesh(cfg, num_workers)
+    if mesh is not None:
+        return mesh.size
+    return len(make_backend(cfg.backend, num_workers).devices)
+
+
 def peak_flops(cfg: RunConfig, num_workers: int) -> float | None:
-    """`mfu.peak_flops` for cfg.dtype on the devices `num_workers` workers use (make_backend's
-    choice for cfg.backend)."""
-    num_devices = len(make_backend(cfg.backend, num_workers).devices)
-    return mfu_lib.peak_flops(cfg.dtype, num_devices=num_devices)
+    """`mfu.peak_flops` for cfg.dtype on the devices `num_workers` workers use
+    (`num_devices`)."""
+    return mfu_lib.peak_flops(cfg.dtype, num_devices=num_devices(cfg, num_workers))
 
 
 def pretrain(
@@ -410,8 +495,9 @@ def pretrain(
 ) -> tuple[Any, list[Record]]:
     """The shared warm start: (params, history) after `cfg.pretrain_steps` steps of one worker
     from a fresh init (unchanged, with no history, when 0). Its records carry run "pretrain"
-    and are not part of any compared run's budget."""
-    _, params, loss_fn = init_model(cfg)
+    and are not part of any compared run's budget. With cfg.mesh the one worker is partitioned
+    as each run's are, on the mesh with a workers axis of 1."""
+    model_cfg, params, loss_fn = init_model(cfg)
     if cfg.pretrain_steps == 0:
         return params, []
     result = train_sync(
@@ -428,6 +514,7 @@ def pretrain(
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=cfg.pretrain_steps,
         has_aux=True,
+        **mesh_options(cfg, model_cfg, params, 1, train_sync),  # one worker, partitioned alike
     )
     return result.params, result.history
 
@@ -443,6 +530,7 @@ def describe(cfg: RunConfig, corpus: Corpus) -> str:
         f"{info['num_documents']:,} documents, {info['train_tokens']:,} train / "
         f"{info['val_tokens']:,} eval tokens ({cfg.sharding})"
         + ("" if cfg.tokenizer == "bytes" else f"; tokenizer {cfg.tokenizer}")
+        + ("" if cfg.mesh is None else f"; mesh {format_mesh(cfg.mesh)}")
     )
 
 

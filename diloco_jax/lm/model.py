@@ -28,19 +28,24 @@ attention on an NVIDIA GPU when dtype and head dim allow it, XLA otherwise). The
 embedding is a one-hot matmul for small vocabularies on accelerators (`embedding="auto"`), so
 its gradient is a matmul rather than a scatter-add of every token's gradient into a few rows.
 
+Sharding: every matrix parameter carries logical axis names ("vocab", "embed", "heads",
+"mlp"; `logical_axes`), and `param_specs(config, params, {"fsdp": 2, "tensor": 2})` maps them
+onto the axes of a mesh that partitions each DiLoCo worker (the trainers' `param_sharding=`).
+
 Shape suffixes: B batch, L sequence, D d_model, H heads, K head dim, F d_ff, V vocab.
 """
 
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 Params = dict[str, Any]
 
@@ -185,7 +190,11 @@ def _paper(d_model: int, num_layers: int, num_heads: int, head_dim: int) -> Mode
 # used a 32k vocabulary; here the default is byte-level (256), so counts are lower. With
 # `get_config(name, vocab_size=32_000)` and tied embeddings the counts are 59.0M, 149.8M and
 # 388.9M, matching the paper's names; this arithmetic is also why "150m" uses hidden 896
-# (hidden 1024 would give 184M).
+# (hidden 1024 would give 184M). "1b" is a model to shard over a mesh (`param_specs`):
+# hidden 2048, 20 layers of 16 heads x 128, d_ff 8192, context 2048; 20 x 50.3M matmul
+# weights per layer make 1,007.2M parameters with the byte vocabulary and 1,072.3M with a 32k
+# one (16 layers, the Llama-style count, would give 806M: this MLP has two matrices, not
+# three).
 PRESETS: dict[str, ModelConfig] = {
     "micro": ModelConfig(seq_len=32, d_model=32, num_layers=1, num_heads=2, d_ff=128),
     "mini": ModelConfig(seq_len=64, d_model=64, num_layers=2, num_heads=4, d_ff=256),
@@ -194,6 +203,9 @@ PRESETS: dict[str, ModelConfig] = {
     "60m": _paper(896, 3, 16, 64),
     "150m": _paper(896, 12, 16, 64),
     "400m": _paper(1536, 12, 12, 128),
+    "1b": ModelConfig(
+        seq_len=2048, d_model=2048, num_layers=20, num_heads=16, d_ff=8192, head_dim=128
+    ),
 }
 
 
@@ -289,12 +301,25 @@ def _rotary(x_BxLxHxK: jax.Array) -> jax.Array:
     return out.astype(x_BxLxHxK.dtype)
 
 
-def _linear(d_in: int, d_out: int, std: float, c: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
+def _with_axes(init: Callable, *names: str | None) -> Callable:
+    """`init` whose Param carries logical axis names, one per dim (`logical_axes`). Metadata
+    only: the values are init's, and nothing is placed on a mesh when it is created."""
+    return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def _linear(
+    d_in: int,
+    d_out: int,
+    std: float,
+    c: ModelConfig,
+    rngs: nnx.Rngs,
+    axes: tuple[str | None, str | None],
+) -> nnx.Linear:
     return nnx.Linear(
         d_in,
         d_out,
         use_bias=False,
-        kernel_init=nnx.initializers.normal(std),
+        kernel_init=_with_axes(nnx.initializers.normal(std), *axes),
         dtype=c.jnp_dtype,
         param_dtype=c.param_jnp_dtype,
         rngs=rngs,
@@ -317,10 +342,11 @@ class Attention(nnx.Module):
         # Residual-output projections are scaled down by depth so the residual stream's
         # variance at init does not grow with num_layers (GPT-2 convention).
         out_std = _INIT_STD / math.sqrt(2 * c.num_layers)
-        self.query = _linear(c.d_model, hk, _INIT_STD, c, rngs)
-        self.key = _linear(c.d_model, hk, _INIT_STD, c, rngs)
-        self.value = _linear(c.d_model, hk, _INIT_STD, c, rngs)
-        self.out = _linear(hk, c.d_model, out_std, c, rngs)
+        # Kernels [D, H*K] and [H*K, D]: "heads" is the flattened H*K dim, split by whole heads.
+        self.query = _linear(c.d_model, hk, _INIT_STD, c, rngs, ("embed", "heads"))
+        self.key = _linear(c.d_model, hk, _INIT_STD, c, rngs, ("embed", "heads"))
+        self.value = _linear(c.d_model, hk, _INIT_STD, c, rngs, ("embed", "heads"))
+        self.out = _linear(hk, c.d_model, out_std, c, rngs, ("heads", "embed"))
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         c = self.config
@@ -348,8 +374,9 @@ class Mlp(nnx.Module):
     """GELU MLP: D -> F -> D."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
-        self.up = _linear(c.d_model, c.d_ff, _INIT_STD, c, rngs)
-        self.down = _linear(c.d_ff, c.d_model, _INIT_STD / math.sqrt(2 * c.num_layers), c, rngs)
+        self.up = _linear(c.d_model, c.d_ff, _INIT_STD, c, rngs, ("embed", "mlp"))
+        down_std = _INIT_STD / math.sqrt(2 * c.num_layers)
+        self.down = _linear(c.d_ff, c.d_model, down_std, c, rngs, ("mlp", "embed"))
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x_BxLxD)))
@@ -379,7 +406,7 @@ class Transformer(nnx.Module):
         self.token_embed = nnx.Embed(
             c.vocab_size,
             c.d_model,
-            embedding_init=embed_init,
+            embedding_init=_with_axes(embed_init, "vocab", "embed"),
             dtype=c.jnp_dtype,
             param_dtype=c.param_jnp_dtype,
             rngs=rngs,
@@ -388,7 +415,7 @@ class Transformer(nnx.Module):
             self.position_embed = nnx.Embed(
                 c.seq_len,
                 c.d_model,
-                embedding_init=embed_init,
+                embedding_init=_with_axes(embed_init, None, "embed"),
                 dtype=c.jnp_dtype,
                 param_dtype=c.param_jnp_dtype,
                 rngs=rngs,
@@ -545,3 +572,129 @@ def flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
     per_layer = 4 * config.d_model * hk + 2 * config.d_model * config.d_ff
     n_matmul = config.num_layers * per_layer + config.vocab_size * config.d_model
     return float(6 * n_matmul + 12 * config.num_layers * hk * t)
+
+
+# Logical axis -> mesh axis (or axes, in order; None: never sharded) for `param_specs`: the
+# FSDP / tensor-parallel layout of the usual transformer rules (MaxText, T5X).
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "embed": "fsdp",  # the residual / hidden dim D of every matrix
+    "mlp": "tensor",  # the MLP hidden dim F
+    "heads": "tensor",  # the attention heads (of the flattened H*K dim)
+    "vocab": "tensor",  # the token embedding's (and so the tied output projection's) rows
+}
+# Leaves with fewer elements than this stay whole on every device by default (`param_specs`).
+MIN_SHARD_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=64)
+def _logical_names(config: ModelConfig) -> dict[tuple, tuple[str | None, ...]]:
+    """Param path (as in the pure dict) -> logical axis names of its dims, () when the
+    module gave none (the norm scales). From the abstract model: allocates nothing."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0)))
+    return {
+        tuple(path): tuple(variable.get_metadata().get("out_sharding") or ())
+        for path, variable in nnx.to_flat_state(nnx.state(abstract))
+    }
+
+
+def _path_keys(path: tuple) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def logical_axes(config: ModelConfig) -> Params:
+    """The params' logical partitioning: a nested dict like `init_params`', each leaf a
+    `PartitionSpec` of logical axis names, one per dim. Kernels: token embedding [V, D]
+    ("vocab", "embed"); learned positions [L, D] (None, "embed"); query / key / value
+    [D, H*K] ("embed", "heads") and out [H*K, D] ("heads", "embed"); MLP up [D, F]
+    ("embed", "mlp") and down [F, D] ("mlp", "embed"). Norm scales: PartitionSpec()."""
+    names = _logical_names(config)
+    shapes = jax.eval_shape(init_params, config, jax.random.key(0))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: PartitionSpec(*names[_path_keys(path)]), shapes
+    )
+
+
+def param_specs(
+    config: ModelConfig,
+    params: Params,
+    mesh_axes: "Mapping[str, int] | jax.sharding.Mesh",
+    *,
+    rules: Mapping[str, str | tuple[str, ...] | None] | None = None,
+    min_size: int = MIN_SHARD_SIZE,
+) -> Params:
+    """How each parameter is partitioned within one DiLoCo worker: a nested dict like
+    `params` of `jax.sharding.PartitionSpec`s over the non-worker mesh axes (what
+    `train_diloco(..., mesh=, param_sharding=)` takes). Reads only the leaves' shapes, so
+    `params` may be arrays or `jax.eval_shape`'s ShapeDtypeStructs.
+
+    Args:
+      config: the ModelConfig the params were made with.
+      params: the params (or their shapes), structured as `init_params(config, ...)`'s.
+      mesh_axes: the non-worker mesh axes' sizes by name, e.g. {"fsdp": 2, "tensor": 2} (a
+        `Mesh` is read as its `shape`; only axes the rules name are used).
+      rules: logical axis -> mesh axis name, a tuple of names (the dim split over their
+        product, in order) or None; default `LOGICAL_RULES`. Logical names not in it stay
+        unsharded.
+      min_size: leaves with fewer elements are replicated whole (default 1024).
+
+    The rules, per dim of each leaf, from its logical axis names (`logical_axes`):
+      - "embed" (the hidden dim D of every matrix) over "fsdp"; "mlp" (F), "heads" and
+        "vocab" (the token embedding's rows, so the tied output projection is vocab-parallel)
+        over "tensor" (`LOGICAL_RULES`).
+      - A dim is left unsharded (None) when its mesh axis is absent from `mesh_axes` or of
+        size 1, or when the mesh axis size does not divide it. "heads" is the flattened H*K
+        dim of the attention kernels and splits by whole heads: it is sharded only when the
+        size divides num_heads. With several mesh axes for one logical axis, each is kept in
+        order while the product so far divides the dim.
+      - A mesh axis partitions at most one dim of a leaf (the first that gets it).
+      - Norm scales (and any leaf without logical names, e.g. biases if a model had them) and
+        leaves of fewer than `min_size` elements are replicated: PartitionSpec().
+    A spec that shards some dim has one entry per dim (trailing Nones included); one that
+    shards none is PartitionSpec(). E.g. for the tiny preset on
+    {"fsdp": 2, "tensor": 2}: the query kernel [128, 128] gets P("fsdp", "tensor"), the MLP's
+    down kernel [512, 128] P("tensor", "fsdp") and the token embedding [256, 128]
+    P("tensor", "fsdp").
+    """
+    if isinstance(mesh_axes, jax.sharding.Mesh):
+        mesh_axes = dict(mesh_axes.shape)
+    sizes = dict(mesh_axes)
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must have an int size >= 1, got {size!r}")
+    rules = LOGICAL_RULES if rules is None else dict(rules)
+    for name, axes in rules.items():
+        axes = (axes,) if isinstance(axes, str) else axes
+        if axes is not None and not (
+            isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)
+        ):
+            raise ValueError(
+                f"rules[{name!r}] must be a mesh axis name, a tuple of names or None, got {axes!r}"
+            )
+    names = _logical_names(config)
+    expected = jax.tree.structure(jax.eval_shape(init_params, config, jax.random.key(0)))
+    if jax.tree.structure(params) != expected:
+        raise ValueError("params do not match the structure init_params(config, ...) produces")
+
+    def spec(path: tuple, leaf: Any) -> PartitionSpec:
+        shape = tuple(leaf.shape)
+        logical = names[_path_keys(path)]
+        if not logical or math.prod(shape) < min_size:
+            return PartitionSpec()
+        used: set[str] = set()
+        entries: list[str | tuple[str, ...] | None] = []
+        for logical_name, dim in zip(logical, shape, strict=True):
+            axes = rules.get(logical_name) if logical_name is not None else None
+            axes = (axes,) if isinstance(axes, str) else (axes or ())
+            # The count of indivisible pieces along the dim: whole heads for "heads".
+            pieces = config.num_heads if logical_name == "heads" else dim
+            kept, product = [], 1
+            for axis in axes:
+                size = sizes.get(axis, 1)
+                if size > 1 and axis not in used and pieces % (product * size) == 0:
+                    kept.append(axis)
+                    product *= size
+            used.update(kept)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+        return PartitionSpec(*entries) if any(entries) else PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(spec, params)

@@ -1,0 +1,355 @@
+"""Sharded workers on the LM side: the transformer's logical partitioning and `param_specs`,
+the `1b` preset (shapes only, never materialized), `--mesh` on the command line and its
+path through experiment.py into the trainers."""
+
+import functools
+import inspect
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from reference import assert_cli_refuses
+
+import diloco_jax as dj
+from diloco_jax.lm import cli, experiment, model
+from diloco_jax.lm import config as config_lib
+
+TINY = model.PRESETS["tiny"]
+MESH_AXES = {"fsdp": 2, "tensor": 2}
+TEXT = "".join(
+    f"Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(400)
+)
+ENGINE_HAS_MESH = all(
+    "mesh" in inspect.signature(trainer).parameters for trainer in (dj.train_diloco, dj.train_sync)
+)
+
+
+@functools.cache
+def _shapes(config):
+    return jax.eval_shape(model.init_params, config, jax.random.key(0))
+
+
+def _block(q, k, v, out, up, down):
+    norm = {"scale": P()}
+    return {
+        "attn": {
+            "query": {"kernel": q},
+            "key": {"kernel": k},
+            "value": {"kernel": v},
+            "out": {"kernel": out},
+        },
+        "attn_norm": norm,
+        "mlp": {"up": {"kernel": up}, "down": {"kernel": down}},
+        "mlp_norm": norm,
+    }
+
+
+def test_logical_axes_of_every_kernel():
+    block = _block(
+        P("embed", "heads"),
+        P("embed", "heads"),
+        P("embed", "heads"),
+        P("heads", "embed"),
+        P("embed", "mlp"),
+        P("mlp", "embed"),
+    )
+    assert model.logical_axes(TINY) == {
+        "blocks": {0: block, 1: block},
+        "final_norm": {"scale": P()},
+        "token_embed": {"embedding": P("vocab", "embed")},
+    }
+    learned = model.logical_axes(model.get_config("micro", positions="learned"))
+    assert learned["position_embed"]["embedding"] == P(None, "embed")
+
+
+def test_param_specs_on_tiny_over_fsdp_and_tensor():
+    # tiny: D 128, 4 heads x 32, F 512, V 256; every dim divides by 2.
+    block = _block(
+        P("fsdp", "tensor"),  # query [D, H*K]
+        P("fsdp", "tensor"),  # key
+        P("fsdp", "tensor"),  # value
+        P("tensor", "fsdp"),  # out [H*K, D]
+        P("fsdp", "tensor"),  # up [D, F]
+        P("tensor", "fsdp"),  # down [F, D]
+    )
+    expected = {
+        "blocks": {0: block, 1: block},
+        "final_norm": {"scale": P()},
+        "token_embed": {"embedding": P("tensor", "fsdp")},  # [V, D]: vocab-parallel
+    }
+    assert model.param_specs(TINY, _shapes(TINY), MESH_AXES) == expected
+    # Arrays or a Mesh give the same: only shapes and axis sizes are read.
+    params = model.init_params(TINY, jax.random.key(1))
+    mesh = Mesh(np.reshape(jax.devices()[:8], (2, 2, 2)), ("workers", "fsdp", "tensor"))
+    assert model.param_specs(TINY, params, mesh) == expected
+
+
+def _kernels(specs):
+    block = specs["blocks"][0]
+    return {
+        "query": block["attn"]["query"]["kernel"],
+        "out": block["attn"]["out"]["kernel"],
+        "up": block["mlp"]["up"]["kernel"],
+        "down": block["mlp"]["down"]["kernel"],
+        "embedding": specs["token_embed"]["embedding"],
+        "norm": block["attn_norm"]["scale"],
+    }
+
+
+@pytest.mark.parametrize(
+    "mesh_axes, expected",
+    [
+        # 3 divides no dim of tiny: embed unsharded; tensor still shards heads, mlp, vocab.
+        (
+            {"fsdp": 3, "tensor": 2},
+            dict(query=P(None, "tensor"), out=P("tensor", None), up=P(None, "tensor"),
+                 down=P("tensor", None), embedding=P("tensor", None), norm=P()),
+        ),
+        # 8 does not divide 4 heads (H*K = 128 would split inside heads): attention kernels
+        # unsharded over tensor; F 512 and V 256 still divide by 8.
+        (
+            {"fsdp": 2, "tensor": 8},
+            dict(query=P("fsdp", None), out=P(None, "fsdp"), up=P("fsdp", "tensor"),
+                 down=P("tensor", "fsdp"), embedding=P("tensor", "fsdp"), norm=P()),
+        ),
+        # An absent or size-1 axis leaves its dims unsharded.
+        (
+            {"tensor": 2},
+            dict(query=P(None, "tensor"), out=P("tensor", None), up=P(None, "tensor"),
+                 down=P("tensor", None), embedding=P("tensor", None), norm=P()),
+        ),
+        (
+            {"fsdp": 4, "tensor": 1},
+            dict(query=P("fsdp", None), out=P(None, "fsdp"), up=P("fsdp", None),
+                 down=P(None, "fsdp"), embedding=P(None, "fsdp"), norm=P()),
+        ),
+        # Axes no rule names shard no parameter: a spec sharding no dim is P().
+        ({"data": 8}, dict(query=P(), out=P(), up=P(), down=P(), embedding=P(), norm=P())),
+    ],
+    ids=["fsdp3", "tensor8", "no-fsdp", "tensor1", "other-axis"],
+)  # fmt: skip
+def test_param_specs_leave_indivisible_or_absent_axes_unsharded(mesh_axes, expected):
+    assert _kernels(model.param_specs(TINY, _shapes(TINY), mesh_axes)) == expected
+
+
+def test_heads_split_by_whole_heads_only():
+    # 2 heads x 64: H*K = 128 divides by 4, but 4 devices would split each head in two.
+    config = model.get_config("tiny", num_heads=2)
+    got = _kernels(model.param_specs(config, _shapes(config), {"fsdp": 2, "tensor": 4}))
+    assert got["query"] == P("fsdp", None) and got["out"] == P(None, "fsdp")
+    assert got["up"] == P("fsdp", "tensor")
+
+
+def test_param_specs_rules_min_size_and_errors():
+    shapes = _shapes(TINY)
+    # Several mesh axes for one logical axis: kept in order while their product divides.
+    rules = {"embed": ("fsdp", "data"), "mlp": "tensor"}
+    got = _kernels(
+        model.param_specs(TINY, shapes, {"fsdp": 2, "data": 4, "tensor": 2}, rules=rules)
+    )
+    assert got["up"] == P(("fsdp", "data"), "tensor") and got["query"] == P(("fsdp", "data"), None)
+    got = _kernels(model.param_specs(TINY, shapes, {"fsdp": 2, "data": 3}, rules=rules))
+    assert got["up"] == P("fsdp", None)
+    # A mesh axis partitions one dim of a leaf at most: the first that asks for it.
+    got = _kernels(
+        model.param_specs(TINY, shapes, MESH_AXES, rules={"embed": "fsdp", "mlp": "fsdp"})
+    )
+    assert got["up"] == P("fsdp", None) and got["down"] == P("fsdp", None)
+    # Leaves under min_size stay whole: every kernel of tiny has 128 * 128 or more elements.
+    specs = model.param_specs(TINY, shapes, MESH_AXES, min_size=128 * 128 + 1)
+    assert _kernels(specs)["query"] == P() and _kernels(specs)["up"] == P("fsdp", "tensor")
+    with pytest.raises(ValueError, match="do not match the structure"):
+        model.param_specs(TINY, _shapes(model.PRESETS["micro"]), MESH_AXES)
+    with pytest.raises(ValueError, match="'fsdp' must have an int size >= 1"):
+        model.param_specs(TINY, shapes, {"fsdp": 0})
+    with pytest.raises(ValueError, match="rules"):
+        model.param_specs(TINY, shapes, MESH_AXES, rules={"embed": 3})
+
+
+def test_params_placed_by_their_specs_give_the_same_loss_and_grads():
+    """The specs are valid shardings of the params (one entry per dim, dims divisible), and
+    GSPMD's partitioned loss and gradients agree with the unsharded ones."""
+    mesh = Mesh(np.reshape(jax.devices()[:4], (2, 2)), ("fsdp", "tensor"))
+    params = model.init_params(TINY, jax.random.key(0))
+    specs = model.param_specs(TINY, params, mesh)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    assert placed["blocks"][0]["mlp"]["up"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256, jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    grad = jax.jit(jax.value_and_grad(model.make_loss_fn(TINY)))
+    (loss, grads), (sharded_loss, sharded_grads) = grad(params, batch), grad(placed, batch)
+    np.testing.assert_allclose(sharded_loss, loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(sharded_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+# Stated range for the 1b preset: 1.0-1.3B parameters with the byte vocabulary or a 32k one.
+@pytest.mark.parametrize("vocab_size, exact", [(256, 1_007_241_216), (32_000, 1_072_252_928)])
+def test_1b_preset_parameter_count_and_flops(vocab_size, exact):
+    config = model.get_config("1b", vocab_size=vocab_size)
+    shapes = _shapes(config)  # eval_shape: nothing allocated
+    count = model.count_params(shapes)
+    assert 1.0e9 <= count <= 1.3e9 and count == exact
+    d, f, layers, hk = 2048, 8192, 20, 16 * 128
+    assert (config.d_model, config.d_ff, config.num_layers, config.num_heads) == (d, f, layers, 16)
+    # 6 N over the matmul weights plus attention over a 1024 context: within 10% of 6 x count.
+    n = layers * (4 * d * hk + 2 * d * f) + vocab_size * d
+    flops = model.flops_per_token(config, 1024)
+    assert flops == 6 * n + 12 * layers * hk * 1024
+    assert 1.0 < flops / (6 * count) < 1.1
+    # Every kernel shards over 4 x 2 devices; only the norm scales stay whole.
+    specs = model.param_specs(config, shapes, {"fsdp": 4, "tensor": 2})
+    assert all(
+        s == P() if leaf.ndim == 1 else set(s) == {"fsdp", "tensor"}
+        for s, leaf in zip(jax.tree.leaves(specs), jax.tree.leaves(shapes), strict=True)
+    )
+
+
+def test_1b_run_preset_is_valid():
+    cfg = config_lib.make_config("h200_1b")
+    assert cfg.model == "1b" and cfg.mesh is None
+    config_lib.validate(config_lib.make_config("h200_1b", mesh=(("workers", 2), ("fsdp", 4))))
+
+
+def test_mesh_flag_parses_into_the_config():
+    run = cli.parse(["train", "--preset", "micro", "--mesh", "workers=2,fsdp=2,tensor=2"])
+    assert run.cfg.mesh == (("workers", 2), ("fsdp", 2), ("tensor", 2))
+    run = cli.parse(["compare", "--preset", "micro", "--mesh", "fsdp=2, workers=2"])
+    assert run.cfg.mesh == (("fsdp", 2), ("workers", 2))
+    assert cli.parse(["train", "--preset", "micro"]).cfg.mesh is None
+    assert config_lib.format_mesh(run.cfg.mesh) == "fsdp=2,workers=2"
+    assert config_lib.mesh_axes(run.cfg, 1) == (("fsdp", 2), ("workers", 1))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["train", "--mesh", "workers=2,fsdp"],
+            "--mesh must look like 'workers=2,fsdp=2,tensor=2'",
+        ),
+        (["train", "--mesh", "workers=2,fsdp=2.5"], "--mesh must look like"),
+        (["train", "--mesh", "workers=2,fsdp=-1"], "--mesh must look like"),
+        (["train", "--mesh", "workers=2,"], "--mesh must look like"),
+        (["train", "--mesh", ""], "--mesh must look like"),
+        (["train", "--mesh", "workers=2,fsdp=0"], "--mesh axis fsdp must have a size >= 1"),
+        (["compare", "--mesh", "fsdp=2,tensor=2"], "--mesh needs a 'workers' axis"),
+        (["train", "--mesh", "workers=2,workers=2"], "--mesh names an axis twice"),
+        (
+            ["train", "--mesh", "workers=4,fsdp=2"],
+            "--mesh workers=4,fsdp=2: the workers axis must have the run's 2 workers",
+        ),
+        (["train", "--mesh", "workers=2,fsdp=3"], "batch_size must be a multiple of 3"),
+        (["train", "--algo", "async", "--mesh", "workers=2"], "--mesh needs --algo diloco or sync"),
+        (
+            ["train", "--compression", "int8", "--mesh", "workers=2,tensor=2"],
+            "--compression int8 of sharded deltas is not supported yet",
+        ),
+        (["train", "--backend", "vmap", "--mesh", "workers=2"], "--mesh places the workers"),
+        (
+            ["train", "--batch-size", "8", "--mesh", "workers=2,fsdp=8"],
+            "--mesh workers=2,fsdp=8 needs 16 devices, there are 8",
+        ),
+    ],
+)
+def test_bad_mesh_is_one_line_exit_2_naming_mesh(argv, message, tmp_path, capsys):
+    out = tmp_path / "never"
+    assert_cli_refuses([*argv, "--preset", "micro", "--out", str(out)], message, capsys, out)
+
+
+def test_mesh_without_an_engine_that_takes_it_is_refused(monkeypatch, tmp_path, capsys):
+    """The guard while the trainers have no `mesh=`: one line before anything is written."""
+
+    def train_diloco(loss_fn, params, data, **options):  # an engine before issue 21
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(experiment, "train_diloco", train_diloco)
+    out = tmp_path / "never"
+    argv = ["train", "--preset", "micro", "--mesh", "workers=2", "--out", str(out)]
+    message = "--mesh needs a diloco_jax whose train_diloco takes mesh="
+    assert_cli_refuses(argv, message, capsys, out)
+
+
+def _train(tmp_path, name, *flags, model_name="micro"):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    out = tmp_path / name
+    argv = [
+        "train",
+        "--preset",
+        "micro",
+        "--model",
+        model_name,
+        "--data",
+        f"text:{corpus}",
+        "--inner-steps",
+        "3",
+        "--rounds",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+        *flags,
+    ]
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("algo", ["diloco", "sync"])
+def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
+    """--mesh's keywords as the trainers get them, whatever the engine does with them: the
+    pretrain's one worker on workers=1 (4 devices), the run's 2 workers on all 8; each with
+    model.param_specs over fsdp x tensor. Without --mesh, no mesh keyword at all."""
+    calls = []
+
+    def recording(trainer):
+        def fake(*args, mesh=None, worker_axis=None, param_sharding=None, **kwargs):
+            calls.append((trainer.__name__, mesh, worker_axis, param_sharding, kwargs))
+            return trainer(*args, **kwargs)
+
+        fake.__name__ = trainer.__name__
+        return fake
+
+    monkeypatch.setattr(experiment, "train_diloco", recording(experiment.train_diloco))
+    monkeypatch.setattr(experiment, "train_sync", recording(experiment.train_sync))
+    _, summary = _train(tmp_path, "mesh", "--algo", algo, "--mesh", "workers=2,fsdp=2,tensor=2")
+    (pre, pre_mesh, pre_axis, pre_specs, _), (run, mesh, axis, specs, kwargs) = calls
+    assert pre == "train_sync" and run == f"train_{algo}"
+    assert pre_axis == axis == "workers" and kwargs["num_workers"] == 2
+    assert dict(pre_mesh.shape) == {"workers": 1, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"workers": 2, "fsdp": 2, "tensor": 2}
+    assert list(pre_mesh.devices.flat) == jax.devices()[:4]
+    assert list(mesh.devices.flat) == jax.devices()[:8]
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}
+    micro = model.get_config("micro")
+    assert specs == pre_specs == model.param_specs(micro, _shapes(micro), MESH_AXES)
+    assert summary["devices"] == 8
+    calls.clear()
+    _train(tmp_path, "plain", "--algo", algo)
+    assert [call[1:4] for call in calls] == [(None, None, None)] * 2
+
+
+@pytest.mark.skipif(not ENGINE_HAS_MESH, reason="train_diloco / train_sync take no mesh= yet")
+@pytest.mark.parametrize("pretrain_steps", ["0", "2"], ids=["cold", "warm-start"])
+def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
+    """tiny (float32) with 2 workers, each over fsdp=2 x tensor=2 of the 8 devices: the same
+    losses as the vmap / shard_map run, up to the partitioned matmuls' rounding. The warm
+    start trains its one worker on the mesh workers=1,fsdp=2,tensor=2 (4 devices)."""
+    flags = ["--pretrain-steps", pretrain_steps]
+    plain, _ = _train(tmp_path, "plain", *flags, model_name="tiny")
+    mesh = ["--mesh", "workers=2,fsdp=2,tensor=2"]
+    meshed, summary = _train(tmp_path, "mesh", *flags, *mesh, model_name="tiny")
+    assert (tmp_path / "mesh" / "metrics.jsonl").exists() and summary["devices"] == 8
+    assert [r["run"] for r in meshed] == [r["run"] for r in plain]
+    assert [r["run"] for r in meshed].count("pretrain") == int(pretrain_steps)
+    for got, want in zip(meshed, plain, strict=True):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+        if "eval_loss" in want:
+            np.testing.assert_allclose(got["eval_loss"], want["eval_loss"], rtol=1e-5)
+    assert meshed[-1]["run"] == "diloco"
+    assert meshed[-1]["loss"] == pytest.approx(plain[-1]["loss"], rel=1e-5)
