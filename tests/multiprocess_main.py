@@ -1,10 +1,11 @@
 """One process of the 2-process test run (see test_multiprocess.py); not a test module.
 
-Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR [CKPT_DIR]
+Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR [CKPT_DIR [diloco]]
 
 Joins the run, trains DiLoCo, the synchronous baseline and DiLoCo with int8 deltas (the
 two-stage exchange) on `run_config()`'s data (the same on every process) and saves the final
-params and histories to OUT_DIR/process-I.npz.
+params and histories to OUT_DIR/process-I.npz. With a last argument "diloco", only the DiLoCo
+run (the one that checkpoints: what a resumed launch checks).
 """
 
 import json
@@ -29,8 +30,11 @@ def run_config() -> dict:
     return {"params": params, "data": data, "sync_data": sync_data}
 
 
-def train_both(checkpoint_dir: str | None = None, **kwargs) -> dict[str, np.ndarray]:
-    """Final params of DiLoCo and sync runs, flattened to {"diloco_w": ..., ...}."""
+def train_both(
+    checkpoint_dir: str | None = None, only_diloco: bool = False, **kwargs
+) -> dict[str, np.ndarray]:
+    """Final params of DiLoCo and sync runs, flattened to {"diloco_w": ..., ...}; with
+    `only_diloco`, of the DiLoCo run alone (its history the only entry of "history")."""
     import diloco_jax as dj
 
     cfg = run_config()
@@ -45,6 +49,11 @@ def train_both(checkpoint_dir: str | None = None, **kwargs) -> dict[str, np.ndar
         checkpoint_dir=checkpoint_dir,
         **diloco_args,
     )
+    out = {f"diloco_{k}": np.asarray(v) for k, v in diloco.params.items()}
+    out["diloco_inner_mu_w"] = np.asarray(diloco.state.inner_opt_state[0].mu["w"])
+    if only_diloco:
+        out["history"] = np.asarray(json.dumps([diloco.history]))
+        return out
     sync = dj.train_sync(
         linear_loss,
         cfg["params"],
@@ -62,11 +71,9 @@ def train_both(checkpoint_dir: str | None = None, **kwargs) -> dict[str, np.ndar
         compression="int8,ef=1",
         **diloco_args,
     )
-    out = {f"diloco_{k}": np.asarray(v) for k, v in diloco.params.items()}
     out.update({f"sync_{k}": np.asarray(v) for k, v in sync.params.items()})
     out.update({f"int8_{k}": np.asarray(v) for k, v in quantized.params.items()})
     out["int8_residual_w"] = np.asarray(quantized.state.residual["w"])
-    out["diloco_inner_mu_w"] = np.asarray(diloco.state.inner_opt_state[0].mu["w"])
     out["history"] = np.asarray(json.dumps([diloco.history, sync.history, quantized.history]))
     return out
 
@@ -74,11 +81,12 @@ def train_both(checkpoint_dir: str | None = None, **kwargs) -> dict[str, np.ndar
 def main(argv: list[str]) -> None:
     coordinator, num_processes, process_id, out_dir = argv[:4]
     checkpoint_dir = argv[4] if len(argv) > 4 else None
+    only_diloco = argv[5:] == ["diloco"]
     distributed.initialize(coordinator, int(num_processes), int(process_id))
     import jax
 
     assert jax.process_count() == int(num_processes), jax.process_count()
-    result = train_both(checkpoint_dir)
+    result = train_both(checkpoint_dir, only_diloco)
     np.savez(Path(out_dir) / f"process-{process_id}.npz", **result)
     jax.distributed.shutdown()
 

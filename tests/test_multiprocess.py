@@ -86,11 +86,12 @@ def test_two_processes_match_each_other_and_one_process(tmp_path):
             np.testing.assert_allclose(e0["worker_loss"], el["worker_loss"], rtol=1e-6)
             assert len(e0["worker_loss"]) == 4
     # The DiLoCo run checkpointed (both processes writing one Orbax checkpoint); a second
-    # launch on the same directory resumes from its last step and returns the same params.
+    # launch on the same directory resumes from its last step and returns the same params
+    # (it runs only the DiLoCo run: the other two do not checkpoint).
     assert sorted(os.listdir(ckpt)) == ["1", "2", "3"]
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    _launch(resumed, 2, str(ckpt))
+    _launch(resumed, 2, str(ckpt), "diloco")
     r0 = _load(resumed / "process-0.npz")
     for key in ("diloco_w", "diloco_b", "diloco_inner_mu_w"):
         np.testing.assert_array_equal(r0[key], p0[key], err_msg=key)

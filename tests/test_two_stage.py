@@ -164,8 +164,11 @@ def test_every_layout_gives_the_same_mean(spec):
 # ----------------------------------------------------------------------------- wire bytes
 
 WIRE_PARAMS = {"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}
+# The round layouts the wire-byte tests compile: one sync unweighted, two fragments weighted.
+LAYOUTS = [(None, False), (2, True)]
 
 
+@functools.cache  # the tests below share their programs (a process compiles each once)
 def _compiled_wire_bytes(num_workers, compression, fragments=None, exclude=False, **delay):
     def loss(p, b):
         return 0.5 * jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
@@ -202,7 +205,7 @@ def test_wire_bytes_formula_is_the_compiled_program(num_workers):
     # Every codec at M = 8; at M = 2 and 4 one of each exchange (compiles are the cost).
     specs = SPECS + ["int8,exchange=gather"] if num_workers == 8 else [None, "int4", "topk:0.01"]
     for spec in specs:
-        for fragments, exclude in [(None, False), (2, True)]:
+        for fragments, exclude in LAYOUTS:
             got = _compiled_wire_bytes(num_workers, spec, fragments, exclude)
             want = comm.round_wire_bytes(
                 WIRE_PARAMS, spec, num_workers, fragments=fragments, weighted=exclude
@@ -219,10 +222,11 @@ def test_a_delay_moves_the_exchange_but_sends_the_same_bytes(delay):
 
 @pytest.mark.parametrize("num_workers", [4, 8])
 def test_quantized_rounds_send_a_fraction_of_the_exact_bytes(num_workers):
-    for fragments in (None, 2):
-        exact = _compiled_wire_bytes(num_workers, None, fragments)
-        assert _compiled_wire_bytes(num_workers, "int8", fragments) <= 0.30 * exact
-        assert _compiled_wire_bytes(num_workers, "int4", fragments) <= 0.18 * exact
+    # The layouts of the formula test above: most of these programs are its own.
+    for fragments, exclude in LAYOUTS:
+        exact = _compiled_wire_bytes(num_workers, None, fragments, exclude)
+        assert _compiled_wire_bytes(num_workers, "int8", fragments, exclude) <= 0.30 * exact
+        assert _compiled_wire_bytes(num_workers, "int4", fragments, exclude) <= 0.18 * exact
 
 
 def test_sparse_gathers_cost_more_than_float32_from_a_worker_count_on():
