@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.hlo import ring_wire_bytes
+from diloco_jax.trees import per_leaf
 from diloco_jax.workers import all_gather_workers, exact_mean
 
 MERGE_RULES = ("mean", "first", "keep")
@@ -33,11 +34,15 @@ class Resolved(NamedTuple):
     rules: Rules
 
 
-def merge_rules(model_state: Any, model_state_merge: Any = None) -> Rules:
+def merge_rules(model_state: Any, model_state_merge: Any = None) -> Rules | None:
     """Each leaf's merge rule (`model_state_merge`: None for the defaults, one rule for
-    every leaf, or a pytree of rules like `model_state`). Raises ValueError naming
-    `model_state_merge` for an unknown rule, a wrong structure or "mean" on a leaf that is
-    not floating point."""
+    every leaf, or a pytree of rules like `model_state`); None without a model state. Raises
+    ValueError naming `model_state_merge` for rules without a model state, an unknown rule, a
+    wrong structure or "mean" on a leaf that is not floating point."""
+    if model_state is None:
+        if model_state_merge is not None:
+            raise ValueError("model_state_merge needs a model_state")
+        return None
     leaves = jax.tree.leaves(model_state)
     if isinstance(model_state_merge, Resolved):
         rules = list(model_state_merge.rules)
@@ -48,13 +53,12 @@ def merge_rules(model_state: Any, model_state_merge: Any = None) -> Rules:
     elif isinstance(model_state_merge, str):
         rules = [model_state_merge] * len(leaves)
     else:
-        try:
-            rules = jax.tree.leaves(jax.tree.map(lambda _, r: r, model_state, model_state_merge))
-        except (ValueError, TypeError):
-            raise ValueError(
-                "model_state_merge must be one rule or a pytree of rules with the model "
-                f"state's structure; got {model_state_merge!r}"
-            ) from None
+        rules = per_leaf(
+            model_state,
+            model_state_merge,
+            "model_state_merge must be one rule or a pytree of rules with the model state's "
+            f"structure; got {model_state_merge!r}",
+        )
     for i, (rule, leaf) in enumerate(zip(rules, leaves, strict=True)):
         if rule not in MERGE_RULES:
             raise ValueError(f"model_state_merge rules must be one of {MERGE_RULES}, got {rule!r}")

@@ -10,7 +10,6 @@ included), or the list of one Streaming fragment's leaves, gets the params' spec
 any other leaf (counts, weights, statistics) is replicated inside its worker.
 """
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -19,6 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax.trees import per_leaf
 from diloco_jax.workers import WORKER_AXIS
 
 # DiLoCoState / SyncState fields with one entry per worker (leading dim M).
@@ -26,6 +26,14 @@ PER_WORKER_FIELDS = frozenset(
     {"inner_opt_state", "residual", "local_params", "pending_deltas", "pending_weights",
      "worker_params", "model_state"}
 )  # fmt: skip
+
+
+def per_worker_fields(state: Any) -> frozenset[str]:
+    """The fields of `state` with one entry per worker: `PER_WORKER_FIELDS`, and under eager
+    updates (no global params) the outer state too."""
+    if getattr(state, "params", True) is None:
+        return PER_WORKER_FIELDS | {"outer_opt_state"}
+    return PER_WORKER_FIELDS
 
 
 def resolve_param_specs(params: Any, mesh: Mesh, param_sharding: Any) -> tuple[P, ...]:
@@ -43,16 +51,12 @@ def resolve_param_specs(params: Any, mesh: Mesh, param_sharding: Any) -> tuple[P
     elif callable(param_sharding):
         specs = [param_sharding(path, leaf) for path, leaf in leaves_with_paths]
     else:
-        try:
-            specs = jax.tree.leaves(
-                jax.tree.map(lambda _, s: s, params, param_sharding, is_leaf=_is_spec),
-                is_leaf=_is_spec,
-            )
-        except (ValueError, TypeError):
-            raise ValueError(
-                "param_sharding must be a pytree of PartitionSpecs with the params' structure, "
-                f"or a callable (path, leaf) -> PartitionSpec; got {param_sharding!r}"
-            ) from None
+        specs = per_leaf(
+            params,
+            param_sharding,
+            "param_sharding must be a pytree of PartitionSpecs with the params' structure, or "
+            f"a callable (path, leaf) -> PartitionSpec; got {param_sharding!r}",
+        )
     out = []
     for (path, leaf), spec in zip(leaves_with_paths, specs, strict=True):
         spec = P() if spec is None else spec
@@ -104,9 +108,7 @@ class Placement(NamedTuple):
     def shardings(self, state: Any) -> Any:
         """A pytree of `NamedSharding`s like `state` (a DiLoCoState / SyncState of arrays or
         shapes; under eager updates the outer state is per worker too)."""
-        per_worker = set(PER_WORKER_FIELDS)
-        if getattr(state, "params", True) is None:
-            per_worker.add("outer_opt_state")
+        per_worker = per_worker_fields(state)
         return type(state)(
             **{
                 name: self.tree(value, name in per_worker)
@@ -179,12 +181,5 @@ def _own_spec(leaf: Any, inner_axes: set[str]) -> P:
     return sharding.spec if named <= inner_axes else P()
 
 
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P) or x is None
-
-
 def _masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
-
-
-ParamSharding = Any | Callable[[Any, Any], P]

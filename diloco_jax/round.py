@@ -252,11 +252,7 @@ def diloco_round(
     model_like = None if state.model_state is None else _one_worker(state.model_state)
     schedule, syncs = method.check_run(like, num_workers, num_steps, frozen, worker_like)
     _check_state(state, like, num_workers, method, trainable, model_like, worker_like)
-    rules = None
-    if model_like is not None:
-        rules = model_states.merge_rules(model_like, model_state_merge)
-    elif model_state_merge is not None:
-        raise ValueError("model_state_merge needs a model state (init_state(..., model_state=))")
+    rules = model_states.merge_rules(model_like, model_state_merge)
     if custom:
         step = train_step(loss_fn, params_of, with_params, frozen)
     else:

@@ -73,14 +73,8 @@ def sync_step(
     backend = make_backend(backend, num_workers)
     shared_data, per_worker_data = split_data(batch, num_workers, state.step)
     ids_M = None if rng_seed is None else jnp.arange(num_workers, dtype=jnp.int32)
-    rules = None
-    if state.model_state is not None:
-        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.model_state)
-        rules = model_states.merge_rules(one, model_state_merge)
-    elif model_state_merge is not None:
-        raise ValueError(
-            "model_state_merge needs a model state (init_sync_state(..., model_state=))"
-        )
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.model_state)
+    rules = model_states.merge_rules(one, model_state_merge)
 
     def worker(shared, mine):
         (params, shared_data, step), (my_data, my_id, my_model_state) = shared, mine

@@ -161,7 +161,6 @@ def train_diloco(
     """
     here = locals()
     method = method_from_options(method, options, caller="train_diloco")
-    check_loss_options(has_aux, rng_seed)
     return _train_diloco(
         loss_fn,
         params,
@@ -469,11 +468,8 @@ def _shards(params: Any, placed: Placement) -> Any:
 
 def _model_state_rules(model_state: Any, model_state_merge: Any) -> tuple[str, ...] | None:
     """The model state's merge rules (None without one), its leaves checked."""
-    if model_state is None:
-        if model_state_merge is not None:
-            raise ValueError("model_state_merge needs a model_state")
-        return None
-    model_state_lib.check_model_state(model_state)
+    if model_state is not None:
+        model_state_lib.check_model_state(model_state)
     return model_state_lib.merge_rules(model_state, model_state_merge)
 
 
@@ -670,18 +666,6 @@ def _place_leaf(place: Callable[[Any], Any], leaf: Any) -> Any:
     return place(to_host(leaf))
 
 
-# State fields that hold one entry per worker (split along workers); the rest is replicated.
-_PER_WORKER_FIELDS = (
-    "inner_opt_state",
-    "residual",
-    "local_params",
-    "pending_deltas",
-    "pending_weights",
-    "worker_params",
-    "model_state",
-)
-
-
 def _step_record(metrics: dict[str, np.ndarray]) -> Record:
     """The per-step means of a round or step's metrics: "loss", "worker_loss" ([M]) and each
     aux metric's pair, in the order the round returned them."""
@@ -704,9 +688,7 @@ def _fault_record(metrics: dict[str, np.ndarray]) -> Record:
 def _place_state(state: Any, backend: Backend) -> Any:
     """Puts a DiLoCoState / SyncState on the backend's devices (under eager updates, with no
     global params, the outer states are per worker too)."""
-    per_worker = set(_PER_WORKER_FIELDS)
-    if getattr(state, "params", True) is None:
-        per_worker.add("outer_opt_state")
+    per_worker = placement_lib.per_worker_fields(state)
     return type(state)(
         **{
             name: _place(

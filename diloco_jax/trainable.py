@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from diloco_jax.trees import per_leaf
+
 
 class LeafMask(NamedTuple):
     """A resolved mask: one bool per leaf of the params, in `jax.tree.leaves` order (hashable,
@@ -34,13 +36,12 @@ def frozen_leaves(params: Any, trainable: Any) -> tuple[int, ...]:
             trainable(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
         ]
     else:
-        try:
-            flags = jax.tree.leaves(jax.tree.map(lambda _, t: t, params, trainable))
-        except (ValueError, TypeError):
-            raise ValueError(
-                "trainable must be a pytree of bools with the params' structure, or a callable "
-                f"(path, leaf) -> bool; got {trainable!r}"
-            ) from None
+        flags = per_leaf(
+            params,
+            trainable,
+            "trainable must be a pytree of bools with the params' structure, or a callable "
+            f"(path, leaf) -> bool; got {trainable!r}",
+        )
     if len(flags) != len(leaves) or not all(isinstance(f, bool) for f in flags):
         raise ValueError(f"trainable must give one bool per param leaf, got {flags!r}")
     if not any(flags):

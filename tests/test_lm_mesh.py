@@ -3,7 +3,6 @@ the `1b` preset (shapes only, never materialized), `--mesh` on the command line 
 path through experiment.py into the trainers."""
 
 import functools
-import inspect
 import json
 
 import jax
@@ -14,7 +13,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from reference import assert_cli_refuses
 
-import diloco_jax as dj
 from diloco_jax.lm import cli, experiment, model
 from diloco_jax.lm import config as config_lib
 
@@ -22,9 +20,6 @@ TINY = model.PRESETS["tiny"]
 MESH_AXES = {"fsdp": 2, "tensor": 2}
 TEXT = "".join(
     f"Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(400)
-)
-ENGINE_HAS_MESH = all(
-    "mesh" in inspect.signature(trainer).parameters for trainer in (dj.train_diloco, dj.train_sync)
 )
 
 
@@ -261,19 +256,6 @@ def test_bad_mesh_is_one_line_exit_2_naming_mesh(argv, message, tmp_path, capsys
     assert_cli_refuses([*argv, "--preset", "micro", "--out", str(out)], message, capsys, out)
 
 
-def test_mesh_without_an_engine_that_takes_it_is_refused(monkeypatch, tmp_path, capsys):
-    """The guard while the trainers have no `mesh=`: one line before anything is written."""
-
-    def train_diloco(loss_fn, params, data, **options):  # an engine before issue 21
-        raise AssertionError("never called")
-
-    monkeypatch.setattr(experiment, "train_diloco", train_diloco)
-    out = tmp_path / "never"
-    argv = ["train", "--preset", "micro", "--mesh", "workers=2", "--out", str(out)]
-    message = "--mesh needs a diloco_jax whose train_diloco takes mesh="
-    assert_cli_refuses(argv, message, capsys, out)
-
-
 def _train(tmp_path, name, *flags, model_name="micro"):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
@@ -334,7 +316,6 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
     assert [call[1:4] for call in calls] == [(None, None, None)] * 2
 
 
-@pytest.mark.skipif(not ENGINE_HAS_MESH, reason="train_diloco / train_sync take no mesh= yet")
 @pytest.mark.parametrize("pretrain_steps", ["0", "2"], ids=["cold", "warm-start"])
 def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
     """tiny (float32) with 2 workers, each over fsdp=2 x tensor=2 of the 8 devices: the same

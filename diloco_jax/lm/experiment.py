@@ -3,7 +3,6 @@ the synchronous baseline, evaluated on held-out documents. Used by the CLI and n
 
 import dataclasses
 import functools
-import inspect
 import math
 import time
 from collections.abc import Callable
@@ -186,23 +185,11 @@ def make_mesh(cfg: RunConfig, num_workers: int) -> jax.sharding.Mesh | None:
     )
 
 
-def takes_mesh(trainer: Callable) -> bool:
-    """Whether a trainer (train_diloco, train_sync) takes `mesh=` (sharded workers)."""
-    return "mesh" in inspect.signature(trainer).parameters
-
-
 def check_mesh(cfg: RunConfig) -> None:
     """Whether cfg.mesh can run here, before anything is written: enough devices for the run's
-    mesh, and trainers that take `mesh=`. ConfigError naming --mesh otherwise."""
-    if cfg.mesh is None:
-        return
-    make_mesh(cfg, cfg.workers)
-    for trainer in (train_diloco, train_sync):
-        if not takes_mesh(trainer):
-            raise ConfigError(
-                f"--mesh needs a diloco_jax whose {trainer.__name__} takes mesh= (sharded "
-                "workers); this one does not"
-            )
+    mesh. ConfigError naming --mesh otherwise."""
+    if cfg.mesh is not None:
+        make_mesh(cfg, cfg.workers)
 
 
 def mesh_options(
@@ -210,7 +197,6 @@ def mesh_options(
     model_cfg: model_lib.ModelConfig,
     params: Any,
     num_workers: int,
-    trainer: Callable,
 ) -> dict[str, Any]:
     """The trainer keywords that shard `num_workers` workers over cfg.mesh: `mesh`,
     `worker_axis` and `param_sharding` (`model.param_specs` over the non-worker axes; each
@@ -219,8 +205,6 @@ def mesh_options(
     mesh = make_mesh(cfg, num_workers)
     if mesh is None:
         return {}
-    if not takes_mesh(trainer):
-        raise ConfigError(f"--mesh: {trainer.__name__} does not take mesh= in this diloco_jax")
     within = {name: size for name, size in mesh.shape.items() if name != WORKER_AXIS}
     return dict(
         mesh=mesh,
@@ -351,7 +335,7 @@ def run(
             method=method(cfg),
             eval_every=cfg.inner_steps * eval_every,
             **common,
-            **mesh_options(cfg, model_cfg, params, num_workers, train_diloco),
+            **mesh_options(cfg, model_cfg, params, num_workers),
         )
     elif algo == "sync":
         common["checkpoint_every"] = checkpoint_every * cfg.inner_steps
@@ -363,7 +347,7 @@ def run(
             optimizer=inner_optimizer(cfg),
             eval_every=cfg.inner_steps * eval_every,
             **common,
-            **mesh_options(cfg, model_cfg, params, num_workers, train_sync),
+            **mesh_options(cfg, model_cfg, params, num_workers),
         )
     elif algo == "async":
         result, seconds = _run_async(cfg, loss_fn, params, sampler, num_workers, common)
@@ -514,7 +498,7 @@ def pretrain(
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=cfg.pretrain_steps,
         has_aux=True,
-        **mesh_options(cfg, model_cfg, params, 1, train_sync),  # one worker, partitioned alike
+        **mesh_options(cfg, model_cfg, params, 1),  # one worker, partitioned alike
     )
     return result.params, result.history
 

@@ -1,0 +1,15 @@
+"""One value per leaf: options given as a pytree like the params (or the model state)."""
+
+from typing import Any
+
+import jax
+
+
+def per_leaf(tree: Any, values: Any, error: str) -> list:
+    """`values`, a pytree with `tree`'s structure holding anything at its leaves (bools,
+    strings, `PartitionSpec`s, None), as one entry per leaf of `tree` in `jax.tree.leaves`
+    order. ValueError(`error`) for another structure."""
+    try:
+        return jax.tree.structure(tree).flatten_up_to(values)
+    except (ValueError, TypeError):
+        raise ValueError(error) from None
