@@ -36,11 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint
 from diloco_jax import trainable as trainable_lib
+from diloco_jax.async_placement import OneDevice, OnMesh
 from diloco_jax.comm import round_bytes
-from diloco_jax.distributed import to_host
+from diloco_jax.distributed import is_multiprocess, to_host
 from diloco_jax.inner import LossFn, check_loss_options, inner_loop, worker_key
 from diloco_jax.method import (
     DiLoCo,
@@ -50,9 +53,10 @@ from diloco_jax.method import (
     only_optimizers,
 )
 from diloco_jax.outer import outer_init, outer_update, worker_delta
+from diloco_jax.placement import resolve_param_specs
 from diloco_jax.sampler import Sampler
 from diloco_jax.train import _check_int, _check_params, _checkpoints, _optimizer
-from diloco_jax.workers import stack_workers
+from diloco_jax.workers import WORKER_AXIS, make_backend
 
 Record = dict[str, Any]
 
@@ -213,6 +217,10 @@ def train_async(
     callback: Callable[[Record], None] | None = None,
     backend: str = "auto",
     devices: "list[jax.Device] | None" = None,
+    mesh: Mesh | None = None,
+    worker_axis: str = WORKER_AXIS,
+    param_sharding: Any = None,
+    batch_sharding: P | None = None,
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
@@ -248,6 +256,11 @@ def train_async(
       callback: called with each history entry as it is recorded.
       backend, devices: "auto" or "vmap": jobs run one at a time (each depends on the theta
         its worker started from) on the first of `devices` (default `jax.devices()`).
+      mesh, worker_axis, param_sharding, batch_sharding: as `train_diloco`'s (backend
+        "auto"): worker m's jobs run on the mesh's slice m of `worker_axis`, its params and
+        inner state sharded there by `param_sharding`, each step's batch at
+        `batch_sharding`; theta and the outer state sit at the params' specs on the whole
+        mesh (`diloco_jax.async_placement`). Single-process runs only.
       checkpoint_dir: if set, theta, the outer state, every worker's inner state, the theta
         each running job started from and the history are saved there (Orbax, atomic) every
         `checkpoint_every` updates and after the last, keeping the newest
@@ -284,7 +297,8 @@ def train_async(
     frozen = trainable_lib.frozen_leaves(params, trainable)
     inner_optimizer = trainable_lib.masked_optimizer(inner_optimizer, params, frozen)
     outer_optimizer = _optimizer("outer_optimizer", method.outer, default_outer_optimizer)
-    device = _device(backend, devices)
+    where = _where(backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params,
+                   num_workers)  # fmt: skip
     ckpt = _checkpoints(
         checkpoint_dir,
         checkpoint_every,
@@ -305,14 +319,19 @@ def train_async(
         grace_seconds=grace_seconds,
         dynamic_steps=dynamic_steps,
     )
-    job_data = _job_data(data, num_workers, inner_steps, schedule.events, device)
+    job_data = _job_data(data, num_workers, inner_steps, schedule.events, where)
     run_job, apply_delta = _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed)
     evaluate = jax.jit(eval_fn) if eval_fn is not None else None
 
-    theta = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), device)
-    # Committed to the device like the programs' outputs, so each job length compiles once.
-    outer_state = jax.device_put(outer_init(outer_optimizer, theta), device)
-    inner_states = [jax.device_put(inner_optimizer.init(theta), device)] * num_workers
+    theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
+    # Committed to the devices like the programs' outputs, so each job length compiles once.
+    outer_state = where.shared(outer_init(outer_optimizer, theta))
+    if isinstance(where, OneDevice):
+        inner_states = [where.inner_state(inner_optimizer.init, theta, 0)] * num_workers
+    else:
+        inner_states = [
+            where.inner_state(inner_optimizer.init, theta, m) for m in range(num_workers)
+        ]
     events = schedule.events
     history: list[Record] = []
     done = 0
@@ -322,7 +341,7 @@ def train_async(
             seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
         )
         like = _AsyncCheckpoint(
-            theta, outer_state, stack_trees(inner_states), stack_workers(theta, num_workers)
+            theta, outer_state, where.stack(inner_states), where.stack([theta] * num_workers)
         )
         restored = checkpoint.restore(ckpt.directory, like, ckpt.fingerprint)
         if restored is not None:
@@ -334,14 +353,14 @@ def train_async(
                     f"num_updates = {num_updates} asked for"
                 )
             theta, outer_state = saved.params, saved.outer_opt_state
-            inner_states = _unstacked(saved.inner_opt_state, num_workers)
+            inner_states = where.unstack(saved.inner_opt_state, num_workers)
             history = list(metadata["history"])
     # theta after k updates, kept while some job that started from it is still to run: the
     # jobs running at update `done` started from their worker's saved start.
     waiting = collections.Counter(e.start_update for e in events[done:])
     starts = {0: theta} if not done else {}
     if done:
-        job_starts = _unstacked(saved.job_starts, num_workers)
+        job_starts = where.unstack(saved.job_starts, num_workers)
         for e in events[done:]:
             if e.start_update <= done:
                 starts[e.start_update] = job_starts[e.worker]
@@ -371,14 +390,14 @@ def train_async(
         if not waiting[e.start_update]:
             del starts[e.start_update]
         delta, inner_states[e.worker], loss = run_job(
-            start,
+            where.to_worker(start, e.worker),
             inner_states[e.worker],
             job_data(e),
             jnp.int32(e.job),
             jnp.int32(e.worker),
             num_steps=e.steps,
         )
-        theta, outer_state = apply_delta(theta, outer_state, delta)
+        theta, outer_state = apply_delta(theta, outer_state, where.shared(delta))
         if waiting[e.update + 1]:
             starts[e.update + 1] = theta
         sent[e.worker] += per_job
@@ -407,21 +426,14 @@ def train_async(
         if ckpt is not None and (done % ckpt.every == 0 or done == num_updates):
             finish(*pending)
             pending = None
-            job_starts = _job_starts(events, done, starts, theta, num_workers)
-            saved = _AsyncCheckpoint(theta, outer_state, stack_trees(inner_states), job_starts)
+            job_starts = _job_starts(events, done, starts, theta, num_workers, where)
+            saved = _AsyncCheckpoint(theta, outer_state, where.stack(inner_states), job_starts)
             metadata = {**ckpt.fingerprint, "data_position": done, "history": history}
             checkpoint.save(ckpt.directory, done, saved, metadata, keep=ckpt.keep)
     if pending is not None:
         finish(*pending)
-    state = AsyncState(theta, outer_state, stack_trees(inner_states), num_updates)
+    state = AsyncState(theta, outer_state, where.stack(inner_states), num_updates)
     return AsyncResult(theta, state, history, schedule.elapsed_seconds, schedule.utilization)
-
-
-def stack_trees(trees: Sequence[Any]) -> Any:
-    """[tree_0, ..., tree_{M-1}] -> one tree with leaves stacked [M, ...]."""
-    if all(t is trees[0] for t in trees):  # never updated: one broadcast, as init_state
-        return stack_workers(trees[0], len(trees))
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
 def _with_jobs_in_flight(
@@ -443,20 +455,15 @@ def _with_jobs_in_flight(
         count *= 2
 
 
-def _unstacked(tree: Any, num_workers: int) -> list[Any]:
-    """Leaves [M, ...] -> M trees, worker m's slices."""
-    return [jax.tree.map(lambda x, m=m: x[m], tree) for m in range(num_workers)]
-
-
 def _job_starts(
-    events: Sequence[AsyncEvent], done: int, starts: dict, theta: Any, num_workers: int
+    events: Sequence[AsyncEvent], done: int, starts: dict, theta: Any, num_workers: int, where
 ) -> Any:
     """Leaves [M, ...]: the theta each worker's next job (applied after update `done`)
     started from when it started by then, else theta (a placeholder never read)."""
     first: dict[int, int] = {}
     for e in events[done:]:
         first.setdefault(e.worker, e.start_update)
-    return stack_trees(
+    return where.stack(
         [starts[first[m]] if first.get(m, done + 1) <= done else theta for m in range(num_workers)]
     )
 
@@ -508,13 +515,14 @@ def _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux=False, rng_seed
 
 
 def _job_data(
-    data: Any, num_workers: int, inner_steps: int, events: Sequence[AsyncEvent], device
+    data: Any, num_workers: int, inner_steps: int, events: Sequence[AsyncEvent], where
 ) -> Callable[[AsyncEvent], Any]:
-    """event -> that job's data on `device`: the Sampler (placed once), or worker m's first
-    h_m steps of round j. Checks up front that the rounds cover every job."""
+    """event -> that job's data on its worker's devices (`where`): the Sampler (placed once
+    per worker, replicated), or worker m's first h_m steps of round j. Checks up front that
+    the rounds cover every job."""
     if isinstance(data, Sampler):
-        placed = jax.device_put(data, device)
-        return lambda e: placed
+        placed = [where.sampler(data, m) for m in range(num_workers)]
+        return lambda e: placed[e.worker]
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise ValueError(
             "data must be a Sampler or an indexable sequence of rounds (leaves [M, H, ...]), "
@@ -539,9 +547,31 @@ def _job_data(
                     f"inner_steps] = {lead}, got shape {np.shape(leaf)}"
                 )
         mine = jax.tree.map(lambda x: np.asarray(x)[e.worker, : e.steps], batch)
-        return jax.device_put(mine, device)
+        return where.batch(mine, e.worker)
 
     return of
+
+
+def _where(
+    backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params, num_workers
+):
+    """Where the run's arrays live: `OneDevice` (the first of `devices`), or `OnMesh` on the
+    user's mesh."""
+    if mesh is None:
+        if param_sharding is not None or batch_sharding is not None:
+            raise ValueError("param_sharding and batch_sharding need a mesh (mesh=...)")
+        return OneDevice(_device(backend, devices))
+    if backend != "auto" or devices is not None:
+        raise ValueError(
+            f"mesh= places the jobs itself: it needs backend='auto' and no devices=, got "
+            f"backend={backend!r}"
+        )
+    if is_multiprocess():
+        raise ValueError("train_async with mesh= runs in one process (jax.process_count() > 1)")
+    placed = make_backend(
+        "auto", num_workers, mesh=mesh, worker_axis=worker_axis, batch_sharding=batch_sharding
+    )
+    return OnMesh(placed, params, resolve_param_specs(params, placed.mesh, param_sharding))
 
 
 def _device(backend: str, devices) -> jax.Device:

@@ -1,11 +1,13 @@
 """One process of the 2-process test run (see test_multiprocess.py); not a test module.
 
-Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR [CKPT_DIR [diloco]]
+Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR
+       [CKPT_DIR [diloco|mesh]]
 
 Joins the run, trains DiLoCo, the synchronous baseline and DiLoCo with int8 deltas (the
 two-stage exchange) on `run_config()`'s data (the same on every process) and saves the final
 params and histories to OUT_DIR/process-I.npz. With a last argument "diloco", only the DiLoCo
-run (the one that checkpoints: what a resumed launch checks).
+run (the one that checkpoints: what a resumed launch checks). With "mesh": `train_on_mesh`, a
+(workers=2, fsdp=4) mesh over both processes' devices, each process's devices one worker.
 """
 
 import json
@@ -78,6 +80,71 @@ def train_both(
     return out
 
 
+def mesh_config() -> dict:
+    """A model whose matrix splits over fsdp = 4, and its data (M = 2 workers, H = 3)."""
+    rng = np.random.default_rng(11)
+    params = {"w": rng.normal(size=(8, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
+    data = [
+        {
+            "x": rng.normal(size=(2, INNER_STEPS, 8, 8)).astype(np.float32),
+            "y": rng.normal(size=(2, INNER_STEPS, 8, 4)).astype(np.float32),
+        }
+        for _ in range(NUM_ROUNDS)
+    ]
+    return {"params": params, "data": data}
+
+
+def mesh_loss(params, batch):
+    import jax.numpy as jnp
+
+    return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.ndarray]:
+    """DiLoCo (SGD inner steps) on a (workers=2, fsdp=4) mesh of `devices` with w at
+    P("fsdp", None): with `checkpoint_dir`, 2 rounds checkpointed every round, then a second
+    call that resumes there and runs the third (Orbax writing and reading each process's
+    shards); else the 3 rounds in one call. Returns the final params, the workers' inner
+    momentum of w, the round the last call's data started at and the history."""
+    import jax
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    import diloco_jax as dj
+
+    cfg = mesh_config()
+    mesh = jax.sharding.Mesh(
+        np.asarray(devices).reshape(2, 4), ("workers", "fsdp"), axis_types=(AxisType.Auto,) * 2
+    )
+    run = dict(
+        num_workers=2,
+        inner_steps=INNER_STEPS,
+        inner_optimizer=optax.sgd(0.1, momentum=0.5),
+        mesh=mesh,
+        param_sharding={"w": P("fsdp", None), "b": P()},
+    )
+    if checkpoint_dir is not None:
+        dj.train_diloco(
+            mesh_loss, cfg["params"], cfg["data"], num_rounds=2, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=1, **run,
+        )  # fmt: skip
+    starts = []
+
+    def data_from(start):  # what a resumed run draws: the rounds from its checkpoint on
+        starts.append(start)
+        return iter(cfg["data"][start:])
+
+    result = dj.train_diloco(
+        mesh_loss, cfg["params"], data_from, num_rounds=NUM_ROUNDS,
+        checkpoint_dir=checkpoint_dir, **run,
+    )  # fmt: skip
+    out = {f"mesh_{k}": np.asarray(v) for k, v in result.params.items()}
+    out["mesh_start_round"] = np.asarray(starts)
+    out["mesh_inner_trace_w"] = np.asarray(result.state.inner_opt_state[0].trace["w"])
+    out["history"] = np.asarray(json.dumps(result.history))
+    return out
+
+
 def main(argv: list[str]) -> None:
     coordinator, num_processes, process_id, out_dir = argv[:4]
     checkpoint_dir = argv[4] if len(argv) > 4 else None
@@ -86,7 +153,10 @@ def main(argv: list[str]) -> None:
     import jax
 
     assert jax.process_count() == int(num_processes), jax.process_count()
-    result = train_both(checkpoint_dir, only_diloco)
+    if argv[5:] == ["mesh"]:
+        result = train_on_mesh(jax.devices(), checkpoint_dir)
+    else:
+        result = train_both(checkpoint_dir, only_diloco)
     np.savez(Path(out_dir) / f"process-{process_id}.npz", **result)
     jax.distributed.shutdown()
 

@@ -4,6 +4,7 @@ path through experiment.py into the trainers."""
 
 import functools
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +240,6 @@ def test_mesh_flag_parses_into_the_config():
             "--mesh workers=4,fsdp=2: the workers axis must have the run's 2 workers",
         ),
         (["train", "--mesh", "workers=2,fsdp=3"], "batch_size must be a multiple of 3"),
-        (["train", "--algo", "async", "--mesh", "workers=2"], "--mesh needs --algo diloco or sync"),
         (
             ["train", "--compression", "int8", "--mesh", "workers=2,tensor=2"],
             "--compression int8 of sharded deltas is not supported yet",
@@ -282,7 +282,7 @@ def _train(tmp_path, name, *flags, model_name="micro"):
     return records, json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("algo", ["diloco", "sync"])
+@pytest.mark.parametrize("algo", ["diloco", "sync", "async"])
 def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
     """--mesh's keywords as the trainers get them, whatever the engine does with them: the
     pretrain's one worker on workers=1 (4 devices), the run's 2 workers on all 8; each with
@@ -299,6 +299,7 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
 
     monkeypatch.setattr(experiment, "train_diloco", recording(experiment.train_diloco))
     monkeypatch.setattr(experiment, "train_sync", recording(experiment.train_sync))
+    monkeypatch.setattr(experiment, "train_async", recording(experiment.train_async))
     _, summary = _train(tmp_path, "mesh", "--algo", algo, "--mesh", "workers=2,fsdp=2,tensor=2")
     (pre, pre_mesh, pre_axis, pre_specs, _), (run, mesh, axis, specs, kwargs) = calls
     assert pre == "train_sync" and run == f"train_{algo}"
@@ -334,3 +335,25 @@ def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
             np.testing.assert_allclose(got["eval_loss"], want["eval_loss"], rtol=1e-5)
     assert meshed[-1]["run"] == "diloco"
     assert meshed[-1]["loss"] == pytest.approx(plain[-1]["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpointed_run_resumes_on_another_mesh(tmp_path):
+    """2 rounds on workers=2,fsdp=4 with a checkpoint each round; the last one removed, the
+    rerun on workers=2,fsdp=2,tensor=2 restores round 1's onto the new mesh and trains round
+    2: the losses of the uninterrupted run, up to the partitioned matmuls' rounding."""
+    flags = ["--pretrain-steps", "0", "--checkpoint-every", "1"]
+    first, _ = _train(tmp_path, "run", *flags, "--mesh", "workers=2,fsdp=4")
+    steps = tmp_path / "run" / "checkpoints" / "run"
+    assert sorted(p.name for p in steps.iterdir()) == ["1", "2"]
+    shutil.rmtree(steps / "2")
+    resumed, summary = _train(tmp_path, "run", *flags, "--mesh", "workers=2,fsdp=2,tensor=2")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
+    assert config["mesh"] == [["workers", 2], ["fsdp", 2], ["tensor", 2]]
+    assert [r["round"] for r in resumed] == [r["round"] for r in first]
+    assert resumed[0] == first[0]  # restored from the checkpoint, wall clock and all
+    assert resumed[-1]["wall_seconds"] != first[-1]["wall_seconds"]  # trained again
+    for got, want in zip(resumed, first, strict=True):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+        if "eval_loss" in want:
+            np.testing.assert_allclose(got["eval_loss"], want["eval_loss"], rtol=1e-5)

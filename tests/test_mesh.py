@@ -342,3 +342,67 @@ def test_the_state_is_built_in_place_on_the_mesh():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert result.state.pending_deltas[0]["w1"].sharding.spec == P("workers", "fsdp", "tensor")
     assert result.state.outer_opt_state[0].trace["w2"].sharding.spec == P("tensor", "fsdp")
+
+
+def _async(mesh_name=None, dtype=jnp.float32, **options):
+    common = dict(num_workers=M, inner_steps=H, step_seconds=(1.0, 1.7), **options)
+    if mesh_name is None:
+        return dj.train_async(mlp_loss, _params(dtype), _rounds(dtype), **common)
+    shape, names, specs = MESHES[mesh_name]
+    return dj.train_async(
+        mlp_loss, _params(dtype), _rounds(dtype), mesh=_mesh(shape, names),
+        param_sharding=specs, **common,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_train_async_on_a_mesh_equals_one_device(mesh_name):
+    """Asynchronous DiLoCo (Adam, float64; stale arrivals: worker 1 is 1.7x slower): worker
+    m's jobs on the mesh's slice m, sharded by the specs, end where the one-device run does;
+    θ keeps its specs, the per-worker inner state is [M, ...] at P(workers, *spec)."""
+    with precision("float64"):
+        ref, got = (
+            _async(None, jnp.float64, num_updates=4),
+            _async(mesh_name, jnp.float64, num_updates=4),
+        )
+        _close(ref.params, got.params, 1e-12)
+        _close(ref.state, got.state, 1e-12)
+    assert [e["staleness"] for e in got.history] == [e["staleness"] for e in ref.history]
+    assert max(e["staleness"] for e in got.history) > 0
+    for a, b in zip(ref.history, got.history, strict=True):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-12)
+    shape, names, specs = MESHES[mesh_name]
+    mesh = _mesh(shape, names)
+    mu = got.state.inner_opt_state[0].mu
+    for name, spec in specs.items():
+        assert got.params[name].sharding.spec == spec
+        assert mu[name].sharding.spec == P("workers", *spec)
+        want = placement_lib.shard_shape(mu[name].shape, P("workers", *spec), mesh)
+        assert {s.data.shape for s in mu[name].addressable_shards} == {want}
+
+
+def test_train_async_on_a_mesh_resumes_bit_for_bit(tmp_path):
+    """2 checkpointed updates, then a call for 4 that resumes them on the mesh: the run of 4
+    in one go, bit for bit (each worker's inner state and job start restored onto its own
+    devices)."""
+    whole = _async("fsdp4", num_updates=4)
+    _async("fsdp4", num_updates=2, checkpoint_dir=tmp_path)
+    resumed = _async("fsdp4", num_updates=4, checkpoint_dir=tmp_path)
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert resumed.history == whole.history
+    mu = resumed.state.inner_opt_state[0].mu["w1"]
+    assert mu.sharding.spec == P("workers", None, "fsdp")
+
+
+def test_train_async_mesh_options_are_checked():
+    shape, names, specs = MESHES["fsdp4"]
+    common = dict(num_workers=M, inner_steps=H, step_seconds=(1.0, 1.0), num_updates=1)
+    with pytest.raises(ValueError, match="need a mesh"):
+        dj.train_async(mlp_loss, _params(), _rounds(), param_sharding=specs, **common)
+    with pytest.raises(ValueError, match="backend='auto'"):
+        dj.train_async(
+            mlp_loss, _params(), _rounds(), mesh=_mesh(shape, names), backend="vmap", **common
+        )
+    with pytest.raises(ValueError, match="num_workers"):
+        dj.train_async(mlp_loss, _params(), _rounds(), mesh=_mesh((4, 2), names), **common)

@@ -25,11 +25,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(out: Path, num_processes: int = 2, *extra: str) -> list[str]:
-    """Runs multiprocess_main.py in `num_processes` processes; returns their logs."""
+def _launch(out: Path, num_processes: int = 2, *extra: str, devices: int = 2) -> list[str]:
+    """Runs multiprocess_main.py in `num_processes` processes of `devices` fake CPU devices
+    each; returns their logs."""
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]),
     }
@@ -96,6 +97,34 @@ def test_two_processes_match_each_other_and_one_process(tmp_path):
     for key in ("diloco_w", "diloco_b", "diloco_inner_mu_w"):
         np.testing.assert_array_equal(r0[key], p0[key], err_msg=key)
     assert json.loads(str(r0["history"]))[0] == h0[0]
+
+
+@pytest.mark.slow
+def test_a_mesh_over_two_processes_resumes_and_equals_one_process(tmp_path):
+    """(workers=2, fsdp=4) over 2 processes of 4 devices (one worker a process, its matrix
+    split over that process's 4 devices): 2 checkpointed rounds, then a resume that runs the
+    third, equal to 3 rounds on this process's 8 devices in one go."""
+    sys.path.insert(0, str(HERE))
+    from multiprocess_main import train_on_mesh
+
+    _launch(tmp_path, 2, str(tmp_path / "ckpt"), "mesh", devices=4)
+    p0, p1 = _load(tmp_path / "process-0.npz"), _load(tmp_path / "process-1.npz")
+    local = train_on_mesh(jax.devices())
+    assert sorted(p0) == sorted(local) == [
+        "history", "mesh_b", "mesh_inner_trace_w", "mesh_start_round", "mesh_w",
+    ]  # fmt: skip
+    # The second launch call resumed: its data started at round 2, from checkpoint 2.
+    assert list(p0["mesh_start_round"]) == [2] and list(local["mesh_start_round"]) == [0]
+    assert "2" in os.listdir(tmp_path / "ckpt")
+    assert local["mesh_inner_trace_w"].shape == (2, 8, 4)
+    for key in ("mesh_w", "mesh_b", "mesh_inner_trace_w"):
+        np.testing.assert_array_equal(p0[key], p1[key], err_msg=key)
+        np.testing.assert_allclose(p0[key], local[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    h0, hl = json.loads(str(p0["history"])), json.loads(str(local["history"]))
+    assert [e["round"] for e in h0] == [e["round"] for e in hl] == [0, 1, 2]
+    for e0, el in zip(h0, hl, strict=True):
+        np.testing.assert_allclose(e0["worker_loss"], el["worker_loss"], rtol=1e-6)
+        assert e0["wire_bytes_per_device"] == el["wire_bytes_per_device"]
 
 
 def test_initialize_rejects_partial_or_bad_arguments(monkeypatch):

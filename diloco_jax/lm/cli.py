@@ -290,8 +290,6 @@ def parse(argv: list[str] | None = None) -> Invocation:
         overrides["mesh"] = config.parse_mesh(args.mesh)
     cfg = config.make_config(args.preset, **overrides)
     algo = getattr(args, "algo", None)
-    if algo == "async" and cfg.mesh is not None:
-        raise ConfigError("--mesh needs --algo diloco or sync, got async")
     if algo != "async" and any(getattr(args, k, None) is not None for k in _ASYNC_FLAGS):
         raise ConfigError("--step-seconds and --dynamic-steps need --algo async")
     if algo in ("sync", "async"):  # options of DiLoCo's round that these runs don't have
@@ -381,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 RUN_IDENTITY = "run.json"  # in OUT/checkpoints: what run the checkpoints there belong to
+PLACEMENT_FIELDS = ("mesh",)  # config fields a resume may change: where, not what, it trains
 
 
 def run_identity(cfg: Any, algo: str | None, data_info: dict[str, Any]) -> dict[str, Any]:
@@ -401,8 +400,9 @@ def check_resumable(out: Path, identity: dict[str, Any]) -> None:
     """A checkpointed train run into an OUT that already holds checkpoints resumes them, so
     it must be the same run: `identity` (`run_identity`) must match the one saved with them
     (OUT/checkpoints/run.json; for checkpoints written before that file, OUT/config.json,
-    rewritten by every run into OUT, so a best effort). Raises ConfigError naming what
-    differs; an OUT without checkpoints passes."""
+    rewritten by every run into OUT, so a best effort), except for PLACEMENT_FIELDS (a run
+    may resume on another --mesh). Raises ConfigError naming what differs; an OUT
+    without checkpoints passes."""
     folder = out / "checkpoints"
     if not folder.is_dir():
         return
@@ -422,7 +422,9 @@ def check_resumable(out: Path, identity: dict[str, Any]) -> None:
     changed += [
         f"{k.replace('_', '-')} {old[k]!r} -> {v!r}"
         for k, v in identity["config"].items()
-        if k in old and old[k] != v  # a field newer than the checkpoints: kept
+        # A field newer than the checkpoints is kept; a placement may change (the engine
+        # restores a checkpoint onto another mesh: the same run, up to reduction order).
+        if k in old and old[k] != v and k not in PLACEMENT_FIELDS
     ]
     if "method" in identity and saved.get("method") not in (None, identity["method"]):
         changed.append(f"method {saved['method']} -> {identity.get('method')}")

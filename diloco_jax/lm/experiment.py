@@ -304,13 +304,11 @@ def run(
     (`model.flops_per_token` at cfg.seq_len), "peak_flops" (`mfu.peak_flops` for cfg.dtype on
     the devices the workers use) and "mfu" (None where no peak is known). With
     `checkpoint_dir`, the run checkpoints every `checkpoint_every` rounds (steps for sync, M
-    updates for async) and resumes from a checkpoint found there. With cfg.mesh (diloco and
-    sync only) the workers run on `make_mesh(cfg, num_workers)`, each partitioned by
+    updates for async) and resumes from a checkpoint found there. With cfg.mesh the workers
+    run on `make_mesh(cfg, num_workers)`, each partitioned by
     `model.param_specs` (`mesh_options`); without it the trainers get no mesh keyword at all.
     """
     name = name or algo
-    if algo == "async" and cfg.mesh is not None:
-        raise ConfigError("--mesh needs --algo diloco or sync, got async")
     model_cfg, init_params, loss_fn = init_model(cfg)
     params = init_params if params is None else params
     # async draws DiLoCo's stream: job j of worker m sees round j's batches of worker m.
@@ -350,7 +348,8 @@ def run(
             **mesh_options(cfg, model_cfg, params, num_workers),
         )
     elif algo == "async":
-        result, seconds = _run_async(cfg, loss_fn, params, sampler, num_workers, common)
+        mesh = mesh_options(cfg, model_cfg, params, num_workers)
+        result, seconds = _run_async(cfg, loss_fn, params, sampler, num_workers, common, mesh)
     else:
         raise ConfigError(f"algo must be one of 'diloco', 'sync', 'async', got {algo!r}")
     history = result.history
@@ -391,9 +390,11 @@ def run(
     return summary, history
 
 
-def _run_async(cfg: RunConfig, loss_fn, params, sampler, num_workers: int, common: dict):
+def _run_async(
+    cfg: RunConfig, loss_fn, params, sampler, num_workers: int, common: dict, mesh: dict
+):
     """train_async for as many updates as it takes to reach DiLoCo's M x H x R inner steps
-    (summed over workers). Returns (result, step_seconds)."""
+    (summed over workers), with `mesh` (`mesh_options`). Returns (result, step_seconds)."""
     seconds = cfg.step_seconds or (1.0,) * num_workers
     if len(seconds) != num_workers:
         raise ConfigError(f"step_seconds must hold {num_workers} numbers, got {seconds!r}")
@@ -425,6 +426,7 @@ def _run_async(cfg: RunConfig, loss_fn, params, sampler, num_workers: int, commo
         checkpoint_dir=common["checkpoint_dir"],
         checkpoint_every=common["checkpoint_every"] * num_workers,  # about M updates a round
         has_aux=common["has_aux"],
+        **mesh,
     )
     return result, seconds
 
