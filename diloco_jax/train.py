@@ -74,6 +74,7 @@ def train_diloco(
     worker_axis: str = "workers",
     param_sharding: Any = None,
     batch_sharding: P | None = None,
+    process_local_data: bool = False,
     **options: Any,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
@@ -112,6 +113,11 @@ def train_diloco(
         P(worker_axis, *spec); the result's arrays keep these shardings. `batch_sharding`:
         one worker's one-step batch (default: its leading dim over every other axis). Not
         with `devices` or `data_parallel`.
+      process_local_data: in a multi-process run, each process's `data` items hold only
+        the workers its devices own (leaves [M_local, H, ...]; where a worker spans
+        processes, this process's part of its batch), assembled into the global batch with
+        `jax.make_array_from_process_local_data`, so no host reads another's data. Default
+        False: every process passes the whole global batch. Not with a `Sampler`.
       has_aux: `loss_fn` returns (loss, aux), aux a dict of scalars (e.g. accuracy): each
         joins the history like "loss" / "worker_loss", as history[r][name] (mean over the
         round's steps and workers) and history[r]["worker_" + name] ([M]); a name that
@@ -201,6 +207,7 @@ def train_diloco_step(
     worker_axis: str = "workers",
     param_sharding: Any = None,
     batch_sharding: P | None = None,
+    process_local_data: bool = False,
     **options: Any,
 ) -> TrainResult:
     """DiLoCo around your own train step: `train_diloco` with the inner step replaced.
@@ -270,6 +277,7 @@ class _RunOptions(NamedTuple):
     worker_axis: str
     param_sharding: Any
     batch_sharding: Any
+    process_local_data: bool
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> "_RunOptions":
@@ -389,6 +397,7 @@ def _train_diloco(
         steps_each=inner_steps,
         merge_rules=rules,
         placement=placed,
+        process_local_data=_check_bool("process_local_data", run.process_local_data),
         callback=run.callback,
         checkpoints=_checkpoints(
             run.checkpoint_dir,
@@ -501,6 +510,7 @@ def train_sync(
     worker_axis: str = "workers",
     param_sharding: Any = None,
     batch_sharding: P | None = None,
+    process_local_data: bool = False,
 ) -> TrainResult:
     """Synchronous data parallelism: each step averages M workers' gradients, then one update.
 
@@ -596,6 +606,7 @@ def train_sync(
         eval_data=eval_data,
         merge_rules=rules,
         placement=placed,
+        process_local_data=_check_bool("process_local_data", process_local_data),
         callback=callback,
         checkpoints=_checkpoints(
             checkpoint_dir,
@@ -733,6 +744,7 @@ class _Loop:
     steps_each: int = 1  # inner steps per worker in one iteration (H for a DiLoCo round)
     merge_rules: tuple[str, ...] | None = None
     placement: "Placement | None" = None  # the state's shardings on a user's mesh
+    process_local_data: bool = False  # each process's data holds only its own workers
 
     def due(self, done: int) -> bool:
         """Whether to evaluate after iteration `done` (1-based): the first iteration end at
@@ -784,7 +796,10 @@ class _Loop:
             if self.callback is not None:
                 self.callback(entry)
 
-        batches = _placed(data, self.total, self.lead, self.what, self.backend, len(history))
+        batches = _placed(
+            data, self.total, self.lead, self.what, self.backend, len(history),
+            self.process_local_data,
+        )  # fmt: skip
         for i, batch in enumerate(batches, start=len(history)):
             state, metrics = step(state, batch)
             done = i + 1
@@ -867,17 +882,34 @@ def _jitted(fn, loss_fn, backend: Backend, placement: "Placement | None" = None,
 
 
 def _placed(
-    data: Any, count: int, lead: tuple[int, ...], what: str, backend: Backend, skip: int = 0
+    data: Any,
+    count: int,
+    lead: tuple[int, ...],
+    what: str,
+    backend: Backend,
+    skip: int = 0,
+    local: bool = False,
 ):
     """Inputs for iterations skip..count-1 on the backend's devices: a Sampler's arrays once
     (replicated; it is keyed by the state's counter), or each host batch split along workers
-    (the first `skip` items, already trained on, are read and dropped)."""
+    (the first `skip` items, already trained on, are read and dropped). `local`: each item
+    holds this process's workers only (`process_local_data`)."""
     if isinstance(data, Sampler):
+        if local:
+            raise ValueError(
+                "process_local_data=True needs per-round batches: a Sampler's arrays are "
+                "placed whole on every process"
+            )
         return itertools.repeat(_place(backend.place_shared, data), count - skip)
+    if local:
+        lead = (backend.local_workers(), *lead[1:])
+        what = what.replace("[num_workers", "[this process's workers")
     if callable(data):  # start -> the items from there on: nothing skipped is drawn
         batches = _batches(data(skip), count - skip, lead, what)
     else:
         batches = itertools.islice(_batches(data, count, lead, what), skip, None)
+    if local:
+        return (backend.assemble_batches(b, len(lead)) for b in batches)
     place = functools.partial(backend.place_batches, lead=len(lead))
     return (_place(place, b) for b in batches)
 
@@ -908,6 +940,12 @@ def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) 
         done += 1
     if done < count:
         raise ValueError(f"data ran out after {done} items; {count} were asked for")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -131,29 +131,49 @@ class Backend:
         """Puts a [M, ...]-stacked pytree on the backend's devices, split along workers."""
         return _put(tree, _sharding(self, P(WORKER_AXIS)))
 
+    def local_workers(self) -> int:
+        """How many of the M workers have a device in this process (all M in one process)."""
+        sharding = _sharding(self, P(WORKER_AXIS))
+        owned = set()
+        for index in sharding.addressable_devices_indices_map((self.num_workers,)).values():
+            owned.update(range(self.num_workers)[index[0]])
+        return len(owned)
+
+    def assemble_batches(self, tree: Any, lead: int) -> Any:
+        """Global batches from this process's part of them (leaves [M_local, ...]: its
+        workers, and where a worker spans processes, its part of that worker's batch), at
+        the shardings `place_batches` uses (`jax.make_array_from_process_local_data`)."""
+        if self.name == "vmap":  # each process runs every worker on its own device
+            return self.place_batches(tree, lead)
+        shardings = self.batch_shardings(tree, lead, check=False)
+        return jax.tree.map(
+            lambda s, x: jax.make_array_from_process_local_data(s, np.asarray(x)), shardings, tree
+        )
+
     def place_batches(self, tree: Any, lead: int) -> Any:
         """Puts batches with leaves [M, <lead - 1 more dims>, B, ...] on the devices: split
         along workers, and with `data_parallel` > 1 the batch dim B along DATA_AXIS (on a
         user's mesh: each worker's batch at `batch_spec`)."""
+        return _put(tree, self.batch_shardings(tree, lead))
+
+    def batch_shardings(self, tree: Any, lead: int, check: bool = True) -> Any:
+        """The sharding of each batch leaf of `tree` (see `place_batches`); `check`: raise
+        ValueError for a batch dim its axes don't divide."""
         if self.mesh_axes:
-            return _put(tree, self._batch_shardings(tree, lead))
-        if self.data_parallel == 1:
-            return self.place_workers(tree)
-        for leaf in jax.tree.leaves(tree):
-            if np.ndim(leaf) <= lead or np.shape(leaf)[lead] % self.data_parallel:
+            sizes = dict(self.mesh_axes)
+            spec = self.batch_spec
+        elif self.data_parallel > 1:
+            sizes, spec = {DATA_AXIS: self.data_parallel}, P(DATA_AXIS)
+        else:
+            sizes, spec = {}, P()
+
+        def one(leaf):
+            shape = np.shape(leaf)[lead:]
+            if not self.mesh_axes and check and spec and (not shape or shape[0] % sizes[DATA_AXIS]):
                 raise ValueError(
                     f"with data_parallel={self.data_parallel}, every batch leaf needs a batch "
                     f"dim (after the leading {lead}) divisible by it, got shape {np.shape(leaf)}"
                 )
-        spec = P(WORKER_AXIS, *[None] * (lead - 1), DATA_AXIS)
-        return _put(tree, _sharding(self, spec))
-
-    def _batch_shardings(self, tree: Any, lead: int) -> Any:
-        sizes = dict(self.mesh_axes)
-        spec = self.batch_spec
-
-        def one(leaf):
-            shape = np.shape(leaf)[lead:]
             if len(spec) > len(shape):
                 raise ValueError(
                     f"batch_sharding {spec} has more entries than a batch leaf of shape "
@@ -162,7 +182,7 @@ class Backend:
             for dim, entry in enumerate(spec):
                 names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
                 ways = int(np.prod([sizes[n] for n in names], dtype=np.int64))
-                if shape[dim] % ways:
+                if check and shape[dim] % ways:
                     raise ValueError(
                         f"batch_sharding {spec}: a batch leaf of shape {np.shape(leaf)} has dim "
                         f"{dim + lead} of size {shape[dim]}, not divisible by {ways}"

@@ -104,8 +104,10 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     """DiLoCo (SGD inner steps) on a (workers=2, fsdp=4) mesh of `devices` with w at
     P("fsdp", None): with `checkpoint_dir`, 2 rounds checkpointed every round, then a second
     call that resumes there and runs the third (Orbax writing and reading each process's
-    shards); else the 3 rounds in one call. Returns the final params, the workers' inner
-    momentum of w, the round the last call's data started at and the history."""
+    shards); else the 3 rounds in one call. Then the 3 rounds again with
+    `process_local_data=True`, each process passing only its own worker's batches. Returns
+    the final params of both, the workers' inner momentum of w, the round the resumed call's
+    data started at and the history."""
     import jax
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
@@ -140,6 +142,17 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     )  # fmt: skip
     out = {f"mesh_{k}": np.asarray(v) for k, v in result.params.items()}
     out["mesh_start_round"] = np.asarray(starts)
+    # Each process feeds only the workers its devices own (here: one, its own).
+    mine = (
+        slice(jax.process_index(), jax.process_index() + 1)
+        if jax.process_count() > 1
+        else slice(None)
+    )
+    local = [{k: v[mine] for k, v in batch.items()} for batch in cfg["data"]]
+    fed = dj.train_diloco(
+        mesh_loss, cfg["params"], local, num_rounds=NUM_ROUNDS, process_local_data=True, **run
+    )
+    out.update({f"local_{k}": np.asarray(v) for k, v in fed.params.items()})
     out["mesh_inner_trace_w"] = np.asarray(result.state.inner_opt_state[0].trace["w"])
     out["history"] = np.asarray(json.dumps(result.history))
     return out

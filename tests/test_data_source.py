@@ -1,8 +1,10 @@
 """`data` as a callable `start -> iterable`: a run resumed from a checkpoint asks only for the
-rounds (steps) it still has to train, and equals the uninterrupted run."""
+rounds (steps) it still has to train, and equals the uninterrupted run. `process_local_data`
+in one process (its multi-process run: tests/test_multiprocess.py)."""
 
 import jax
 import numpy as np
+import pytest
 from reference import linear_loss, make_data
 
 import diloco_jax as dj
@@ -47,3 +49,28 @@ def test_train_sync_takes_a_callable_too(tmp_path):
     whole = dj.train_sync(linear_loss, PARAMS, steps, num_steps=6, num_workers=M)
     assert asked == [0, 4]
     np.testing.assert_array_equal(resumed.params["w"], whole.params["w"])
+
+
+def test_process_local_data_in_one_process_is_the_whole_batch():
+    """One process owns every worker: its local data is the global batch, and the run is the
+    default one bit for bit (train_diloco on shard_map, train_sync on vmap); a Sampler, a
+    non-bool and a wrong worker count are refused naming the option or the shape."""
+    rounds = make_data(np.random.default_rng(0), 2, M, H)
+    common = dict(num_rounds=2, num_workers=M, inner_steps=H, backend="shard_map")
+    whole = dj.train_diloco(linear_loss, PARAMS, rounds, **common)
+    local = dj.train_diloco(linear_loss, PARAMS, rounds, process_local_data=True, **common)
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(local.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    steps = [{k: v[:, 0] for k, v in r.items()} for r in rounds]
+    sync = dict(num_steps=2, num_workers=M)
+    a = dj.train_sync(linear_loss, PARAMS, steps, **sync)
+    b = dj.train_sync(linear_loss, PARAMS, steps, process_local_data=True, **sync)
+    np.testing.assert_array_equal(a.params["w"], b.params["w"])
+    sampler = dj.Sampler({"x": np.zeros((4, 3), np.float32)}, lambda a, r, m, h: a)
+    with pytest.raises(ValueError, match="process_local_data=True needs per-round batches"):
+        dj.train_diloco(linear_loss, PARAMS, sampler, process_local_data=True, **common)
+    with pytest.raises(ValueError, match="process_local_data must be True or False"):
+        dj.train_diloco(linear_loss, PARAMS, rounds, process_local_data=1, **common)
+    three = make_data(np.random.default_rng(0), 2, 3, H)
+    with pytest.raises(ValueError, match=r"\[this process's workers, inner_steps\] = \(2, 3\)"):
+        dj.train_diloco(linear_loss, PARAMS, three, process_local_data=True, **common)
