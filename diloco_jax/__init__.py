@@ -34,6 +34,7 @@ from diloco_jax.optimizers import (
     scale_by_fan_ratio,
 )
 from diloco_jax.outer import (
+    cast_state,
     clip_outer_norm,
     delta_dtype,
     outer_init,
@@ -72,6 +73,7 @@ __all__ = [
     "Streaming",
     "Weights",
     "Sampler",
+    "cast_state",
     "clip_outer_norm",
     "SyncState",
     "TrainResult",

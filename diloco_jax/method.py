@@ -21,6 +21,7 @@ spec: `train_diloco(..., fragments=2)` is `method=DiLoCo(schedule=Streaming(2))`
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ from diloco_jax.comm import round_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.faults import NormSoftmax, Weights
-from diloco_jax.outer import clip_outer_norm
+from diloco_jax.outer import cast_state, checked_state_dtype, clip_outer_norm
 from diloco_jax.schedule import Schedule, Streaming, fragment_of, make_schedule
 from diloco_jax.state_sync import StateSync, Syncs
 
@@ -58,6 +59,9 @@ class DiLoCo:
     weights: Weights = Weights()
     delay: Delayed | None = None
     state_sync: StateSync | None = None
+    # The outer state's dtype (e.g. "bfloat16": half the momentum's bytes, lossy); None keeps
+    # `delta_dtype` (float32 or wider). Deltas are averaged in float32 either way.
+    outer_state_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("inner", "outer"):
@@ -79,6 +83,9 @@ class DiLoCo:
             if not (isinstance(value, kind) or (value is None and name != "weights")):
                 raise ValueError(f"DiLoCo.{name} must be a {kind.__name__}, got {value!r}")
         object.__setattr__(self, "compression", parse_compression(self.compression))
+        if self.outer_state_dtype is not None:  # a name: hashable, and a stable repr
+            name = checked_state_dtype(self.outer_state_dtype).name
+            object.__setattr__(self, "outer_state_dtype", name)
         if self.weights.exclude_nonfinite is None:
             auto = self._default_weights().exclude_nonfinite
             object.__setattr__(
@@ -114,7 +121,10 @@ class DiLoCo:
 
     @property
     def outer_optimizer(self) -> optax.GradientTransformation:
-        return default_outer_optimizer() if self.outer is None else self.outer
+        outer = default_outer_optimizer() if self.outer is None else self.outer
+        if self.outer_state_dtype is not None:
+            return _cast_state_of(outer, self.outer_state_dtype)
+        return outer
 
     @property
     def outer_delay(self) -> int:
@@ -191,6 +201,8 @@ class DiLoCo:
             out["outer_delay"] = [self.outer_delay, self.eager]
         if variant:
             out["variant"] = [repr(variant), None]
+        if self.outer_state_dtype is not None:
+            out["outer_state_dtype"] = self.outer_state_dtype
         return out
 
     def round_wire_bytes(self, params: Any, num_workers: int, frozen: tuple = ()) -> float:
@@ -207,6 +219,19 @@ class DiLoCo:
             softmax=self.weights.scheme == "norm_softmax",
             frozen=frozen,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_state_cached(outer: optax.GradientTransformation, dtype: str):
+    # One transformation object per (outer, dtype): jitted rounds keyed on it hit their cache.
+    return cast_state(outer, dtype)
+
+
+def _cast_state_of(outer: optax.GradientTransformation, dtype: str):
+    try:
+        return _cast_state_cached(outer, dtype)
+    except TypeError:  # an unhashable optimizer: a fresh wrapper
+        return cast_state(outer, dtype)
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DiLoCo)}
@@ -231,6 +256,7 @@ SHORTHAND = (
     "outer_delay",
     "eager",
     "state_sync",
+    "outer_state_dtype",
 )
 
 
@@ -298,6 +324,7 @@ def method_from_options(
         weights=weights,
         delay=delay,
         state_sync=None if state_sync is None else StateSync(state_sync),
+        outer_state_dtype=o.pop("outer_state_dtype", None),
     )
 
 

@@ -86,3 +86,47 @@ def clip_outer_norm(max_norm: float, eps: float = 1e-6) -> optax.GradientTransfo
         return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), state
 
     return optax.GradientTransformation(init, update)
+
+
+def cast_state(
+    outer_optimizer: optax.GradientTransformation, dtype: Any
+) -> optax.GradientTransformation:
+    """`outer_optimizer` with its floating state stored in `dtype` (e.g. bfloat16 momentum:
+    half the bytes of float32) and computed in the updates' dtype: each update casts the state
+    up, runs `outer_optimizer` (so the update itself uses the unrounded new state) and rounds
+    the new state to `dtype`. Lossy below float32 (each round rounds the momentum once);
+    integer leaves (counts) are kept. Raises ValueError naming `dtype` unless it is a
+    floating dtype."""
+    dtype = checked_state_dtype(dtype)
+
+    def init(params):
+        return _cast_floats(outer_optimizer.init(params), dtype)
+
+    def update(updates, state, params=None):
+        leaves = jax.tree.leaves(updates)
+        wide = jnp.result_type(*leaves) if leaves else jnp.float32
+        updates, state = outer_optimizer.update(updates, _cast_floats(state, wide), params)
+        return updates, _cast_floats(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def checked_state_dtype(dtype: Any) -> np.dtype:
+    """`dtype` as a NumPy floating dtype; ValueError naming outer_state_dtype otherwise."""
+    try:
+        out = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        out = None
+    if out is None or not jnp.issubdtype(out, jnp.floating):
+        raise ValueError(
+            f"outer_state_dtype must be a floating dtype such as 'bfloat16', got {dtype!r}"
+        )
+    return out
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    def cast(x):
+        x = jnp.asarray(x)
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree)

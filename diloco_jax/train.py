@@ -92,12 +92,14 @@ def train_diloco(
         `train_sync`'s steps).
       num_rounds: R >= 0. num_workers: M >= 1. inner_steps: H >= 1.
       method: the method, a `DiLoCo` spec (inner / outer optimizers, schedule, compression,
-        weights, delay, state sync: see `diloco_jax.method`); None: the paper's DiLoCo, or
-        the spec its keyword shorthand in `options` builds (`method_from_options`):
+        weights, delay, state sync, outer state dtype: see `diloco_jax.method`); None: the
+        paper's DiLoCo, or the spec its keyword shorthand in `options` builds
+        (`method_from_options`):
         inner_optimizer, outer_optimizer, outer_clip (EDiT's clip chained before the outer
         optimizer), compression, exclude_nonfinite, drop_probability, drop_seed,
         worker_steps, weighting, temperature, anomaly, fragments, overlap_steps,
-        merge_alpha, outer_delay, eager, state_sync. `train_diloco(..., fragments=2)` is
+        merge_alpha, outer_delay, eager, state_sync, outer_state_dtype (e.g. "bfloat16":
+        the outer momentum stored in it, lossy). `train_diloco(..., fragments=2)` is
         exactly `method=DiLoCo(schedule=Streaming(2))`; giving both is a ValueError.
       backend: "auto" | "vmap" | "shard_map" | "pmap" (see `diloco_jax.workers`).
       devices: devices for the device backends (default `jax.devices()`).
