@@ -384,52 +384,58 @@ def train_async(
         if callback is not None:
             callback(entry)
 
-    for e in events[done:num_updates]:
-        start = starts[e.start_update]
-        waiting[e.start_update] -= 1
-        if not waiting[e.start_update]:
-            del starts[e.start_update]
-        delta, inner_states[e.worker], loss = run_job(
-            where.to_worker(start, e.worker),
-            inner_states[e.worker],
-            job_data(e),
-            jnp.int32(e.job),
-            jnp.int32(e.worker),
-            num_steps=e.steps,
-        )
-        theta, outer_state = apply_delta(theta, outer_state, where.shared(delta))
-        if waiting[e.update + 1]:
-            starts[e.update + 1] = theta
-        sent[e.worker] += per_job
-        total_steps += e.steps
-        done = e.update + 1
-        # Every `eval_every` inner steps per worker: when the applied steps of all workers
-        # first reach each multiple of M x eval_every.
-        every = num_workers * eval_every
-        crossed = total_steps // every > (total_steps - e.steps) // every
-        due = evaluate is not None and (crossed or done == num_updates)
-        entry = {
-            "update": e.update,
-            "time": e.time,
-            "worker": e.worker,
-            "steps": e.steps,
-            "total_steps": total_steps,
-            "staleness": e.staleness,
-            "bytes_communicated": round(sum(sent) / num_workers),
-            "wire_bytes": round(sum(sent) / num_workers),
-            "worker_bytes": list(sent),
-        }
-        # Pull the previous update's metrics only now, so the host never stalls the device.
-        if pending is not None:
-            finish(*pending)
-        pending = (entry, loss, evaluate(theta) if due else None)
-        if ckpt is not None and (done % ckpt.every == 0 or done == num_updates):
-            finish(*pending)
-            pending = None
-            job_starts = _job_starts(events, done, starts, theta, num_workers, where)
-            saved = _AsyncCheckpoint(theta, outer_state, where.stack(inner_states), job_starts)
-            metadata = {**ckpt.fingerprint, "data_position": done, "history": history}
-            checkpoint.save(ckpt.directory, done, saved, metadata, keep=ckpt.keep)
+    # Written in the background: the next jobs run while a checkpoint's files are written.
+    saver = None if ckpt is None else checkpoint.Saver(ckpt.directory, keep=ckpt.keep)
+    try:
+        for e in events[done:num_updates]:
+            start = starts[e.start_update]
+            waiting[e.start_update] -= 1
+            if not waiting[e.start_update]:
+                del starts[e.start_update]
+            delta, inner_states[e.worker], loss = run_job(
+                where.to_worker(start, e.worker),
+                inner_states[e.worker],
+                job_data(e),
+                jnp.int32(e.job),
+                jnp.int32(e.worker),
+                num_steps=e.steps,
+            )
+            theta, outer_state = apply_delta(theta, outer_state, where.shared(delta))
+            if waiting[e.update + 1]:
+                starts[e.update + 1] = theta
+            sent[e.worker] += per_job
+            total_steps += e.steps
+            done = e.update + 1
+            # Every `eval_every` inner steps per worker: when the applied steps of all workers
+            # first reach each multiple of M x eval_every.
+            every = num_workers * eval_every
+            crossed = total_steps // every > (total_steps - e.steps) // every
+            due = evaluate is not None and (crossed or done == num_updates)
+            entry = {
+                "update": e.update,
+                "time": e.time,
+                "worker": e.worker,
+                "steps": e.steps,
+                "total_steps": total_steps,
+                "staleness": e.staleness,
+                "bytes_communicated": round(sum(sent) / num_workers),
+                "wire_bytes": round(sum(sent) / num_workers),
+                "worker_bytes": list(sent),
+            }
+            # Pull the previous update's metrics only now, so the host never stalls the device.
+            if pending is not None:
+                finish(*pending)
+            pending = (entry, loss, evaluate(theta) if due else None)
+            if ckpt is not None and (done % ckpt.every == 0 or done == num_updates):
+                finish(*pending)
+                pending = None
+                job_starts = _job_starts(events, done, starts, theta, num_workers, where)
+                saved = _AsyncCheckpoint(theta, outer_state, where.stack(inner_states), job_starts)
+                metadata = {**ckpt.fingerprint, "data_position": done, "history": history}
+                saver.save(done, saved, metadata)
+    finally:
+        if saver is not None:
+            saver.close()
     if pending is not None:
         finish(*pending)
     state = AsyncState(theta, outer_state, where.stack(inner_states), num_updates)

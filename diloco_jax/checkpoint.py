@@ -7,14 +7,20 @@ A checkpoint of step `s` is the directory `<directory>/<s>/` written by one
 - "state": the state pytree (a `DiLoCoState`, `SyncState`, or any pytree of arrays), through
   `StandardSave` (TensorStore/OCDBT, every array bit-exact in its own dtype and shape).
 - "metadata": the caller's JSON dict (the run's `fingerprint` plus e.g. "data_position").
-- "checksums": this module's CRC-32 of every state leaf's bytes, checked after each restore.
+- "checksums": this module's CRC-32s of the state, checked after each restore: one per leaf
+  on a single device, one per shard (keyed by its index range) for a leaf over several
+  devices, each computed from that shard's own bytes (never a host copy of the whole leaf). A
+  restore onto another layout checks the shards whose index ranges it shares with the save.
 
 Atomicity is Orbax's: a save is written under `<s>.orbax-checkpoint-tmp*` and renamed to `<s>`
 only once every item is complete, and only names without that suffix count as steps (on GCS,
 where renames are not atomic, a step counts once its `commit_success.txt` is written). A crash
 mid-save therefore leaves a temporary directory that `latest_step` and `restore` never pick
-(the next `save` deletes it). Saves are synchronous: when `save` returns, the files are
-written (TensorStore syncs them) and the directory renamed.
+(the next `save` deletes it). `save` is synchronous: when it returns, the files are written
+(TensorStore syncs them) and the directory renamed. `Saver` writes in the background
+(Orbax's asynchronous checkpointing): its `save` returns once the state is copied off the
+devices, and the next `save` or `close` waits for the write in flight; a run killed while one
+is in flight leaves only a temporary directory, so a resume takes the last complete one.
 
 A finished checkpoint that is damaged afterwards (a file deleted, truncated or flipped) fails to
 read, or reads back bytes whose CRC-32 differs: `restore` warns naming that step and falls back
@@ -33,7 +39,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 STATE, METADATA, CHECKSUMS = "state", "metadata", "checksums"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-shard CRCs for leaves over several devices; 1 is still read
 # Metadata keys that record progress rather than identity: never compared on restore.
 PROGRESS_KEYS = frozenset({"data_position"})
 
@@ -80,16 +86,38 @@ def save(
       metadata: JSON-able dict, e.g. `fingerprint(params, ...) | {"data_position": n}`.
       keep: how many checkpoints to keep (oldest steps are deleted), >= 1.
 
-    Returns None once the checkpoint is complete on disk (synchronous). Raises ValueError for
-    a bad step, keep or metadata. Every process of a multi-process run must call it.
+    Returns None once the checkpoint is complete on disk (synchronous; `Saver` writes in the
+    background). Raises ValueError for a bad step, keep or metadata. Every process of a
+    multi-process run must call it.
     """
-    _check_int("step", step, 0)
-    _check_int("keep", keep, 1)
-    if not isinstance(metadata, dict):
-        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
-    metadata = _json_normalized(metadata, "metadata")
-    checksums = {"format": FORMAT_VERSION, "crc32": leaf_checksums(state)}
-    with _manager(directory, keep=keep, create=True) as manager:
+    saver = Saver(directory, keep=keep, background=False)
+    try:
+        saver.save(step, state, metadata)
+    finally:
+        saver.close()
+
+
+class Saver:
+    """Saves checkpoints of one run into `directory` (as `save` does), keeping the last
+    `keep`. With `background` (the default), `save` returns once the state is copied off the
+    devices (the caller may then donate or overwrite it) and the files are written while the
+    caller goes on; the next `save` and `close` wait for the one in flight. Call `close` when
+    done (it raises what a background write raised)."""
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, background: bool = True):
+        _check_int("keep", keep, 1)
+        self.background = background
+        self._manager = _manager(directory, keep=keep, create=True, background=background)
+
+    def save(self, step: int, state: Any, metadata: dict[str, Any]) -> None:
+        """Starts (background) or writes checkpoint `step`; see `save` for the arguments."""
+        _check_int("step", step, 0)
+        if not isinstance(metadata, dict):
+            raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+        metadata = _json_normalized(metadata, "metadata")
+        checksums = {"format": FORMAT_VERSION, "crc32": leaf_checksums(state)}
+        manager = self._manager
+        manager.wait_until_finished()  # the one in flight: its step counts from here on
         latest = manager.latest_step()
         if latest is not None and step <= latest:
             raise ValueError(
@@ -105,7 +133,15 @@ def save(
         )
         if not manager.save(step, args=args, force=True):
             raise RuntimeError(f"Orbax declined to save step {step} in {manager.directory}")
-        manager.wait_until_finished()
+        if not self.background:
+            manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases the directory."""
+        try:
+            self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
@@ -237,16 +273,37 @@ def check_state_matches(saved_tree: Any, like_state: Any, *, where: str) -> None
         )
 
 
-def leaf_checksums(state: Any) -> dict[str, int | None]:
-    """{leaf path: CRC-32 of the leaf's bytes} for a state pytree; None for a leaf this process
-    can't see whole (an array sharded over several processes)."""
+def leaf_checksums(state: Any) -> dict[str, int | dict[str, int]]:
+    """{leaf path: CRC-32} for a state pytree: of the leaf's bytes for a leaf on one device
+    (or a host value), else {shard index range ("0:4,:"): CRC-32 of that shard's bytes} for
+    each of this process's shards (one per distinct index range), copied to host one shard at
+    a time."""
     return {_path_name(p): _crc32(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
-def _crc32(leaf: Any) -> int | None:
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        return None
-    return zlib.crc32(np.ascontiguousarray(np.asarray(_as_stored(leaf))).tobytes())
+def _crc32(leaf: Any) -> int | dict[str, int]:
+    leaf = _as_stored(leaf)
+    if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
+        return {
+            _index_key(shard.index): _bytes_crc(shard.data)
+            for shard in leaf.addressable_shards
+            if shard.replica_id == 0
+        }
+    return _bytes_crc(leaf)
+
+
+def _bytes_crc(x: Any) -> int:
+    return zlib.crc32(np.ascontiguousarray(np.asarray(x)).tobytes())
+
+
+def _index_key(index: tuple) -> str:
+    """A shard's index range, e.g. (slice(0, 4), slice(None)) -> "0:4,:"."""
+    parts = []
+    for entry in index:
+        start = "" if entry.start is None else entry.start
+        stop = "" if entry.stop is None else entry.stop
+        parts.append(f"{start}:{stop}")
+    return ",".join(parts)
 
 
 def _as_stored(leaf: Any) -> Any:
@@ -258,16 +315,31 @@ def _as_stored(leaf: Any) -> Any:
 
 
 def _verify_checksums(state: Any, checksums: dict[str, Any]) -> None:
-    if checksums.get("format") != FORMAT_VERSION:
+    if checksums.get("format") not in (1, FORMAT_VERSION):
         raise ValueError(f"unknown checksum format {checksums.get('format')!r}")
-    saved, restored = checksums["crc32"], leaf_checksums(state)
-    bad = [
-        name
-        for name, crc in restored.items()
-        if crc is not None and saved.get(name) is not None and crc != saved[name]
-    ]
-    if bad or saved.keys() != restored.keys():
+    saved = checksums["crc32"]
+    leaves = {_path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    bad = [name for name, leaf in leaves.items() if not _matches(saved.get(name), leaf)]
+    if bad or saved.keys() != leaves.keys():
         raise ValueError(f"checksum mismatch in state leaves {bad or sorted(saved)}")
+
+
+def _matches(saved: Any, leaf: Any) -> bool:
+    """Whether a restored leaf's bytes have the saved CRC(s): per shard for the index ranges
+    both layouts share; whole for a whole-leaf CRC (format 1, or a save from one device) when
+    this process sees the whole leaf; None (a leaf format 1 could not check) passes."""
+    if saved is None:
+        return True
+    if isinstance(saved, dict):
+        restored = _crc32(leaf)
+        if not isinstance(restored, dict):  # saved over devices, restored onto one
+            restored = {_index_key(tuple(slice(None) for _ in np.shape(leaf))): restored}
+        shared = saved.keys() & restored.keys()
+        return all(saved[k] == restored[k] for k in shared)
+    leaf = _as_stored(leaf)
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return True  # a whole-leaf CRC of a leaf this process sees part of: not checkable
+    return _bytes_crc(leaf) == saved
 
 
 def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict, dict]:
@@ -333,12 +405,16 @@ def _differences(name: str, saved: Any, expected: Any) -> list[str]:
 
 
 def _manager(
-    directory: str | os.PathLike, *, create: bool, keep: int | None = None
+    directory: str | os.PathLike,
+    *,
+    create: bool,
+    keep: int | None = None,
+    background: bool = False,
 ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         create=create,
-        enable_async_checkpointing=False,
+        enable_async_checkpointing=background,
         cleanup_tmp_directories=create,
     )
     handlers = {

@@ -802,25 +802,29 @@ class _Loop:
             data, self.total, self.lead, self.what, self.backend, len(history),
             self.process_local_data,
         )  # fmt: skip
-        for i, batch in enumerate(batches, start=len(history)):
-            state, metrics = step(state, batch)
-            done = i + 1
-            last = done == self.total
-            evals = evaluate(state, eval_data) if evaluate and self.due(done) else None
-            if pending is not None:
-                finish(*pending)
-            pending = (i, metrics, evals)
-            ckpt = self.checkpoints
-            if ckpt is not None and (done % ckpt.every == 0 or last):
-                finish(*pending)
-                pending = None
-                checkpoint.save(
-                    ckpt.directory,
-                    done,
-                    self._global(state),
-                    {**ckpt.fingerprint, "data_position": done, "history": history},
-                    keep=ckpt.keep,
-                )
+        ckpt = self.checkpoints
+        # Written in the background: the loop goes on while a checkpoint's files are written.
+        saver = None if ckpt is None else checkpoint.Saver(ckpt.directory, keep=ckpt.keep)
+        try:
+            for i, batch in enumerate(batches, start=len(history)):
+                state, metrics = step(state, batch)
+                done = i + 1
+                last = done == self.total
+                evals = evaluate(state, eval_data) if evaluate and self.due(done) else None
+                if pending is not None:
+                    finish(*pending)
+                pending = (i, metrics, evals)
+                if ckpt is not None and (done % ckpt.every == 0 or last):
+                    finish(*pending)
+                    pending = None
+                    saver.save(
+                        done,
+                        self._global(state),
+                        {**ckpt.fingerprint, "data_position": done, "history": history},
+                    )
+        finally:
+            if saver is not None:
+                saver.close()
         if pending is not None:
             finish(*pending)
         return state, history

@@ -315,3 +315,119 @@ def test_sync_state_and_relative_directory(tmp_path, monkeypatch):
     assert_bit_equal(restored, saved)
     with pytest.raises(ValueError, match="algorithm: 'sync' != 'diloco'"):
         ckpt.restore("ckpts", like, ckpt.fingerprint(params, algorithm="diloco"))
+
+
+def test_a_background_save_survives_the_state_being_donated(tmp_path):
+    """`Saver.save` returns once the state is off the devices: the next step may donate (and
+    overwrite) its buffers while the files are written, and the checkpoint still restores
+    bit for bit."""
+    saved = on_mesh(host_state(5))
+    expected = jax.tree.map(np.asarray, saved)
+    saver = ckpt.Saver(tmp_path, keep=2)
+    saver.save(1, saved, meta(saved.params))
+    overwrite = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 + 1, s), donate_argnums=0)
+    after = overwrite(saved)
+    jax.block_until_ready(after)
+    saver.save(2, after, meta(saved.params))  # waits for step 1, starts step 2
+    saver.close()
+    assert ckpt.all_steps(tmp_path) == [1, 2]
+    ckpt.discard_after(tmp_path, 1)
+    restored, _, step = ckpt.restore(tmp_path, on_mesh(host_state(0)), meta(saved.params))
+    assert step == 1
+    assert_bit_equal(restored, expected)
+
+
+def test_checksums_are_per_shard_for_a_leaf_over_devices(tmp_path):
+    """A leaf over several devices gets one CRC-32 per distinct shard (keyed by its index
+    range), each of that shard's bytes: what NumPy computes from the slices of the whole
+    array; a leaf on one device one CRC of its bytes. A flipped shard CRC on disk makes the
+    restore skip the step."""
+    import json
+    import zlib
+
+    saved = on_mesh(host_state(2))
+    sums = ckpt.leaf_checksums(saved)
+    mu = np.asarray(saved.inner_opt_state["mu"]["w"])  # [M, 16, 8] over the 4 workers
+    want = {f"{m}:{m + 1},:,:": zlib.crc32(np.ascontiguousarray(mu[m : m + 1]).tobytes())
+            for m in range(M)}  # fmt: skip
+    assert sums["inner_opt_state.mu.w"] == want
+    w = np.asarray(saved.params["w"])  # replicated: one shard, the whole leaf
+    assert sums["params.w"] == {":,:": zlib.crc32(np.ascontiguousarray(w).tobytes())}
+    one = on_device(host_state(2), jax.devices()[0])
+    assert ckpt.leaf_checksums(one)["params.w"] == zlib.crc32(w.tobytes())
+
+    ckpt.save(tmp_path, 1, saved, meta(saved.params))
+    ckpt.save(tmp_path, 2, saved, meta(saved.params))
+    path = tmp_path / "2" / "checksums" / "metadata"
+    stored = json.loads(path.read_text())
+    stored["crc32"]["inner_opt_state.mu.w"]["2:3,:,:"] ^= 1
+    path.write_text(json.dumps(stored))
+    with pytest.warns(RuntimeWarning, match="step 2"):
+        _, _, step = ckpt.restore(tmp_path, on_mesh(host_state(0)), meta(saved.params))
+    assert step == 1
+
+
+KILLED_MID_SAVE = """
+import asyncio, os, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from reference import linear_loss, make_data
+import diloco_jax as dj
+from diloco_jax import checkpoint
+from orbax.checkpoint._src.path import async_path
+
+rename = async_path.rename
+
+
+async def slow_rename(src, dst):  # holds step 3's commit back: its write stays in flight
+    if src.name.startswith("3."):
+        await asyncio.sleep(60)
+    return await rename(src, dst)
+
+
+async_path.rename = slow_rename
+start = checkpoint.Saver.save
+
+def save(self, step, state, metadata):
+    start(self, step, state, metadata)
+    if step == 3:  # step 3's files are being written in the background: die now
+        os._exit(3)
+
+checkpoint.Saver.save = save
+rounds = make_data(np.random.default_rng(5), 5, 2, 3)
+params = {{"w": np.zeros(3, np.float32), "b": np.float32(0)}}
+dj.train_diloco(linear_loss, params, rounds, num_rounds=5, num_workers=2, inner_steps=3,
+                checkpoint_dir=sys.argv[1])
+"""
+
+
+def test_a_run_killed_while_a_save_is_in_flight_resumes_from_a_complete_one(tmp_path):
+    """A process that dies while checkpoint 3's background write is in flight (its commit
+    held back by a slow rename): on disk are checkpoints 1 and 2 and step 3's temporary
+    directory; the rerun resumes from 2, ignores and clears the temporary one, and ends as
+    the uninterrupted run, bit for bit."""
+    import subprocess
+    import sys
+
+    from reference import linear_loss, make_data
+
+    import diloco_jax as dj
+
+    script = KILLED_MID_SAVE.format(tests=str(pathlib.Path(__file__).parent))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert ckpt.all_steps(tmp_path) == [1, 2]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("3.")]  # in flight
+    rounds = make_data(np.random.default_rng(5), 5, 2, 3)
+    params = {"w": np.zeros(3, np.float32), "b": np.float32(0)}
+    common = dict(num_rounds=5, num_workers=2, inner_steps=3)
+    whole = dj.train_diloco(linear_loss, params, rounds, **common)
+    resumed = dj.train_diloco(linear_loss, params, rounds, checkpoint_dir=tmp_path, **common)
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [e["loss"] for e in resumed.history] == [e["loss"] for e in whole.history]
+    assert ckpt.all_steps(tmp_path)[-1] == 5
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("3.")]
