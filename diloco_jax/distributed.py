@@ -3,8 +3,9 @@
 One Python process per host (or per GPU): every process calls `initialize` before anything else
 touches JAX devices, then runs the same program on the same host data. `jax.devices()` then
 lists the devices of all processes, the "shard_map" backend's worker mesh spans them, and
-`train_diloco` / `train_sync` build global arrays from the (identical) host data and hand back
-host-readable results on every process.
+`train_diloco` / `train_sync` build global arrays from the (identical, or with
+`process_local_data` each process's own) host data and hand back global arrays; `to_host`
+copies them whole to every host.
 
 `initialize` takes the coordinator address, process count and process id as arguments, or from
 the environment: DILOCO_COORDINATOR ("HOST:PORT"), DILOCO_NUM_PROCESSES, DILOCO_PROCESS_ID. With

@@ -626,12 +626,10 @@ def train_sync(
 
 
 def _result(state: Any, history: list[Record], rules=None) -> TrainResult:
-    """The final result; in a multi-process run as host NumPy arrays, whole on every process
-    (per-worker state is all-gathered), since global arrays can't be read off one process.
-    Under eager updates the params are the mean of the workers' own; the model state is the
-    merged one (`model_state.merged_view`)."""
-    if is_multiprocess():
-        state = to_host(state)
+    """The final result, as the run's arrays: in a multi-process run, global arrays (each
+    process holds its shards; `distributed.to_host` copies them whole to every host, a
+    collective, when the caller wants that). Under eager updates the params are the mean of
+    the workers' own; the model state is the merged one (`model_state.merged_view`)."""
     params = state.params if state.params is not None else jax.jit(delay.global_params)(state)
     model_state = None
     if rules is not None:

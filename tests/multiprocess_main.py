@@ -51,8 +51,10 @@ def train_both(
         checkpoint_dir=checkpoint_dir,
         **diloco_args,
     )
-    out = {f"diloco_{k}": np.asarray(v) for k, v in diloco.params.items()}
-    out["diloco_inner_mu_w"] = np.asarray(diloco.state.inner_opt_state[0].mu["w"])
+    # Global arrays (each process holds its shards): copied whole to every host here.
+    diloco_params, diloco_state = distributed.to_host((diloco.params, diloco.state))
+    out = {f"diloco_{k}": np.asarray(v) for k, v in diloco_params.items()}
+    out["diloco_inner_mu_w"] = np.asarray(diloco_state.inner_opt_state[0].mu["w"])
     if only_diloco:
         out["history"] = np.asarray(json.dumps([diloco.history]))
         return out
@@ -73,9 +75,12 @@ def train_both(
         compression="int8,ef=1",
         **diloco_args,
     )
-    out.update({f"sync_{k}": np.asarray(v) for k, v in sync.params.items()})
-    out.update({f"int8_{k}": np.asarray(v) for k, v in quantized.params.items()})
-    out["int8_residual_w"] = np.asarray(quantized.state.residual["w"])
+    sync_params, int8_params, int8_state = distributed.to_host(
+        (sync.params, quantized.params, quantized.state)
+    )
+    out.update({f"sync_{k}": np.asarray(v) for k, v in sync_params.items()})
+    out.update({f"int8_{k}": np.asarray(v) for k, v in int8_params.items()})
+    out["int8_residual_w"] = np.asarray(int8_state.residual["w"])
     out["history"] = np.asarray(json.dumps([diloco.history, sync.history, quantized.history]))
     return out
 
@@ -140,7 +145,10 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
         mesh_loss, cfg["params"], data_from, num_rounds=NUM_ROUNDS,
         checkpoint_dir=checkpoint_dir, **run,
     )  # fmt: skip
-    out = {f"mesh_{k}": np.asarray(v) for k, v in result.params.items()}
+    if jax.process_count() > 1:  # global arrays: this process holds its shards only
+        assert not result.params["w"].is_fully_addressable
+    params, state = distributed.to_host((result.params, result.state))
+    out = {f"mesh_{k}": np.asarray(v) for k, v in params.items()}
     out["mesh_start_round"] = np.asarray(starts)
     # Each process feeds only the workers its devices own (here: one, its own).
     mine = (
@@ -152,8 +160,8 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     fed = dj.train_diloco(
         mesh_loss, cfg["params"], local, num_rounds=NUM_ROUNDS, process_local_data=True, **run
     )
-    out.update({f"local_{k}": np.asarray(v) for k, v in fed.params.items()})
-    out["mesh_inner_trace_w"] = np.asarray(result.state.inner_opt_state[0].trace["w"])
+    out.update({f"local_{k}": np.asarray(v) for k, v in distributed.to_host(fed.params).items()})
+    out["mesh_inner_trace_w"] = np.asarray(state.inner_opt_state[0].trace["w"])
     out["history"] = np.asarray(json.dumps(result.history))
     return out
 
