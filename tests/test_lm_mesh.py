@@ -357,3 +357,27 @@ def test_a_checkpointed_run_resumes_on_another_mesh(tmp_path):
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
         if "eval_loss" in want:
             np.testing.assert_allclose(got["eval_loss"], want["eval_loss"], rtol=1e-5)
+
+
+def test_a_fresh_loss_traces_first_inside_a_mesh_round():
+    """`make_loss_fn` builds the abstract module when the loss is made: a loss first traced
+    inside a round's shard_map (nothing of the model built before) runs there, instead of
+    resolving the model's logical axes against that mesh."""
+    import optax
+
+    import diloco_jax as dj
+
+    config = model.get_config("micro")
+    model._abstract_split.cache_clear()
+    params = jax.tree.map(np.asarray, model.init_params(config, jax.random.key(0)))
+    model._abstract_split.cache_clear()  # init_params builds no abstract module; be sure
+    loss_fn = model.make_loss_fn(config)
+    mesh = jax.make_mesh((2, 4), ("workers", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 1, 4, config.seq_len))
+    batch = {"inputs": tokens.astype(np.int32), "targets": tokens.astype(np.int32)}
+    result = dj.train_diloco(
+        loss_fn, params, [batch], num_rounds=1, num_workers=2, inner_steps=1, mesh=mesh,
+        param_sharding=model.param_specs(config, params, {"fsdp": 4}),
+        inner_optimizer=optax.sgd(0.1),
+    )  # fmt: skip
+    assert np.isfinite(result.history[0]["loss"])

@@ -540,6 +540,9 @@ def make_loss_fn(
 
     if not isinstance(has_aux, bool):
         raise ValueError(f"has_aux must be True or False, got {has_aux!r}")
+    # The abstract module now, outside any trace: built first inside a round's shard_map, its
+    # variables' logical partitioning would be resolved against that mesh's axes.
+    _abstract_split(config)
     return loss_and_metrics_fn if has_aux else loss_fn
 
 
