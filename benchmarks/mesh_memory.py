@@ -1,0 +1,120 @@
+"""Per-device memory of one compiled DiLoCo round on a user's mesh, compile only.
+
+For each LM preset, M = 2 workers on 8 fake CPU devices, the default method (AdamW inner
+steps, Nesterov outer, non-finite exclusion), the round is lowered from shapes alone (no
+array is ever allocated) and compiled as `train_diloco` jits it (the state donated); `compiled.memory_analysis()` of the partitioned
+program gives each device's bytes: arguments (the state and the batch it holds), outputs,
+temporaries (activations, gradients, the deltas) and the total. Layouts:
+
+- replicated: a (workers=2, 4) mesh, every param whole on each of a worker's 4 devices, the
+  batch split over them (the `data_parallel=4` layout);
+- fsdp=4: a (workers=2, fsdp=4) mesh, each param split by `model.param_specs` over fsdp.
+
+ZeRO-1 across workers and host offload of θ and the outer state are not built yet (their
+rows say so). The figures are XLA CPU's: a GPU compile's arguments and outputs are the same
+bytes, its temporaries differ.
+
+  python benchmarks/mesh_memory.py [--presets 150m,400m,1b] [--batch B] [--seq L] [--steps H]
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import time  # noqa: E402
+
+import common  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import diloco_jax as dj  # noqa: E402
+from diloco_jax import placement as placement_lib  # noqa: E402
+from diloco_jax.lm import model  # noqa: E402
+
+M = 2
+H200_BYTES = 141e9
+LAYOUTS = ("replicated", "fsdp=4")
+NOT_BUILT = ("fsdp=4 + ZeRO-1 over workers", "fsdp=4 + θ, outer state in pinned_host")
+
+
+def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> dict:
+    """memory_stats of the compiled round of `preset` under `layout`, and the compile's wall
+    seconds."""
+    config = model.get_config(preset)
+    # One axis name for both layouts ("replicated" only leaves the params whole on it): the
+    # model's logical axes (`model.LOGICAL_RULES`) name it.
+    axis = "fsdp"
+    mesh = jax.make_mesh((M, 4), ("workers", axis), axis_types=(AxisType.Auto,) * 2)
+    backend = dj.make_backend("auto", M, mesh=mesh)
+    shapes = jax.eval_shape(model.init_params, config, jax.random.key(0))
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
+    if layout == "fsdp=4":
+        specs = model.param_specs(config, shapes, {"fsdp": 4})
+    else:
+        specs = lambda path, leaf: P()  # noqa: E731
+    placed = placement_lib.placement(
+        shapes, backend.mesh, placement_lib.resolve_param_specs(shapes, backend.mesh, specs)
+    )
+    method = dj.DiLoCo()
+    state = jax.eval_shape(lambda p: dj.init_state(p, M, method), shapes)
+    shardings = placed.shardings(state)
+    state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
+    )
+    tokens = NamedSharding(backend.mesh, P("workers", None, axis))
+    batches = {
+        k: jax.ShapeDtypeStruct((M, steps, batch, seq), jnp.int32, sharding=tokens)
+        for k in ("inputs", "targets")
+    }
+    loss_fn = model.make_loss_fn(config)
+    fn = functools.partial(dj.diloco_round, loss_fn, method=method, backend=backend)
+    start = time.perf_counter()
+    # Donating the state, as train_diloco's round does: the new state reuses its buffers.
+    round_fn = jax.jit(fn, out_shardings=(shardings, None), donate_argnums=0)
+    compiled = round_fn.lower(state, batches).compile()
+    stats = common.memory_stats(compiled)
+    stats["compile_s"] = time.perf_counter() - start
+    stats["params"] = model.count_params(shapes)
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="150m,400m,1b")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per worker and step")
+    parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=2, help="inner steps H (a lax.scan)")
+    args = parser.parse_args()
+    print(common.header() + "\n")
+    rows = []
+    head = f"{'preset':<7} {'layout':<40} {'args GB':>8} {'temp GB':>8} {'total GB':>9}"
+    print(head + f" {'of H200':>8} {'vs repl.':>8}")
+    for preset in args.presets.split(","):
+        replicated = None
+        for layout in LAYOUTS:
+            s = round_memory(preset, layout, args.batch, args.seq, args.steps)
+            replicated = replicated or s["total"]
+            row = {"preset": preset, "layout": layout, **s,
+                   "fraction_of_h200": s["total"] / H200_BYTES,
+                   "vs_replicated": s["total"] / replicated}  # fmt: skip
+            rows.append(row)
+            print(
+                f"{preset:<7} {layout:<40} {s['argument_size_in_bytes'] / 1e9:>8.2f} "
+                f"{s['temp_size_in_bytes'] / 1e9:>8.2f} {s['total'] / 1e9:>9.2f} "
+                f"{row['fraction_of_h200']:>8.2f} {row['vs_replicated']:>8.2f}",
+                flush=True,
+            )
+        for layout in NOT_BUILT:
+            print(f"{preset:<7} {layout:<40} {'not built yet':>8}")
+    payload = {"batch": args.batch, "seq": args.seq, "inner_steps": args.steps, "rows": rows}
+    print(f"\nwrote {common.write_results('mesh_memory', payload)}")
+
+
+if __name__ == "__main__":
+    main()
