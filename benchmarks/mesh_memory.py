@@ -2,9 +2,10 @@
 
 For each LM preset, M = 2 workers on 8 fake CPU devices, the default method (AdamW inner
 steps, Nesterov outer, non-finite exclusion), the round is lowered from shapes alone (no
-array is ever allocated) and compiled as `train_diloco` jits it (the state donated); `compiled.memory_analysis()` of the partitioned
-program gives each device's bytes: arguments (the state and the batch it holds), outputs,
-temporaries (activations, gradients, the deltas) and the total. Layouts:
+array is ever allocated) and compiled as `train_diloco` jits it (the state donated);
+`compiled.memory_analysis()` of the partitioned program gives each device's bytes:
+arguments (the state and the batch it holds), outputs, temporaries (activations, gradients,
+the deltas) and the total. Layouts:
 
 - replicated: a (workers=2, 4) mesh, every param whole on each of a worker's 4 devices, the
   batch split over them (the `data_parallel=4` layout);
