@@ -395,6 +395,27 @@ def test_train_async_on_a_mesh_resumes_bit_for_bit(tmp_path):
     assert mu.sharding.spec == P("workers", None, "fsdp")
 
 
+def test_train_async_on_a_mesh_with_a_sampler_equals_one_device():
+    """A Sampler's arrays replicated on each worker's devices, drawn inside its jobs: the
+    one-device run's params."""
+    rounds = _rounds()
+    arrays = jax.tree.map(lambda *xs: jnp.stack(xs), *rounds)  # [R, M, H, B, ...]
+
+    def sample(arrays, round_index, worker, step):
+        return jax.tree.map(lambda x: x[round_index, worker, step], arrays)
+
+    sampler = dj.Sampler(arrays, sample)
+    shape, names, specs = MESHES["fsdp4"]
+    common = dict(num_workers=M, inner_steps=H, step_seconds=(1.0, 1.7), num_updates=4,
+                  inner_optimizer=optax.sgd(0.05))  # fmt: skip
+    ref = dj.train_async(mlp_loss, _params(), sampler, **common)
+    got = dj.train_async(
+        mlp_loss, _params(), sampler, mesh=_mesh(shape, names), param_sharding=specs, **common
+    )
+    _close(ref.params, got.params, 1e-5)
+    assert got.params["w1"].sharding.spec == specs["w1"]
+
+
 def test_train_async_mesh_options_are_checked():
     shape, names, specs = MESHES["fsdp4"]
     common = dict(num_workers=M, inner_steps=H, step_seconds=(1.0, 1.0), num_updates=1)
