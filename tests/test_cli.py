@@ -111,15 +111,16 @@ def test_train_with_eager_updates_over_fragments(tmp_path):
     assert summary["bytes_communicated"] == 2 * 4 * num_params
 
 
-def test_train_with_edit_weighting_and_anomaly_skip(tmp_path):
+def test_train_with_edit_weighting_anomaly_skip_and_a_bf16_outer_state(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
     out = tmp_path / "run"
     argv = ["train", "--preset", "micro", "--data", f"text:{corpus}", "--workers", "2"]
     argv += ["--inner-steps", "2", "--rounds", "2", "--weighting", "norm_softmax"]
-    argv += ["--temperature", "2", "--anomaly-skip"]
+    argv += ["--temperature", "2", "--anomaly-skip", "--outer-state-dtype", "bfloat16"]
     assert main([*argv, "--out", str(out), "--no-progress"]) == 0
     config = json.loads((out / "config.json").read_text())["config"]
+    assert config["outer_state_dtype"] == "bfloat16"
     assert (config["weighting"], config["temperature"], config["anomaly_skip"]) == (
         "norm_softmax",
         2.0,
@@ -233,6 +234,11 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--frobnicate"], "unrecognized arguments"),
         (["train", "--eager"], "Eager.rounds (outer_delay) must be >= 1"),
         (["train", "--outer-clip", "0"], "(outer_clip) must be a number > 0"),
+        (["train", "--outer-state-dtype", "int8"], "outer_state_dtype must be a floating dtype"),
+        (
+            ["train", "--algo", "sync", "--outer-state-dtype", "bfloat16"],
+            "--outer-state-dtype needs --algo diloco",
+        ),
         (["train", "--state-sync", "mu"], "state_sync must look like"),
         (["train", "--fragments", "3", "--inner-steps", "25"], "must be a multiple"),
         (["train", "--merge-alpha", "0.5"], "need fragments"),

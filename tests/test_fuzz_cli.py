@@ -40,6 +40,7 @@ FLAGS = [
     "--checkpoint-every",
     "--outer-delay",
     "--outer-clip",
+    "--outer-state-dtype",
     "--weighting",
     "--temperature",
     "--anomaly-skip",

@@ -89,6 +89,11 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--outer-clip", type=float, help="EDiT: clip the mean delta's norm to this")
     p.add_argument(
+        "--outer-state-dtype",
+        help="store the outer optimizer's state in this dtype, e.g. bfloat16 (half the "
+        "momentum's bytes; lossy)",
+    )
+    p.add_argument(
         "--weighting",
         choices=("uniform", "norm_softmax"),
         help="EDiT: norm_softmax weighs each worker's delta by exp(-norm / T) in the mean",
@@ -184,6 +189,7 @@ _DILOCO_FLAGS = (
     "outer_delay",
     "eager",
     "outer_clip",
+    "outer_state_dtype",
     "weighting",
     "temperature",
     "anomaly_skip",

@@ -73,6 +73,7 @@ class RunConfig:
     outer_delay: int = 0  # apply each round's mean d rounds late (diloco_jax.delay)
     eager: bool = False  # eager outer updates (needs outer_delay >= 1)
     outer_clip: float | None = None  # EDiT: clip the mean delta's norm (outer.clip_outer_norm)
+    outer_state_dtype: str | None = None  # e.g. "bfloat16": the outer momentum stored in it
     weighting: str = "uniform"  # "uniform" | "norm_softmax" (EDiT; diloco_jax.faults)
     temperature: float = 1.0  # of weighting "norm_softmax": weights exp(-norm / temperature)
     anomaly_skip: bool = False  # EDiT's EWMA z-score skip of outlier workers
@@ -393,6 +394,7 @@ def method(cfg: RunConfig) -> DiLoCo:
             inner_optimizer=inner_optimizer(cfg),
             outer_optimizer=outer_optimizer(cfg),
             outer_clip=cfg.outer_clip,
+            outer_state_dtype=cfg.outer_state_dtype,
             compression=cfg.compression,
             drop_probability=cfg.drop_probability,
             drop_seed=cfg.seed,
