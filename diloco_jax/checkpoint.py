@@ -148,6 +148,15 @@ class Saver:
             self._manager.close()
 
 
+def prepare(directory: str | os.PathLike) -> None:
+    """Creates `directory` (and its parents) if missing; every process of a run calls it
+    before looking for checkpoints there. Whether the directory exists decides whether
+    `all_steps` opens an Orbax manager, whose cross-process barriers then have to match: made
+    by each process itself first, it exists for all of them (measured: a barrier name
+    mismatch when one process listed the directory another had just created)."""
+    _path(directory).mkdir(parents=True, exist_ok=True)
+
+
 def latest_step(directory: str | os.PathLike) -> int | None:
     """The highest finished checkpoint step in `directory`, or None when there is none (or no
     directory). Temporary directories of unfinished saves are not steps. Doesn't read the

@@ -725,6 +725,7 @@ def _checkpoints(directory, every, keep, params, **fields) -> _Checkpoints | Non
         return None
     if not isinstance(directory, str | os.PathLike):
         raise ValueError(f"checkpoint_dir must be a path, got {directory!r}")
+    checkpoint.prepare(directory)
     return _Checkpoints(os.fspath(directory), every, keep, checkpoint.fingerprint(params, **fields))
 
 
