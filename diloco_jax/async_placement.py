@@ -34,8 +34,13 @@ class OneDevice:
     def to_worker(self, tree: Any, worker: int) -> Any:
         return tree
 
-    def inner_state(self, init: Callable[[Any], Any], theta: Any, worker: int) -> Any:
-        return jax.device_put(init(theta), self.device)
+    def arrived(self, delta: Any) -> Any:
+        return delta  # already where θ is
+
+    def inner_states(self, init: Callable[[Any], Any], theta: Any, num_workers: int) -> list:
+        """One `init(θ)` for every worker: the same object, so a never-updated stack is one
+        broadcast (`stack`)."""
+        return [jax.device_put(init(theta), self.device)] * num_workers
 
     def batch(self, tree: Any, worker: int) -> Any:
         return jax.device_put(tree, self.device)
@@ -59,13 +64,12 @@ class OnMesh:
 
     def __init__(self, backend: Backend, params: Any, specs: tuple[P, ...]):
         mesh = backend.mesh
-        self.num_workers = backend.num_workers
         self.full = placement_lib.placement(params, mesh, specs)
         axis = mesh.axis_names.index(WORKER_AXIS)
         inner = tuple(n for n in mesh.axis_names if n != WORKER_AXIS)
         self.meshes = [
             Mesh(np.take(mesh.devices, m, axis=axis), inner, axis_types=_auto(len(inner)))
-            for m in range(self.num_workers)
+            for m in range(backend.num_workers)
         ]
         self.workers = [placement_lib.placement(params, sub, specs) for sub in self.meshes]
         self.batch_spec = backend.batch_spec
@@ -77,11 +81,18 @@ class OnMesh:
     def to_worker(self, tree: Any, worker: int) -> Any:
         return jax.device_put(tree, self.workers[worker].tree(tree, per_worker=False))
 
-    def inner_state(self, init: Callable[[Any], Any], theta: Any, worker: int) -> Any:
-        """`init(θ)` built in place on worker `worker`'s devices."""
-        start = self.to_worker(theta, worker)
-        shardings = self.workers[worker].tree(jax.eval_shape(init, start), per_worker=False)
-        return jax.jit(init, out_shardings=shardings)(start)
+    def arrived(self, delta: Any) -> Any:
+        """A worker's delta (on its devices) put on every worker's, where θ is: its send."""
+        return self.shared(delta)
+
+    def inner_states(self, init: Callable[[Any], Any], theta: Any, num_workers: int) -> list:
+        """`init(θ)` for each worker, built in place on its devices."""
+        out = []
+        for m, placed in enumerate(self.workers):
+            start = self.to_worker(theta, m)
+            shardings = placed.tree(jax.eval_shape(init, start), per_worker=False)
+            out.append(jax.jit(init, out_shardings=shardings)(start))
+        return out
 
     def batch(self, tree: Any, worker: int) -> Any:
         """One job's batches, leaves [h, B, ...]: each step's batch at `batch_spec`."""
@@ -103,12 +114,11 @@ class OnMesh:
 
     def unstack(self, tree: Any, num_workers: int) -> list[Any]:
         """Global leaves [M, ...] -> M trees, worker m's slice on its devices."""
-        out = []
-        for m, placed in enumerate(self.workers):
-            like = jax.eval_shape(lambda t, m=m: jax.tree.map(lambda x: x[m], t), tree)
-            shardings = placed.tree(like, per_worker=False)
-            out.append(jax.tree.map(lambda x, s, m=m: _slice(x, s, m), tree, shardings))
-        return out
+        like = jax.eval_shape(lambda t: jax.tree.map(lambda x: x[0], t), tree)
+        return [
+            jax.tree.map(_slice, tree, placed.tree(like, per_worker=False))
+            for placed in self.workers
+        ]
 
 
 def _stacked(sharding: NamedSharding, *xs: jax.Array) -> jax.Array:
@@ -117,7 +127,8 @@ def _stacked(sharding: NamedSharding, *xs: jax.Array) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
-def _slice(x: jax.Array, sharding: NamedSharding, worker: int) -> jax.Array:
+def _slice(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Worker slice of global `x` [M, ...] whose devices `sharding` holds, from their shards."""
     devices = sharding.device_set
     pieces = [s.data[0] for s in x.addressable_shards if s.device in devices]
     return jax.make_array_from_single_device_arrays(x.shape[1:], sharding, pieces)

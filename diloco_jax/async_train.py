@@ -326,12 +326,7 @@ def train_async(
     theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
     # Committed to the devices like the programs' outputs, so each job length compiles once.
     outer_state = where.shared(outer_init(outer_optimizer, theta))
-    if isinstance(where, OneDevice):
-        inner_states = [where.inner_state(inner_optimizer.init, theta, 0)] * num_workers
-    else:
-        inner_states = [
-            where.inner_state(inner_optimizer.init, theta, m) for m in range(num_workers)
-        ]
+    inner_states = where.inner_states(inner_optimizer.init, theta, num_workers)
     events = schedule.events
     history: list[Record] = []
     done = 0
@@ -400,7 +395,7 @@ def train_async(
                 jnp.int32(e.worker),
                 num_steps=e.steps,
             )
-            theta, outer_state = apply_delta(theta, outer_state, where.shared(delta))
+            theta, outer_state = apply_delta(theta, outer_state, where.arrived(delta))
             if waiting[e.update + 1]:
                 starts[e.update + 1] = theta
             sent[e.worker] += per_job

@@ -21,7 +21,6 @@ spec: `train_diloco(..., fragments=2)` is `method=DiLoCo(schedule=Streaming(2))`
 """
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -123,7 +122,7 @@ class DiLoCo:
     def outer_optimizer(self) -> optax.GradientTransformation:
         outer = default_outer_optimizer() if self.outer is None else self.outer
         if self.outer_state_dtype is not None:
-            return _cast_state_of(outer, self.outer_state_dtype)
+            return cast_state(outer, self.outer_state_dtype)
         return outer
 
     @property
@@ -219,19 +218,6 @@ class DiLoCo:
             softmax=self.weights.scheme == "norm_softmax",
             frozen=frozen,
         )
-
-
-@functools.lru_cache(maxsize=64)
-def _cast_state_cached(outer: optax.GradientTransformation, dtype: str):
-    # One transformation object per (outer, dtype): jitted rounds keyed on it hit their cache.
-    return cast_state(outer, dtype)
-
-
-def _cast_state_of(outer: optax.GradientTransformation, dtype: str):
-    try:
-        return _cast_state_cached(outer, dtype)
-    except TypeError:  # an unhashable optimizer: a fresh wrapper
-        return cast_state(outer, dtype)
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DiLoCo)}

@@ -95,8 +95,8 @@ def cast_state(
     half the bytes of float32) and computed in the updates' dtype: each update casts the state
     up, runs `outer_optimizer` (so the update itself uses the unrounded new state) and rounds
     the new state to `dtype`. Lossy below float32 (each round rounds the momentum once);
-    integer leaves (counts) are kept. Raises ValueError naming `dtype` unless it is a
-    floating dtype."""
+    integer leaves (counts) are kept. Raises ValueError (naming outer_state_dtype, the
+    `DiLoCo` field it serves) unless `dtype` is a floating dtype."""
     dtype = checked_state_dtype(dtype)
 
     def init(params):

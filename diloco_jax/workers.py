@@ -154,14 +154,15 @@ class Backend:
         """Puts batches with leaves [M, <lead - 1 more dims>, B, ...] on the devices: split
         along workers, and with `data_parallel` > 1 the batch dim B along DATA_AXIS (on a
         user's mesh: each worker's batch at `batch_spec`)."""
+        if not self.mesh_axes and self.data_parallel == 1:
+            return self.place_workers(tree)  # one sharding for every leaf: the common path
         return _put(tree, self.batch_shardings(tree, lead))
 
     def batch_shardings(self, tree: Any, lead: int, check: bool = True) -> Any:
         """The sharding of each batch leaf of `tree` (see `place_batches`); `check`: raise
         ValueError for a batch dim its axes don't divide."""
         if self.mesh_axes:
-            sizes = dict(self.mesh_axes)
-            spec = self.batch_spec
+            sizes, spec = dict(self.mesh_axes), self.batch_spec
         elif self.data_parallel > 1:
             sizes, spec = {DATA_AXIS: self.data_parallel}, P(DATA_AXIS)
         else:
@@ -169,27 +170,35 @@ class Backend:
 
         def one(leaf):
             shape = np.shape(leaf)[lead:]
-            if not self.mesh_axes and check and spec and (not shape or shape[0] % sizes[DATA_AXIS]):
-                raise ValueError(
-                    f"with data_parallel={self.data_parallel}, every batch leaf needs a batch "
-                    f"dim (after the leading {lead}) divisible by it, got shape {np.shape(leaf)}"
-                )
             if len(spec) > len(shape):
-                raise ValueError(
-                    f"batch_sharding {spec} has more entries than a batch leaf of shape "
-                    f"{np.shape(leaf)} has dims after the leading {lead}"
-                )
+                raise ValueError(self._indivisible(spec, np.shape(leaf), lead, None))
             for dim, entry in enumerate(spec):
                 names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
                 ways = int(np.prod([sizes[n] for n in names], dtype=np.int64))
                 if check and shape[dim] % ways:
-                    raise ValueError(
-                        f"batch_sharding {spec}: a batch leaf of shape {np.shape(leaf)} has dim "
-                        f"{dim + lead} of size {shape[dim]}, not divisible by {ways}"
-                    )
+                    raise ValueError(self._indivisible(spec, np.shape(leaf), lead, (dim, ways)))
             return _sharding(self, P(WORKER_AXIS, *[None] * (lead - 1), *spec))
 
         return jax.tree.map(one, tree)
+
+    def _indivisible(self, spec: P, shape: tuple, lead: int, dim_ways) -> str:
+        """The error for a batch leaf of `shape` that `spec` can't split (`dim_ways`: the dim
+        and the ways it doesn't divide; None: too few dims), naming the option that set it."""
+        if not self.mesh_axes:
+            return (
+                f"with data_parallel={self.data_parallel}, every batch leaf needs a batch dim "
+                f"(after the leading {lead}) divisible by it, got shape {shape}"
+            )
+        if dim_ways is None:
+            return (
+                f"batch_sharding {spec} has more entries than a batch leaf of shape {shape} "
+                f"has dims after the leading {lead}"
+            )
+        dim, ways = dim_ways
+        return (
+            f"batch_sharding {spec}: a batch leaf of shape {shape} has dim {dim + lead} of "
+            f"size {shape[dim + lead]}, not divisible by {ways}"
+        )
 
 
 @functools.lru_cache(maxsize=256)
