@@ -9,11 +9,17 @@ the deltas) and the total. Layouts:
 
 - replicated: a (workers=2, 4) mesh, every param whole on each of a worker's 4 devices, the
   batch split over them (the `data_parallel=4` layout);
-- fsdp=4: a (workers=2, fsdp=4) mesh, each param split by `model.param_specs` over fsdp.
+- fsdp=4: a (workers=2, fsdp=4) mesh, each param split by `model.param_specs` over fsdp;
+- fsdp=4 + ZeRO-1: the same, the outer state split over the workers too
+  (`shard_outer_over_workers=True`);
+- fsdp=4 + pinned_host: fsdp=4 with θ and the outer state in pinned host memory
+  (`outer_state_memory="pinned_host"`). XLA's CPU compiler has one memory for both kinds and
+  counts host buffers as device bytes, so this row subtracts the θ and outer-state shards
+  the placement puts in host memory ("host GB", once: the donated outputs reuse the
+  arguments' buffers) from args and total.
 
-ZeRO-1 across workers and host offload of θ and the outer state are not built yet (their
-rows say so). The figures are XLA CPU's: a GPU compile's arguments and outputs are the same
-bytes, its temporaries differ.
+The figures are XLA CPU's: a GPU compile's arguments and outputs are the same bytes, its
+temporaries differ.
 
   python benchmarks/mesh_memory.py [--presets 150m,400m,1b] [--batch B] [--seq L] [--steps H]
 """
@@ -31,17 +37,18 @@ import time  # noqa: E402
 import common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import diloco_jax as dj  # noqa: E402
+from diloco_jax import offload  # noqa: E402
 from diloco_jax import placement as placement_lib  # noqa: E402
 from diloco_jax.lm import model  # noqa: E402
 
 M = 2
 H200_BYTES = 141e9
-LAYOUTS = ("replicated", "fsdp=4")
-NOT_BUILT = ("fsdp=4 + ZeRO-1 over workers", "fsdp=4 + θ, outer state in pinned_host")
+LAYOUTS = ("replicated", "fsdp=4", "fsdp=4 + ZeRO-1 over workers", "fsdp=4 + pinned_host")
 
 
 def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> dict:
@@ -55,12 +62,16 @@ def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> 
     backend = dj.make_backend("auto", M, mesh=mesh)
     shapes = jax.eval_shape(model.init_params, config, jax.random.key(0))
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
-    if layout == "fsdp=4":
+    if layout.startswith("fsdp=4"):
         specs = model.param_specs(config, shapes, {"fsdp": 4})
     else:
         specs = lambda path, leaf: P()  # noqa: E731
     placed = placement_lib.placement(
-        shapes, backend.mesh, placement_lib.resolve_param_specs(shapes, backend.mesh, specs)
+        shapes,
+        backend.mesh,
+        placement_lib.resolve_param_specs(shapes, backend.mesh, specs),
+        split_outer="ZeRO" in layout,
+        host="pinned_host" in layout,
     )
     method = dj.DiLoCo()
     state = jax.eval_shape(lambda p: dj.init_state(p, M, method), shapes)
@@ -74,12 +85,24 @@ def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> 
         for k in ("inputs", "targets")
     }
     loss_fn = model.make_loss_fn(config)
-    fn = functools.partial(dj.diloco_round, loss_fn, method=method, backend=backend)
+    memory = offload.HOST if placed.host else "device"
+    fn = functools.partial(
+        dj.diloco_round, loss_fn, method=method, backend=backend, outer_shards=placed.outer,
+        outer_state_memory=memory,
+    )  # fmt: skip
     start = time.perf_counter()
     # Donating the state, as train_diloco's round does: the new state reuses its buffers.
     round_fn = jax.jit(fn, out_shardings=(shardings, None), donate_argnums=0)
     compiled = round_fn.lower(state, batches).compile()
     stats = common.memory_stats(compiled)
+    host = sum(
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        for name in placement_lib.HOST_FIELDS if placed.host
+        for x in jax.tree.leaves(getattr(state, name))
+    )  # fmt: skip
+    stats["host_bytes"] = host
+    stats["argument_size_in_bytes"] -= host
+    stats["total"] -= host
     stats["compile_s"] = time.perf_counter() - start
     stats["params"] = model.count_params(shapes)
     return stats
@@ -94,7 +117,9 @@ def main() -> None:
     args = parser.parse_args()
     print(common.header() + "\n")
     rows = []
-    head = f"{'preset':<7} {'layout':<40} {'args GB':>8} {'temp GB':>8} {'total GB':>9}"
+    head = (
+        f"{'preset':<7} {'layout':<30} {'args GB':>8} {'host GB':>8} {'temp GB':>8} {'total GB':>9}"
+    )
     print(head + f" {'of H200':>8} {'vs repl.':>8}")
     for preset in args.presets.split(","):
         replicated = None
@@ -106,13 +131,12 @@ def main() -> None:
                    "vs_replicated": s["total"] / replicated}  # fmt: skip
             rows.append(row)
             print(
-                f"{preset:<7} {layout:<40} {s['argument_size_in_bytes'] / 1e9:>8.2f} "
+                f"{preset:<7} {layout:<30} {s['argument_size_in_bytes'] / 1e9:>8.2f} "
+                f"{s['host_bytes'] / 1e9:>8.2f} "
                 f"{s['temp_size_in_bytes'] / 1e9:>8.2f} {s['total'] / 1e9:>9.2f} "
                 f"{row['fraction_of_h200']:>8.2f} {row['vs_replicated']:>8.2f}",
                 flush=True,
             )
-        for layout in NOT_BUILT:
-            print(f"{preset:<7} {layout:<40} {'not built yet':>8}")
     payload = {"batch": args.batch, "seq": args.seq, "inner_steps": args.steps, "rows": rows}
     print(f"\nwrote {common.write_results('mesh_memory', payload)}")
 

@@ -42,6 +42,7 @@ from diloco_jax.outer import (
     outer_update,
     worker_delta,
 )
+from diloco_jax.outer_sharding import OuterShards, outer_shards
 from diloco_jax.round import DiLoCoState, diloco_round, init_state
 from diloco_jax.sampler import Sampler
 from diloco_jax.schedule import Streaming
@@ -96,7 +97,9 @@ __all__ = [
     "nnx_model_fns",
     "muon_labels",
     "ns_coefficients",
+    "OuterShards",
     "outer_init",
+    "outer_shards",
     "outer_step",
     "outer_update",
     "parse_compression",

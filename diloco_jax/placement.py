@@ -18,8 +18,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax import offload
+from diloco_jax.outer_sharding import OuterShards, split_shapes
 from diloco_jax.trees import per_leaf
 from diloco_jax.workers import WORKER_AXIS
+
+# DiLoCoState fields that live in host memory under `outer_state_memory="pinned_host"`.
+HOST_FIELDS = frozenset({"params", "outer_opt_state"})
 
 # DiLoCoState / SyncState fields with one entry per worker (leading dim M).
 PER_WORKER_FIELDS = frozenset(
@@ -104,25 +109,38 @@ class Placement(NamedTuple):
     shapes: tuple[tuple[int, ...], ...]
     specs: tuple[P, ...]
     groups: tuple[tuple[int, ...], ...] = ()
+    outer: "OuterShards | None" = None  # the outer state split over the workers (ZeRO-1)
+    host: bool = False  # θ and the outer state in pinned host memory (`diloco_jax.offload`)
 
     def shardings(self, state: Any) -> Any:
         """A pytree of `NamedSharding`s like `state` (a DiLoCoState / SyncState of arrays or
         shapes; under eager updates the outer state is per worker too)."""
         per_worker = per_worker_fields(state)
+        host = HOST_FIELDS if self.host else frozenset()
         return type(state)(
             **{
-                name: self.tree(value, name in per_worker)
+                name: self.tree(
+                    value,
+                    name in per_worker,
+                    split=name == "outer_opt_state",
+                    host=name in host and name not in per_worker,
+                )  # fmt: skip
                 for name, value in state._asdict().items()
             }
         )
 
-    def tree(self, tree: Any, per_worker: bool) -> Any:
-        """Shardings for one field (`per_worker`: leading dim M over the worker axis)."""
-        templates = [(self.treedef, self.shapes, self.specs)]
+    def tree(self, tree: Any, per_worker: bool, split: bool = False, host: bool = False) -> Any:
+        """Shardings for one field (`per_worker`: leading dim M over the worker axis;
+        `split`: the outer state, at `OuterShards.storage_spec` when it is split; `host`: in
+        pinned host memory)."""
+        specs = self.specs
+        if split and self.outer is not None:
+            specs = tuple(self.outer.storage_spec(i) for i in range(len(specs)))
+        templates = [(self.treedef, self.shapes, specs)]
         for group in self.groups:
             treedef = jax.tree.structure([0] * len(group))
             templates.append(
-                (treedef, tuple(self.shapes[i] for i in group), tuple(self.specs[i] for i in group))
+                (treedef, tuple(self.shapes[i] for i in group), tuple(specs[i] for i in group))
             )
         lead = 1 if per_worker else 0
 
@@ -141,24 +159,37 @@ class Placement(NamedTuple):
             if specs is None:  # a leaf outside any params-like subtree: replicated
                 if _masked(x) or x is None:
                     return x
-                return self.sharding(P(), per_worker)
+                return self.sharding(P(), per_worker, host)
             leaves, structure = jax.tree.flatten(x, is_leaf=_masked)
             placed = [
-                v if _masked(v) else self.sharding(s, per_worker)
+                v if _masked(v) else self.sharding(s, per_worker, host)
                 for v, s in zip(leaves, specs, strict=True)
             ]
             return jax.tree.unflatten(structure, placed)
 
         return jax.tree.map(place, tree, is_leaf=lambda x: match(x) is not None or _masked(x))
 
-    def sharding(self, spec: P, per_worker: bool) -> NamedSharding:
-        return NamedSharding(self.mesh, P(WORKER_AXIS, *spec) if per_worker else spec)
+    def sharding(self, spec: P, per_worker: bool, host: bool = False) -> NamedSharding:
+        return NamedSharding(
+            self.mesh, P(WORKER_AXIS, *spec) if per_worker else spec,
+            memory_kind=offload.HOST if host else None,
+        )  # fmt: skip
 
 
-def placement(params: Any, mesh: Mesh, specs: tuple[P, ...], groups=()) -> Placement:
+def placement(
+    params: Any, mesh: Mesh, specs: tuple[P, ...], groups=(), split_outer: bool = False,
+    host: bool = False,
+) -> Placement:  # fmt: skip
+    """The `Placement` of `params` at `specs` on `mesh`; `split_outer`: the outer state split
+    over the worker axis (`diloco_jax.outer_sharding`); `host`: θ and the outer state in
+    pinned host memory (`diloco_jax.offload`)."""
     leaves, treedef = jax.tree.flatten(params)
     shapes = tuple(tuple(np.shape(x)) for x in leaves)
-    return Placement(mesh, treedef, shapes, specs, tuple(tuple(g) for g in groups))
+    outer = None
+    if split_outer:
+        sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+        outer = split_shapes(shapes, specs, sizes, sizes[WORKER_AXIS])
+    return Placement(mesh, treedef, shapes, specs, tuple(tuple(g) for g in groups), outer, host)
 
 
 def shard_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:

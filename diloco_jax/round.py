@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from diloco_jax import delay, faults
+from diloco_jax import delay, faults, offload
 from diloco_jax import model_state as model_states
+from diloco_jax import outer_sharding as outer_shards_lib
 from diloco_jax import state_sync as state_syncs
 from diloco_jax.compression import init_residual
 from diloco_jax.exchange import make_exchange
@@ -188,6 +189,8 @@ def diloco_round(
     model_state_merge: Any = None,
     params_of: Any = None,
     with_params: Any = None,
+    outer_shards: "outer_shards_lib.OuterShards | None" = None,
+    outer_state_memory: str = "device",
     **options,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
@@ -220,6 +223,13 @@ def diloco_round(
       params_of, with_params: `loss_fn` is a worker step `(worker_state, batch, info) ->
         (worker_state, metrics)` over the worker states in `state.inner_opt_state`
         (`init_state(..., worker_state=)`); these read and write its params.
+      outer_shards: the outer state split over the workers (ZeRO-1; see
+        `diloco_jax.outer_shards`), its leaves in storage at `OuterShards.storage_spec`
+        (what `train_diloco(..., shard_outer_over_workers=True)` passes). None: replicated.
+      outer_state_memory: "device", or "pinned_host" when θ and the outer state arrive in
+        host memory (`diloco_jax.offload`): the round copies them to the device where it
+        reads them, after the inner steps. Not with a delay, eager updates, outer_shards or
+        pmap.
 
     A weights part with fault options on (exclusion, drops, worker steps, weighting, anomaly)
     leaves workers out of a sync's mean or weighs them (`diloco_jax.faults`); a delay applies
@@ -265,6 +275,9 @@ def diloco_round(
     carried = drops or schedule.fragmented or eager
 
     leaves, treedef = jax.tree.flatten(like)
+    outer_states = state.outer_opt_state if schedule.fragmented else (state.outer_opt_state,)
+    zero = _sync_shards(outer_shards, method, backend, schedule, leaves, treedef, outer_states)
+    host = _check_host(outer_state_memory, method, backend, zero)
     exchanges = [
         make_exchange(
             method.compression,
@@ -281,7 +294,11 @@ def diloco_round(
         dropped_MxP = faults.drop_masks(
             rule.drop_seed, state.round, num_workers, rule.drop_probability, len(schedule.syncs)
         ).T
-    outer_states = state.outer_opt_state if schedule.fragmented else (state.outer_opt_state,)
+    zero_local = None
+    if zero is not None:  # each sync's split leaves travel per worker, the rest shared
+        halves = [sync.split(s) for sync, s in zip(zero, outer_states, strict=True)]
+        outer_states = tuple(shared for shared, _ in halves)
+        zero_local = tuple(local for _, local in halves)
     if eager:  # each worker's own outer state travels with the worker
         outer_states, worker_outer = None, state.outer_opt_state
     else:
@@ -305,6 +322,8 @@ def diloco_round(
         syncs=syncs,
         rng_seed=rng_seed,
         merge_rules=rules,
+        zero=zero,
+        host=host,
         one_per_device=backend.name in ("shard_map", "pmap") and backend.workers_per_device == 1,
     )
     ids_M = None
@@ -328,11 +347,17 @@ def diloco_round(
             state.worker_params,
             ids_M,
             state.model_state,
+            zero_local,
         ),
     )
     params, outer_states, grad_norm, skipped, delayed_means = same
     local_params, inner_opt_state, residual, outputs, excluded_M, dropped_M = mine[:6]
-    pending, worker_outer, norm_stats, worker_params, model_state = mine[6:]
+    pending, worker_outer, norm_stats, worker_params, model_state, zero_local = mine[6:]
+    if zero is not None:
+        outer_states = tuple(
+            sync.joined(shared, local)
+            for sync, shared, local in zip(zero, outer_states, zero_local, strict=True)
+        )
     losses_MxH, aux_MxH = outputs
     metrics = step_means(losses_MxH, aux_MxH, steps_M if rule.worker_steps else None)
     metrics["outer_grad_norm"] = grad_norm
@@ -382,6 +407,8 @@ def _round_body(
     syncs: "state_syncs.Syncs | None",
     rng_seed: int | None,
     merge_rules: "model_states.Rules | None",
+    zero: "tuple[outer_shards_lib.SyncShards, ...] | None" = None,
+    host: bool = False,
     one_per_device: bool = False,
 ):
     """The round on one device's k workers (leaves [k, ...]): inner-step segments between
@@ -392,6 +419,8 @@ def _round_body(
     params_k, opt_k, residual_k, dropped_kxP, steps_k, data_k, pending_k, outer_k = local[:8]
     stats_k = None if local[8] is None else list(local[8])
     theta_k, ids_k, model_k = local[9], local[10], local[11]
+    zero_local = None if local[12] is None else list(local[12])
+    squares = []  # each sync's squared mean-delta norm, under split outer states
     model_start_k = model_k
     # A device's workers step under a vmap; one worker a device steps without it: XLA's CPU
     # dots lose half their speed to a unit batch dimension.
@@ -400,6 +429,7 @@ def _round_body(
     if rng_seed is not None:
         keys_k = jax.vmap(lambda w: worker_key(rng_seed, round_, w))(ids_k)
     global_leaves = None if eager else treedef.flatten_up_to(global_params)
+    on_device = set()  # under host memory: θ's leaves updated on the device this round
     outer_states = None if eager else list(outer_states)
     if eager:
         # Each worker's own θ_m (what its deltas are taken against) and outer states, one per
@@ -497,7 +527,8 @@ def _round_body(
     bounds = schedule.boundaries(num_steps)
     for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
         if params_k is None:  # every worker starts the round from θ
-            start_params, in_axis = collectives.vary(global_params), None
+            theta = offload.fetch(global_params) if host else global_params
+            start_params, in_axis = collectives.vary(theta), None
         else:
             start_params, in_axis = params_k, 0
         if syncs:
@@ -526,7 +557,10 @@ def _round_body(
                 delta_k = jax.vmap(worker_delta)(old_k, snapshot_k)
             else:
                 old = part(sync, global_leaves, treedef)
-                delta_k = jax.vmap(worker_delta, in_axes=(None, 0))(old, snapshot_k)
+                base = old
+                if host:  # θ's leaves from host memory, once the workers' steps are done
+                    base = offload.fetch(collectives.vary(old), after=snapshot_k)
+                delta_k = jax.vmap(worker_delta, in_axes=(None, 0))(base, snapshot_k)
             included_k = weight_k = finite_k = dropped_now_k = None
             if rule is not None:
                 finite_k, weight_k = _weights(
@@ -554,6 +588,26 @@ def _round_body(
                     weight_sum = applied_weights
                     if schedule.fragmented:
                         weight_sum = applied_weights[sync.index]
+            elif zero is not None:
+                mean = None  # each device holds its slice of it only
+                to_reduce_k, _ = jax.vmap(exchanges[len(means)].send)(
+                    delta_k, None, included_k, weight_k
+                )
+                weight_sum = None
+                if rule is not None:
+                    to_reduce_k, sent_weights_k = to_reduce_k
+                    weight_sum = collectives.reduce(_total, sent_weights_k)
+                sums = jax.tree.map(lambda x: jnp.sum(x, 0), to_reduce_k)
+                new, new_shared, new_local, squared = outer_shards_lib.sync_step(
+                    zero[sync.index], outer_optimizer, old, outer_states[sync.index],
+                    zero_local[sync.index], sums, weight_sum,
+                )  # fmt: skip
+                squares.append(squared)
+                if weight_sum is not None:
+                    keep = weight_sum <= 0
+                    new_shared = faults.select_tree(keep, outer_states[sync.index], new_shared)
+                    new_local = faults.select_tree(keep, zero_local[sync.index], new_local)
+                zero_local[sync.index] = new_local
             else:
                 res_k = None if res_leaves is None else part(sync, res_leaves, treedef)
                 exchange = exchanges[len(means)]
@@ -579,7 +633,15 @@ def _round_body(
                     treedef, collectives.vary, per_worker=True,
                 )  # fmt: skip
                 continue
-            new, new_outer = outer_update(outer_optimizer, old, outer_states[sync.index], mean)
+            if host:  # θ's leaves and their outer state from host memory, for the update
+                old, outer_states[sync.index] = offload.fetch(
+                    (old, outer_states[sync.index]), after=mean
+                )
+                on_device.update(indices)
+            if zero is not None:
+                new_outer = new_shared
+            else:
+                new, new_outer = outer_update(outer_optimizer, old, outer_states[sync.index], mean)
             if weight_sum is not None:
                 none_included = weight_sum <= 0
                 skipped = skipped | none_included
@@ -592,8 +654,14 @@ def _round_body(
                 excluded_k = excluded_k | ~finite_k
                 dropped_any_k = dropped_any_k | dropped_now_k
             if carried:
+                merge_from = global_leaves
+                if host:  # a left-out worker restarts from all of θ: the rest from host memory
+                    merge_from = [
+                        g if i in on_device else offload.fetch(g, after=mean)
+                        for i, g in enumerate(global_leaves)
+                    ]
                 params_k = _merged(
-                    local_leaves, global_leaves, indices, schedule.merge_alpha, finite_k,
+                    local_leaves, merge_from, indices, schedule.merge_alpha, finite_k,
                     dropped_now_k, treedef, collectives.vary,
                 )  # fmt: skip
             if rule is not None and rule.leaves_out:
@@ -603,7 +671,10 @@ def _round_body(
                 )
     if merge_rules is not None:  # once a round, after its last sync
         model_k = model_states.merge(model_k, merge_rules, collectives, num_workers)
-    grad_norm = optax.tree.norm(means[0] if len(means) == 1 else means).astype(jnp.float32)
+    if zero is not None:
+        grad_norm = jnp.sqrt(sum(squares))
+    else:
+        grad_norm = optax.tree.norm(means[0] if len(means) == 1 else means).astype(jnp.float32)
     residual_k = None if res_leaves is None else jax.tree.unflatten(treedef, res_leaves)
     losses_kxH = losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
     aux_kxH = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *auxes)
@@ -623,7 +694,8 @@ def _round_body(
     faulted = (None, None) if rule is None else (excluded_k, dropped_any_k)
     local_out = (params_k if carried else None, opt_k, residual_k, (losses_kxH, aux_kxH), *faulted)
     stats_out = None if stats_k is None else tuple(stats_k)
-    return same, (*local_out, pending_k, outer_k, stats_out, theta_k, model_k)
+    zero_out = None if zero_local is None else tuple(zero_local)
+    return same, (*local_out, pending_k, outer_k, stats_out, theta_k, model_k, zero_out)
 
 
 def _batched(fn, in_axes):
@@ -676,6 +748,62 @@ def _mean_to_every_worker(local: Any, num_workers: int) -> Any:
     """Reducer: the mean over all M workers of leaves [k, ...], given to each of the k."""
     mean = exact_mean(local, num_workers)
     return jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape), mean, local)
+
+
+def _check_host(memory, method, backend, zero) -> bool:
+    """Whether θ and the outer state arrive in host memory; ValueError naming
+    outer_state_memory for what it can't run with."""
+    if offload.check_memory(memory) != offload.HOST:
+        return False
+    why = None
+    if method.outer_delay:
+        why = "a delayed or eager outer update (its mean is ready before the inner steps)"
+    elif zero is not None:
+        why = "the outer state split over workers (shard_outer_over_workers)"
+    elif backend.name == "pmap":
+        why = "the pmap backend"
+    if why is not None:
+        raise ValueError(f"outer_state_memory='pinned_host' does not run with {why}")
+    return True
+
+
+def _total(local: jax.Array) -> jax.Array:
+    """Reducer: the sum over every worker (one all-reduce of a float32)."""
+    return lax.psum(jnp.sum(local), WORKER_AXIS)
+
+
+def _sync_shards(shards, method, backend, schedule, leaves, treedef, outer_states):
+    """Each sync's `SyncShards` under a split outer state (None without one); ValueError
+    naming shard_outer_over_workers for what it can't run with."""
+    if shards is None:
+        return None
+    if not isinstance(shards, outer_shards_lib.OuterShards):
+        raise ValueError(f"outer_shards must be an OuterShards, got {shards!r}")
+    why = None
+    if method.outer_delay:
+        why = "a delayed or eager outer update (its means are launched a round early)"
+    elif method.compression.kind != "none":
+        why = "compression (its exchange decodes the whole mean on every worker)"
+    elif backend.name != "shard_map" or backend.workers_per_device != 1:
+        why = "workers other than one per device group of a shard_map backend"
+    if why is not None:
+        raise ValueError(f"shard_outer_over_workers does not run with {why}")
+    if shards.num_workers != backend.num_workers or len(shards.dims) != len(leaves):
+        raise ValueError(
+            f"outer_shards was built for {shards.num_workers} workers and {len(shards.dims)} "
+            f"param leaves, not {backend.num_workers} and {len(leaves)}"
+        )
+    wide = [jax.ShapeDtypeStruct(x.shape, widen(x).dtype) for x in leaves]
+    outer_shards_lib.check_per_coordinate(method.outer_optimizer, jax.tree.unflatten(treedef, wide))
+    return tuple(
+        outer_shards_lib.sync_shards(
+            shards,
+            jax.eval_shape(functools.partial(part, sync, wide, treedef)),
+            leaf_indices(sync, len(leaves)),
+            jax.eval_shape(lambda s=s: s),
+        )
+        for sync, s in zip(schedule.syncs, outer_states, strict=True)
+    )
 
 
 def _smallest(local: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint, delay
+from diloco_jax import checkpoint, delay, offload, outer_sharding
 from diloco_jax import model_state as model_state_lib
 from diloco_jax import placement as placement_lib
 from diloco_jax import state_sync as state_sync_lib
@@ -75,6 +75,8 @@ def train_diloco(
     param_sharding: Any = None,
     batch_sharding: P | None = None,
     process_local_data: bool = False,
+    shard_outer_over_workers: bool = False,
+    outer_state_memory: str = "device",
     **options: Any,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
@@ -120,6 +122,19 @@ def train_diloco(
         processes, this process's part of its batch), assembled into the global batch with
         `jax.make_array_from_process_local_data`, so no host reads another's data. Default
         False: every process passes the whole global batch. Not with a `Sampler`.
+      shard_outer_over_workers: ZeRO-1 across workers: the outer optimizer state is split
+        over the worker axis (each worker's devices hold 1/M of it, at the leaf's spec with
+        the worker axis added on its first dim divisible by M; a leaf with none stays
+        replicated), the deltas are reduce-scattered, each worker updates its slice of θ and
+        θ is all-gathered: the bytes of one all-reduce (`diloco_jax.outer_shards`). Needs a
+        shard_map backend with one worker per device group and an outer optimizer that
+        updates each coordinate on its own; not with compression or a delay.
+      outer_state_memory: "device" (default) or "pinned_host": θ and the outer optimizer
+        state live in the devices' pinned host memory between rounds and during the inner
+        steps, copied to the device inside the compiled round only for the sync (and θ for
+        the workers' start); the same arithmetic, so the same bits (`diloco_jax.offload`).
+        `TrainResult.params` is copied back to device memory, `TrainResult.state` keeps
+        them in host memory. Not with a delay, eager updates, the split outer state or pmap.
       has_aux: `loss_fn` returns (loss, aux), aux a dict of scalars (e.g. accuracy): each
         joins the history like "loss" / "worker_loss", as history[r][name] (mean over the
         round's steps and workers) and history[r]["worker_" + name] ([M]); a name that
@@ -210,6 +225,8 @@ def train_diloco_step(
     param_sharding: Any = None,
     batch_sharding: P | None = None,
     process_local_data: bool = False,
+    shard_outer_over_workers: bool = False,
+    outer_state_memory: str = "device",
     **options: Any,
 ) -> TrainResult:
     """DiLoCo around your own train step: `train_diloco` with the inner step replaced.
@@ -280,10 +297,12 @@ class _RunOptions(NamedTuple):
     param_sharding: Any
     batch_sharding: Any
     process_local_data: bool
+    shard_outer_over_workers: bool = False  # train_sync has no outer state
+    outer_state_memory: str = "device"
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> "_RunOptions":
-        return cls(**{name: arguments[name] for name in cls._fields})
+        return cls(**{name: arguments[name] for name in cls._fields if name in arguments})
 
 
 def _train_diloco(
@@ -340,18 +359,25 @@ def _train_diloco(
         **({"rng_seed": run.rng_seed} if run.rng_seed is not None else {}),
         **({"trainable": mask} if mask is not None else {}),
         **step_options,
+        **({} if placed is None or placed.outer is None else {"outer_shards": placed.outer}),
+        **({"outer_state_memory": offload.HOST} if placed is not None and placed.host else {}),
         placement=placed,
     )
     # A lone worker has no one to send to: its mean over workers is local.
     per_round = round_bytes(params, method.compression, frozen) if num_workers > 1 else 0
     wire_per_round = method.round_wire_bytes(params, num_workers, frozen)
+    if placed is not None and placed.outer is not None:  # the mean's norm, gathered per sync
+        wire_per_round += outer_sharding.wire_bytes(method.num_syncs(params), num_workers)
     per_device = None
-    if placed is not None:  # what each device sends: the same exchange over its shards
+    if placed is not None and backend.mesh_axes:  # each device: the exchange of its shards
         shards = _shards(params, placed)
         inner_shards = inner_state
         if worker_state is None:
             inner_shards = jax.eval_shape(inner.init, shards)
-        per_device = (method.round_wire_bytes(shards, num_workers, frozen), inner_shards)
+        device_round = method.round_wire_bytes(shards, num_workers, frozen)
+        if placed.outer is not None:
+            device_round += outer_sharding.wire_bytes(method.num_syncs(params), num_workers)
+        per_device = (device_round, inner_shards)
     elif backend.data_parallel > 1:  # replicated inside a worker: every device sends it all
         per_device = (wire_per_round, inner_state)
     merge_per_round = 0.0
@@ -437,8 +463,21 @@ def _backend(run: _RunOptions, num_workers: int) -> Backend:
 def _placement(
     run: _RunOptions, backend: Backend, params: Any, method: DiLoCo | None, frozen: tuple
 ) -> Placement | None:
-    """The state's shardings on a user's mesh (None without one)."""
-    if not backend.mesh_axes:
+    """The state's shardings on a user's mesh, or with the outer state split over the
+    workers (None with neither)."""
+    split = _check_bool("shard_outer_over_workers", run.shard_outer_over_workers)
+    if split and (backend.name != "shard_map" or backend.workers_per_device != 1):
+        raise ValueError(
+            "shard_outer_over_workers needs the shard_map backend with one worker per device "
+            f"(group), got backend {backend.name!r} with {backend.workers_per_device} workers "
+            "per device"
+        )
+    if split and backend.num_workers == 1:
+        split = False  # one worker: nothing to split across
+    host = offload.check_memory(run.outer_state_memory) == offload.HOST
+    if host and backend.name == "pmap":
+        raise ValueError("outer_state_memory='pinned_host' needs backend 'vmap' or 'shard_map'")
+    if not backend.mesh_axes and not split and not host:
         return None
     specs = placement_lib.resolve_param_specs(params, backend.mesh, run.param_sharding)
     groups = ()
@@ -450,19 +489,27 @@ def _placement(
                 "(param_sharding=None on unsharded params) or drop the compression"
             )
         groups = synced_indices(params, method.schedule, frozen)
-    return placement_lib.placement(params, backend.mesh, specs, groups)
+    return placement_lib.placement(
+        params, backend.mesh, specs, groups, split_outer=split, host=host
+    )
 
 
 def _init_in_place(init, placed: Placement, params, model_state, worker_state):
     """`init(params, model_state=, worker_state=)` compiled with its inputs and outputs at
     the placement's shardings (the inputs copied to their shards first)."""
+    compiled, inputs = _init_program(init, placed, params, model_state, worker_state)
+    return compiled(*inputs)
+
+
+def _init_program(init, placed: Placement, params, model_state, worker_state):
+    """(`_init_in_place`'s compiled program, its inputs placed at their shards)."""
     inputs = (params, model_state, worker_state)
     shardings = (placed.tree(params, False), placed.tree(model_state, False),
                  placed.tree(worker_state, False))  # fmt: skip
     inputs = jax.device_put(inputs, shardings)
     build = lambda p, m, w: init(p, model_state=m, worker_state=w)  # noqa: E731
     out = placed.shardings(jax.eval_shape(build, *inputs))
-    return jax.jit(build, out_shardings=out)(*inputs)
+    return jax.jit(build, out_shardings=out).lower(*inputs).compile(), inputs
 
 
 def _shards(params: Any, placed: Placement) -> Any:
@@ -631,6 +678,7 @@ def _result(state: Any, history: list[Record], rules=None) -> TrainResult:
     collective, when the caller wants that). Under eager updates the params are the mean of
     the workers' own; the model state is the merged one (`model_state.merged_view`)."""
     params = state.params if state.params is not None else jax.jit(delay.global_params)(state)
+    params = offload.in_device_memory(params)
     model_state = None
     if rules is not None:
         model_state = model_state_lib.merged_view(state.model_state, rules)
@@ -765,6 +813,8 @@ class _Loop:
 
         def evaluate(state, eval_data):
             params = delay.global_params(state) if hasattr(state, "round") else state.params
+            if self.placement is not None and self.placement.host:
+                params = offload.fetch(params)
             args = [params]
             if rules is not None:
                 args.append(model_state_lib.merged_view(state.model_state, rules))
@@ -865,9 +915,28 @@ class _Loop:
 @functools.lru_cache(maxsize=64)
 def _cached_jit(fn, loss_fn, backend, options, placement=None):
     step = functools.partial(fn, loss_fn, backend=backend, **dict(options))
+    if placement is not None and placement.host:
+        return _HostKept(step, placement)
     if placement is not None:
         step = functools.partial(_kept_in_place, step, placement)
     return jax.jit(step, donate_argnums=0)
+
+
+class _HostKept:
+    """`jax.jit(step)` with θ and the outer state returned to host memory: out_shardings at
+    the placement's (built at the first call, from the state's shapes). A constraint inside
+    the program keeps no memory kind, and a device_put there fuses apart and rounds the
+    update differently from the on-device run; out_shardings does neither."""
+
+    def __init__(self, step, placement: Placement):
+        self.step, self.placement, self.jitted = step, placement, None
+
+    def __call__(self, state, batch):
+        if self.jitted is None:
+            new_state, _ = jax.eval_shape(self.step, state, batch)
+            out = (self.placement.shardings(new_state), None)
+            self.jitted = jax.jit(self.step, donate_argnums=0, out_shardings=out)
+        return self.jitted(state, batch)
 
 
 def _kept_in_place(step, placement: Placement, state, batch):

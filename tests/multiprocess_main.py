@@ -110,7 +110,8 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     P("fsdp", None): with `checkpoint_dir`, 2 rounds checkpointed every round, then a second
     call that resumes there and runs the third (Orbax writing and reading each process's
     shards); else the 3 rounds in one call. Then the 3 rounds again with
-    `process_local_data=True`, each process passing only its own worker's batches. Returns
+    `process_local_data=True`, each process passing only its own worker's batches, and with
+    the outer state split over the workers (`shard_outer_over_workers`). Returns
     the final params of both, the workers' inner momentum of w, the round the resumed call's
     data started at and the history."""
     import jax
@@ -161,6 +162,14 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
         mesh_loss, cfg["params"], local, num_rounds=NUM_ROUNDS, process_local_data=True, **run
     )
     out.update({f"local_{k}": np.asarray(v) for k, v in distributed.to_host(fed.params).items()})
+    # ZeRO-1 across the processes' workers: the outer momentum split over them.
+    split = dj.train_diloco(
+        mesh_loss, cfg["params"], cfg["data"], num_rounds=NUM_ROUNDS,
+        shard_outer_over_workers=True, **run,
+    )  # fmt: skip
+    trace_w = split.state.outer_opt_state[0].trace["w"]
+    assert trace_w.sharding.spec == P(("fsdp", "workers")), trace_w.sharding
+    out.update({f"split_{k}": np.asarray(v) for k, v in distributed.to_host(split.params).items()})
     out["mesh_inner_trace_w"] = np.asarray(state.inner_opt_state[0].trace["w"])
     out["history"] = np.asarray(json.dumps(result.history))
     return out

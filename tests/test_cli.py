@@ -239,6 +239,11 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             ["train", "--algo", "sync", "--outer-state-dtype", "bfloat16"],
             "--outer-state-dtype needs --algo diloco",
         ),
+        (["train", "--outer-state-memory", "gpu"], "invalid choice"),
+        (
+            ["train", "--algo", "sync", "--shard-outer-over-workers"],
+            "--shard-outer-over-workers needs --algo diloco",
+        ),
         (["train", "--state-sync", "mu"], "state_sync must look like"),
         (["train", "--fragments", "3", "--inner-steps", "25"], "must be a multiple"),
         (["train", "--merge-alpha", "0.5"], "need fragments"),

@@ -339,17 +339,25 @@ def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
 
 @pytest.mark.slow
 def test_a_checkpointed_run_resumes_on_another_mesh(tmp_path):
-    """2 rounds on workers=2,fsdp=4 with a checkpoint each round; the last one removed, the
-    rerun on workers=2,fsdp=2,tensor=2 restores round 1's onto the new mesh and trains round
-    2: the losses of the uninterrupted run, up to the partitioned matmuls' rounding."""
+    """2 rounds on workers=2,fsdp=4 with the outer state split over the workers and a
+    checkpoint each round; the last one removed, the rerun on workers=2,fsdp=2,tensor=2 with
+    θ and the outer state in host memory restores round 1's onto the new layout and trains
+    round 2: the losses of the uninterrupted run, up to the partitioned matmuls' rounding."""
     flags = ["--pretrain-steps", "0", "--checkpoint-every", "1"]
-    first, _ = _train(tmp_path, "run", *flags, "--mesh", "workers=2,fsdp=4")
+    first, _ = _train(
+        tmp_path, "run", *flags, "--mesh", "workers=2,fsdp=4", "--shard-outer-over-workers"
+    )
     steps = tmp_path / "run" / "checkpoints" / "run"
     assert sorted(p.name for p in steps.iterdir()) == ["1", "2"]
     shutil.rmtree(steps / "2")
-    resumed, summary = _train(tmp_path, "run", *flags, "--mesh", "workers=2,fsdp=2,tensor=2")
+    resumed, summary = _train(
+        tmp_path, "run", *flags, "--mesh", "workers=2,fsdp=2,tensor=2",
+        "--outer-state-memory", "pinned_host",
+    )  # fmt: skip
     config = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
     assert config["mesh"] == [["workers", 2], ["fsdp", 2], ["tensor", 2]]
+    assert not config["shard_outer_over_workers"]
+    assert config["outer_state_memory"] == "pinned_host"
     assert [r["round"] for r in resumed] == [r["round"] for r in first]
     assert resumed[0] == first[0]  # restored from the checkpoint, wall clock and all
     assert resumed[-1]["wall_seconds"] != first[-1]["wall_seconds"]  # trained again

@@ -123,6 +123,17 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         "workers, fsdp and tensor shard each worker's params (and every non-worker axis its "
         "batch) over jax.devices()[:product]",
     )
+    p.add_argument(
+        "--shard-outer-over-workers",
+        action="store_true",
+        default=None,
+        help="ZeRO-1: split DiLoCo's outer optimizer state over the workers (1/M per device)",
+    )
+    p.add_argument(
+        "--outer-state-memory",
+        choices=("device", "pinned_host"),
+        help="where θ and the outer state live between syncs (pinned_host: host memory)",
+    )
     p.add_argument("--out", help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -197,6 +208,8 @@ _DILOCO_FLAGS = (
     "fragments",
     "overlap_steps",
     "merge_alpha",
+    "shard_outer_over_workers",
+    "outer_state_memory",
 )
 _CONFIG_FLAGS = (
     "preset",
@@ -385,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 RUN_IDENTITY = "run.json"  # in OUT/checkpoints: what run the checkpoints there belong to
-PLACEMENT_FIELDS = ("mesh",)  # config fields a resume may change: where, not what, it trains
+# Config fields a resume may change: where, not what, it trains (checkpoints hold the state
+# in the params' shapes whatever its layout).
+PLACEMENT_FIELDS = ("mesh", "shard_outer_over_workers", "outer_state_memory")
 
 
 def run_identity(cfg: Any, algo: str | None, data_info: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import optax
 
+from diloco_jax import offload
 from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.lm.tokenizer import parse_spec
 from diloco_jax.method import DiLoCo, method_from_options
@@ -94,6 +95,10 @@ class RunConfig:
     # the "workers" axis (size `workers`) holds the DiLoCo / data-parallel workers and every
     # other axis partitions each of them (model.param_specs); None: the backend places them
     mesh: tuple[tuple[str, int], ...] | None = None
+    # DiLoCo's θ and outer state: split over the workers (ZeRO-1), or in pinned host memory
+    # between syncs (`train_diloco`'s options of the same names)
+    shard_outer_over_workers: bool = False
+    outer_state_memory: str = "device"
 
     @property
     def total_steps(self) -> int:
@@ -299,7 +304,12 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError("state_sync averages AdamW's moments: it needs inner_optimizer adamw")
     if cfg.weighting not in ("uniform", "norm_softmax"):
         raise ConfigError(f"weighting must be 'uniform' or 'norm_softmax', got {cfg.weighting!r}")
+    if not isinstance(cfg.shard_outer_over_workers, bool):
+        raise ConfigError(
+            f"shard_outer_over_workers must be True or False, got {cfg.shard_outer_over_workers!r}"
+        )
     try:  # the method's own rules, from the library's spec (checked once, there)
+        offload.check_memory(cfg.outer_state_memory)
         spec = method(cfg)
         if spec.schedule is not None:
             check_schedule(cfg.fragments, cfg.inner_steps, cfg.overlap_steps)

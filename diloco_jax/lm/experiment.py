@@ -332,6 +332,8 @@ def run(
             inner_steps=cfg.inner_steps,
             method=method(cfg),
             eval_every=cfg.inner_steps * eval_every,
+            shard_outer_over_workers=cfg.shard_outer_over_workers,
+            outer_state_memory=cfg.outer_state_memory,
             **common,
             **mesh_options(cfg, model_cfg, params, num_workers),
         )
