@@ -272,16 +272,13 @@ def sync_step(
         old_leaves, sum_leaves, shared, local, weight_total
     )
     # The mean's squared norm: split leaves' slices differ per worker, the others are whole.
-    split_sq = sum(
-        (jnp.sum(jnp.square(m.astype(jnp.float32))) for m, d in zip(means, sync.dims, strict=True)
-         if d is not None),
-        jnp.float32(0),
-    )  # fmt: skip
-    whole_sq = sum(
-        (jnp.sum(jnp.square(m.astype(jnp.float32))) for m, d in zip(means, sync.dims, strict=True)
-         if d is None),
-        jnp.float32(0),
-    )  # fmt: skip
+    split_sq = whole_sq = jnp.float32(0)
+    for m, dim in zip(means, sync.dims, strict=True):
+        sq = jnp.sum(jnp.square(m.astype(jnp.float32)))
+        if dim is None:
+            whole_sq = whole_sq + sq
+        else:
+            split_sq = split_sq + sq
     squared = lax.psum(split_sq, WORKER_AXIS) + whole_sq
     new_local_k = [None if x is None else x[None] for x in new_local]
     return jax.tree.unflatten(treedef, new_leaves), new_shared, new_local_k, squared

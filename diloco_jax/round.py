@@ -52,7 +52,7 @@ from diloco_jax.method import (
     method_from_options,
 )
 from diloco_jax.model_state import check_model_state
-from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
+from diloco_jax.outer import delta_dtype, outer_init, outer_update, widen, worker_delta
 from diloco_jax.sampler import Sampler, num_workers_of, split_data, worker_batches
 from diloco_jax.schedule import Schedule, Sync, leaf_indices, part, synced_groups
 from diloco_jax.trainable import frozen_leaves, masked_optimizer
@@ -224,7 +224,7 @@ def diloco_round(
         (worker_state, metrics)` over the worker states in `state.inner_opt_state`
         (`init_state(..., worker_state=)`); these read and write its params.
       outer_shards: the outer state split over the workers (ZeRO-1; see
-        `diloco_jax.outer_shards`), its leaves in storage at `OuterShards.storage_spec`
+        `diloco_jax.outer_sharding`), its leaves in storage at `OuterShards.storage_spec`
         (what `train_diloco(..., shard_outer_over_workers=True)` passes). None: replicated.
       outer_state_memory: "device", or "pinned_host" when θ and the outer state arrive in
         host memory (`diloco_jax.offload`): the round copies them to the device where it
@@ -793,7 +793,7 @@ def _sync_shards(shards, method, backend, schedule, leaves, treedef, outer_state
             f"outer_shards was built for {shards.num_workers} workers and {len(shards.dims)} "
             f"param leaves, not {backend.num_workers} and {len(leaves)}"
         )
-    wide = [jax.ShapeDtypeStruct(x.shape, widen(x).dtype) for x in leaves]
+    wide = [jax.ShapeDtypeStruct(x.shape, delta_dtype(x.dtype)) for x in leaves]
     outer_shards_lib.check_per_coordinate(method.outer_optimizer, jax.tree.unflatten(treedef, wide))
     return tuple(
         outer_shards_lib.sync_shards(

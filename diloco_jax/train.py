@@ -126,7 +126,7 @@ def train_diloco(
         over the worker axis (each worker's devices hold 1/M of it, at the leaf's spec with
         the worker axis added on its first dim divisible by M; a leaf with none stays
         replicated), the deltas are reduce-scattered, each worker updates its slice of θ and
-        θ is all-gathered: the bytes of one all-reduce (`diloco_jax.outer_shards`). Needs a
+        θ is all-gathered: the bytes of one all-reduce (`diloco_jax.outer_sharding`). Needs a
         shard_map backend with one worker per device group and an outer optimizer that
         updates each coordinate on its own; not with compression or a delay.
       outer_state_memory: "device" (default) or "pinned_host": θ and the outer optimizer
@@ -465,18 +465,11 @@ def _placement(
 ) -> Placement | None:
     """The state's shardings on a user's mesh, or with the outer state split over the
     workers (None with neither)."""
+    # What each can't run with (a backend among it) the round refuses, when first traced.
     split = _check_bool("shard_outer_over_workers", run.shard_outer_over_workers)
-    if split and (backend.name != "shard_map" or backend.workers_per_device != 1):
-        raise ValueError(
-            "shard_outer_over_workers needs the shard_map backend with one worker per device "
-            f"(group), got backend {backend.name!r} with {backend.workers_per_device} workers "
-            "per device"
-        )
     if split and backend.num_workers == 1:
         split = False  # one worker: nothing to split across
     host = offload.check_memory(run.outer_state_memory) == offload.HOST
-    if host and backend.name == "pmap":
-        raise ValueError("outer_state_memory='pinned_host' needs backend 'vmap' or 'shard_map'")
     if not backend.mesh_axes and not split and not host:
         return None
     specs = placement_lib.resolve_param_specs(params, backend.mesh, run.param_sharding)

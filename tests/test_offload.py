@@ -106,7 +106,7 @@ def test_an_eval_and_a_resume_see_the_same_bits(tmp_path):
     [
         (dict(outer_delay=1), "does not run with a delayed or eager"),
         (dict(shard_outer_over_workers=True), "does not run with the outer state split"),
-        (dict(backend="pmap"), "needs backend 'vmap' or 'shard_map'"),
+        (dict(backend="pmap"), "does not run with the pmap backend"),
         (dict(outer_state_memory="gpu"), "outer_state_memory must be one of"),
     ],
 )
