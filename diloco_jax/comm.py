@@ -8,11 +8,11 @@ import jax
 import numpy as np
 
 from diloco_jax.compression import Compression, parse_compression, tree_payload_bytes
-from diloco_jax.exchange import wire_bytes
+from diloco_jax.exchange import shard_groups, wire_bytes
 from diloco_jax.faults import NormSoftmax, Weights
 from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.outer import widen
-from diloco_jax.schedule import Streaming, synced_groups
+from diloco_jax.schedule import Streaming, synced_indices
 
 LOSS_BYTES = 4  # the round's (or step's) mean loss: one float32 all-reduced over the workers
 
@@ -67,6 +67,7 @@ def round_wire_bytes(
     weighted: bool = False,
     softmax: bool = False,
     frozen: tuple[int, ...] = (),
+    specs: "tuple | None" = None,
 ) -> float:
     """Bytes each worker sends on the wire in one DiLoCo round, under ring algorithms over
     the M workers, for every collective the round runs, as if every worker had its own link
@@ -76,15 +77,26 @@ def round_wire_bytes(
     weights part's own (`Weights.sync_wire_bytes`: EDiT's softmax, `softmax`, all-reduces
     the smallest delta norm); plus the all-reduce of the round's mean loss, 2(M-1)/M x 4.
     0 when M = 1. `fragments` is Streaming's P or pytree (None: one sync); `frozen` leaves
-    (`diloco_jax.trainable`) send nothing."""
+    (`diloco_jax.trainable`) send nothing. `specs`: each leaf's PartitionSpec, `params` being
+    one device's shards of them: a compressed exchange then runs once per group of leaves
+    split over the same axes (`exchange.shard_groups`), what that device sends."""
     if num_workers <= 1:
         return 0.0
     c = parse_compression(compression)
     streaming = None if fragments is None else Streaming(fragments)
     weights = Weights(weighting=NormSoftmax() if softmax else "uniform")
     total = ring_wire_bytes("all-reduce", LOSS_BYTES, num_workers)
-    for synced in synced_groups(jax.eval_shape(widen, params), streaming, frozen):
-        total += wire_bytes(c, synced, num_workers, weighted)
+    wide = jax.eval_shape(widen, params)
+    leaves = jax.tree.leaves(wide)
+    for indices in synced_indices(wide, streaming, frozen):
+        groups = [list(indices)]
+        if specs is not None and c.kind != "none":
+            groups = [
+                [indices[j] for j in positions]
+                for _, positions in shard_groups([specs[i] for i in indices])
+            ]
+        for group in groups:
+            total += wire_bytes(c, [leaves[i] for i in group], num_workers, weighted)
         total += weights.sync_wire_bytes(num_workers)
     return total
 

@@ -43,13 +43,14 @@ Five exchanges, picked by compression and by whether the round weighs workers:
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from diloco_jax.compression import (
     Compression,
@@ -126,6 +127,21 @@ def wire_bytes(compression: Compression, synced: list, num_workers: int, weighte
 
 
 _WEIGHT_BYTES = 4  # a worker's float32 weight at a sync
+
+
+def shard_groups(specs: "Sequence[PartitionSpec]") -> list[tuple[tuple[str, ...], list[int]]]:
+    """The positions of leaves split over the same mesh axes, by those axes (sorted names;
+    () for a leaf whole on every device), in order of first appearance. On a mesh a
+    compressed exchange runs once per group, manual over its axes: each device encodes its
+    own shards (the codec's blocks per shard)."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, spec in enumerate(specs):
+        names = set()
+        for entry in spec:
+            if entry is not None:
+                names.update(entry if isinstance(entry, tuple) else (entry,))
+        groups.setdefault(tuple(sorted(names)), []).append(i)
+    return list(groups.items())
 
 
 def _send_exact(delta, residual, included, weight):

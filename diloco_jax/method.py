@@ -204,11 +204,14 @@ class DiLoCo:
             out["outer_state_dtype"] = self.outer_state_dtype
         return out
 
-    def round_wire_bytes(self, params: Any, num_workers: int, frozen: tuple = ()) -> float:
+    def round_wire_bytes(
+        self, params: Any, num_workers: int, frozen: tuple = (), specs: tuple | None = None
+    ) -> float:
         """Bytes each worker sends on the wire per round, summed over the parts: the
         schedule's syncs (`frozen` leaves in none), each with the exchange's and the weights'
-        bytes, and the loss metric (`comm.round_wire_bytes`). DES-LOC's state syncs run on
-        their own step schedule: `state_sync.wire_bytes`."""
+        bytes, and the loss metric (`comm.round_wire_bytes`; `specs` for one device's shards
+        on a mesh). DES-LOC's state syncs run on their own step schedule:
+        `state_sync.wire_bytes`."""
         return round_wire_bytes(
             params,
             self.compression,
@@ -217,6 +220,7 @@ class DiLoCo:
             weighted=self.weights.active,
             softmax=self.weights.scheme == "norm_softmax",
             frozen=frozen,
+            specs=specs,
         )
 
 

@@ -27,13 +27,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax import delay, faults, offload
 from diloco_jax import model_state as model_states
 from diloco_jax import outer_sharding as outer_shards_lib
+from diloco_jax import placement as placement_lib
 from diloco_jax import state_sync as state_syncs
 from diloco_jax.compression import init_residual
-from diloco_jax.exchange import make_exchange
+from diloco_jax.exchange import make_exchange, shard_groups
 from diloco_jax.inner import (
     LossFn,
     Step,
@@ -191,6 +193,7 @@ def diloco_round(
     with_params: Any = None,
     outer_shards: "outer_shards_lib.OuterShards | None" = None,
     outer_state_memory: str = "device",
+    param_specs: "tuple[jax.sharding.PartitionSpec, ...] | None" = None,
     **options,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
@@ -230,6 +233,11 @@ def diloco_round(
         host memory (`diloco_jax.offload`): the round copies them to the device where it
         reads them, after the inner steps. Not with a delay, eager updates, outer_shards or
         pmap.
+      param_specs: each param leaf's `PartitionSpec` over the mesh's non-worker axes, in
+        `jax.tree.leaves` order (`diloco_jax.placement.resolve_param_specs`; what
+        `train_diloco` passes on a mesh). Read by a compressed exchange on a mesh backend:
+        each device encodes and exchanges its own shards (the codec's blocks per shard).
+        None: the leaves are taken as replicated inside a worker.
 
     A weights part with fault options on (exclusion, drops, worker steps, weighting, anomaly)
     leaves workers out of a sync's mean or weighs them (`diloco_jax.faults`); a delay applies
@@ -287,6 +295,7 @@ def diloco_round(
         )
         for sync in schedule.syncs
     ]
+    per_shard = _per_shard(param_specs, method, backend, schedule, leaves, weighted)
     steps_M = dropped_MxP = None
     if weighted:
         steps_M = jnp.asarray(rule.worker_steps or (num_steps,) * num_workers, jnp.int32)
@@ -324,6 +333,7 @@ def diloco_round(
         merge_rules=rules,
         zero=zero,
         host=host,
+        per_shard=per_shard,
         one_per_device=backend.name in ("shard_map", "pmap") and backend.workers_per_device == 1,
     )
     ids_M = None
@@ -409,6 +419,7 @@ def _round_body(
     merge_rules: "model_states.Rules | None",
     zero: "tuple[outer_shards_lib.SyncShards, ...] | None" = None,
     host: bool = False,
+    per_shard: tuple | None = None,
     one_per_device: bool = False,
 ):
     """The round on one device's k workers (leaves [k, ...]): inner-step segments between
@@ -446,8 +457,9 @@ def _round_body(
         # Last round's deltas first: this exchange reads only the state, so it can run while
         # the workers take this round's inner steps.
         launched, res_leaves = _launch(
-            exchanges, schedule, pending_k, res_leaves, rule, treedef, collectives, num_workers
-        )
+            exchanges, schedule, pending_k, res_leaves, rule, treedef, collectives, num_workers,
+            per_shard,
+        )  # fmt: skip
         (applied_mean, applied_weights), delayed_means = _applied(launched, delayed_means)
         applied_leaves = treedef.flatten_up_to(applied_mean)
         stale_leaves_k = treedef.flatten_up_to(pending_k[0][0])
@@ -610,9 +622,10 @@ def _round_body(
                 zero_local[sync.index] = new_local
             else:
                 res_k = None if res_leaves is None else part(sync, res_leaves, treedef)
-                exchange = exchanges[len(means)]
-                to_reduce_k, res_k = jax.vmap(exchange.send)(delta_k, res_k, included_k, weight_k)
-                mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+                mean, weight_sum, res_k = _exchanged(
+                    exchanges[len(means)], collectives, per_shard and per_shard[sync.index],
+                    delta_k, res_k, included_k, weight_k,
+                )  # fmt: skip
                 if res_leaves is not None:
                     for i, value in zip(indices, jax.tree.leaves(res_k), strict=True):
                         res_leaves[i] = value
@@ -811,7 +824,9 @@ def _smallest(local: jax.Array) -> jax.Array:
     return lax.pmin(jnp.min(local), WORKER_AXIS)
 
 
-def _launch(exchanges, schedule, pending_k, res_leaves, rule, treedef, collectives, num_workers):
+def _launch(
+    exchanges, schedule, pending_k, res_leaves, rule, treedef, collectives, num_workers, per_shard
+):
     """Exchanges last round's deltas (in flight in the state) at the start of a delayed
     round, one exchange per sync: ((mean tree, float32 weight sum: a scalar, with fragments
     one per fragment [P]), this device's updated residual leaves)."""
@@ -829,10 +844,10 @@ def _launch(exchanges, schedule, pending_k, res_leaves, rule, treedef, collectiv
             included_k = sync_weights_k > 0
             weight_k = None if rule.scheme == "uniform" else sync_weights_k
         residual = None if res_leaves is None else part(sync, res_leaves, treedef)
-        to_reduce_k, residual = jax.vmap(exchange.send)(
-            part(sync, delta_leaves_k, treedef), residual, included_k, weight_k
-        )
-        mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+        mean, weight_sum, residual = _exchanged(
+            exchange, collectives, per_shard and per_shard[sync.index],
+            part(sync, delta_leaves_k, treedef), residual, included_k, weight_k,
+        )  # fmt: skip
         weight_sums.append(jnp.float32(num_workers) if weight_sum is None else weight_sum)
         for i, value in zip(indices, jax.tree.leaves(mean), strict=True):
             mean_leaves[i] = value
@@ -841,6 +856,84 @@ def _launch(exchanges, schedule, pending_k, res_leaves, rule, treedef, collectiv
                 res_leaves[i] = value
     weight_sum = jnp.stack(weight_sums) if schedule.fragmented else weight_sums[0]
     return (jax.tree.unflatten(treedef, mean_leaves), weight_sum), res_leaves
+
+
+def _exchanged(exchange, collectives, groups, delta_k, residual_k, included_k, weight_k):
+    """One sync's exchange of this device's workers' deltas (leaves [k, ...]): (the mean,
+    float32 weight sum or None, the new residuals). `groups` (`_per_shard`'s, for this sync):
+    one exchange per group of leaves split over the same axes, run manual over those axes, so
+    each device encodes and exchanges its own shards: XLA's partitioner would otherwise gather
+    a sharded leaf to cut it into the codec's blocks, and every device would send the whole
+    payload. (One exchange over leaves split differently would mix values that vary over an
+    axis into leaves that don't.)"""
+
+    def run(exchange, delta_k, residual_k, included_k, weight_k):
+        to_reduce_k, residual_k = jax.vmap(exchange.send)(delta_k, residual_k, included_k, weight_k)
+        mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+        return mean, weight_sum, residual_k
+
+    if groups is None:
+        return run(exchange, delta_k, residual_k, included_k, weight_k)
+    delta_leaves, treedef = jax.tree.flatten(delta_k)
+    res_leaves = None if residual_k is None else treedef.flatten_up_to(residual_k)
+    means, residuals = [None] * len(delta_leaves), [None] * len(delta_leaves)
+    for positions, specs, axes, group_exchange in groups:
+        deltas = [delta_leaves[i] for i in positions]
+        res = None if res_leaves is None else [res_leaves[i] for i in positions]
+        fn = functools.partial(run, group_exchange)
+        if axes:
+            specs_k = [P(None, *s) for s in specs]
+            fn = jax.shard_map(
+                fn,
+                in_specs=(specs_k, None if res is None else specs_k, P(), P()),
+                out_specs=(list(specs), P(), None if res is None else specs_k),
+                axis_names=set(axes),
+            )
+        mean, weight_sum, res = fn(deltas, res, included_k, weight_k)
+        for j, i in enumerate(positions):
+            means[i] = mean[j]
+            if res is not None:
+                residuals[i] = res[j]
+    residual_k = None if res_leaves is None else treedef.unflatten(residuals)
+    return treedef.unflatten(means), weight_sum, residual_k
+
+
+def _per_shard(param_specs, method, backend: Backend, schedule, leaves: list, weighted: bool):
+    """Per sync, the groups a compressed exchange runs in on a mesh when some leaf is split
+    over the worker's own axes: (positions in the sync's leaves, their specs, the axes they
+    are split over, the exchange of their shards), by `exchange.shard_groups`. None when the
+    exchange runs whole. ValueError naming param_specs for a malformed one."""
+    if param_specs is None:
+        return None
+    if not isinstance(param_specs, tuple | list) or len(param_specs) != len(leaves):
+        raise ValueError(
+            f"param_specs must be a tuple of one PartitionSpec per param leaf ({len(leaves)}), "
+            f"got {param_specs!r}"
+        )
+    for spec in param_specs:
+        if not isinstance(spec, P):
+            raise ValueError(f"param_specs must hold PartitionSpecs, got {spec!r}")
+    split = any(entry is not None for spec in param_specs for entry in spec)
+    if method.compression.kind == "none" or not backend.mesh_axes or not split:
+        return None
+    mesh = backend.mesh
+    out = []
+    for sync in schedule.syncs:
+        indices = leaf_indices(sync, len(leaves))
+        specs = [param_specs[i] for i in indices]
+        groups = []
+        for axes, positions in shard_groups(specs):
+            shards = [
+                jax.ShapeDtypeStruct(
+                    placement_lib.shard_shape(leaves[indices[j]].shape, specs[j], mesh),
+                    delta_dtype(leaves[indices[j]].dtype),
+                )
+                for j in positions
+            ]
+            exchange = make_exchange(method.compression, shards, backend.num_workers, weighted)
+            groups.append((positions, [specs[j] for j in positions], axes, exchange))
+        out.append(tuple(groups))
+    return tuple(out)
 
 
 def _applied(launched, delayed_means):

@@ -361,6 +361,8 @@ def _train_diloco(
         **step_options,
         **({} if placed is None or placed.outer is None else {"outer_shards": placed.outer}),
         **({"outer_state_memory": offload.HOST} if placed is not None and placed.host else {}),
+        # A compressed exchange encodes each device's own shards.
+        **({"param_specs": placed.specs} if placed is not None and backend.mesh_axes else {}),
         placement=placed,
     )
     # A lone worker has no one to send to: its mean over workers is local.
@@ -374,7 +376,7 @@ def _train_diloco(
         inner_shards = inner_state
         if worker_state is None:
             inner_shards = jax.eval_shape(inner.init, shards)
-        device_round = method.round_wire_bytes(shards, num_workers, frozen)
+        device_round = method.round_wire_bytes(shards, num_workers, frozen, placed.specs)
         if placed.outer is not None:
             device_round += outer_sharding.wire_bytes(method.num_syncs(params), num_workers)
         per_device = (device_round, inner_shards)
@@ -475,12 +477,6 @@ def _placement(
     specs = placement_lib.resolve_param_specs(params, backend.mesh, run.param_sharding)
     groups = ()
     if method is not None:
-        if method.compression.kind != "none" and any(len(s) for s in specs):
-            raise ValueError(
-                "compression of sharded params on a mesh is not supported yet: its codecs "
-                "would need their blocks per shard; replicate the params inside each worker "
-                "(param_sharding=None on unsharded params) or drop the compression"
-            )
         groups = synced_indices(params, method.schedule, frozen)
     return placement_lib.placement(
         params, backend.mesh, specs, groups, split_outer=split, host=host

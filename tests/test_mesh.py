@@ -249,8 +249,6 @@ def test_params_placed_by_the_user_keep_their_sharding():
         (dict(param_sharding={"w1": P(None, None, "fsdp"), "b1": P(), "w2": P()}), "more entries"),
         (dict(param_sharding={"w1": P()}), "param_sharding must be a pytree"),
         (dict(batch_sharding=P("tensor")), "batch_sharding"),
-        (dict(compression="int8", param_sharding={"w1": P(None, "fsdp"), "b1": P(), "w2": P()}),
-         "compression of sharded params"),
         (dict(data_parallel=2), "mesh= replaces devices= and data_parallel="),
     ],
 )  # fmt: skip

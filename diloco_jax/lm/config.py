@@ -383,13 +383,6 @@ def _validate_mesh(cfg: RunConfig) -> None:
             f"--mesh places the workers on its devices itself: it needs --backend auto, "
             f"got {cfg.backend!r}"
         )
-    if per_worker > 1 and cfg.compression != "none":
-        # The trainers' codecs work on whole leaves, not on their shards (issue 21).
-        raise ConfigError(
-            f"--mesh {shown} shards each worker's params: --compression {cfg.compression} of "
-            "sharded deltas is not supported yet (use --compression none, or a mesh of the "
-            f"{WORKER_AXIS} axis alone)"
-        )
 
 
 def method(cfg: RunConfig) -> DiLoCo:
