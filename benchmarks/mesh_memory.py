@@ -18,10 +18,16 @@ the deltas) and the total. Layouts:
   the placement puts in host memory ("host GB", once: the donated outputs reuse the
   arguments' buffers) from args and total.
 
+"wire MB/dev" is what each device sends to the other workers in the round: the ring bytes of
+the compiled program's cross-worker collectives (`hlo.cross_worker_wire_bytes`).
+`--compression SPEC` runs every layout with that codec (each device encoding its own shards;
+the ZeRO-1 layout, which refuses compression, is left out).
+
 The figures are XLA CPU's: a GPU compile's arguments and outputs are the same bytes, its
 temporaries differ.
 
   python benchmarks/mesh_memory.py [--presets 150m,400m,1b] [--batch B] [--seq L] [--steps H]
+      [--compression int8]
 """
 
 import os
@@ -42,7 +48,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import diloco_jax as dj  # noqa: E402
-from diloco_jax import offload  # noqa: E402
+from diloco_jax import hlo, offload  # noqa: E402
 from diloco_jax import placement as placement_lib  # noqa: E402
 from diloco_jax.lm import model  # noqa: E402
 
@@ -51,9 +57,11 @@ H200_BYTES = 141e9
 LAYOUTS = ("replicated", "fsdp=4", "fsdp=4 + ZeRO-1 over workers", "fsdp=4 + pinned_host")
 
 
-def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> dict:
-    """memory_stats of the compiled round of `preset` under `layout`, and the compile's wall
-    seconds."""
+def round_memory(
+    preset: str, layout: str, batch: int, seq: int, steps: int, compression: str = "none"
+) -> dict:
+    """memory_stats of the compiled round of `preset` under `layout` (with `compression`),
+    its cross-worker wire bytes per device (from the HLO), and the compile's wall seconds."""
     config = model.get_config(preset)
     # One axis name for both layouts ("replicated" only leaves the params whole on it): the
     # model's logical axes (`model.LOGICAL_RULES`) name it.
@@ -73,7 +81,7 @@ def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> 
         split_outer="ZeRO" in layout,
         host="pinned_host" in layout,
     )
-    method = dj.DiLoCo()
+    method = dj.DiLoCo(compression=compression)
     state = jax.eval_shape(lambda p: dj.init_state(p, M, method), shapes)
     shardings = placed.shardings(state)
     state = jax.tree.map(
@@ -88,7 +96,7 @@ def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> 
     memory = offload.HOST if placed.host else "device"
     fn = functools.partial(
         dj.diloco_round, loss_fn, method=method, backend=backend, outer_shards=placed.outer,
-        outer_state_memory=memory,
+        outer_state_memory=memory, param_specs=placed.specs,
     )  # fmt: skip
     start = time.perf_counter()
     # Donating the state, as train_diloco's round does: the new state reuses its buffers.
@@ -103,6 +111,7 @@ def round_memory(preset: str, layout: str, batch: int, seq: int, steps: int) -> 
     stats["host_bytes"] = host
     stats["argument_size_in_bytes"] -= host
     stats["total"] -= host
+    stats["wire_bytes_per_device"] = hlo.cross_worker_wire_bytes(compiled, M, mesh.devices.size)
     stats["compile_s"] = time.perf_counter() - start
     stats["params"] = model.count_params(shapes)
     return stats
@@ -114,30 +123,39 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per worker and step")
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=2, help="inner steps H (a lax.scan)")
+    parser.add_argument(
+        "--compression", default="none", help="a codec spec (the ZeRO-1 row is left out)"
+    )
     args = parser.parse_args()
     print(common.header() + "\n")
     rows = []
     head = (
         f"{'preset':<7} {'layout':<30} {'args GB':>8} {'host GB':>8} {'temp GB':>8} {'total GB':>9}"
     )
-    print(head + f" {'of H200':>8} {'vs repl.':>8}")
+    print(head + f" {'of H200':>8} {'vs repl.':>8} {'wire MB/dev':>11} {'vs repl.':>8}")
     for preset in args.presets.split(","):
-        replicated = None
+        replicated = wire = None
         for layout in LAYOUTS:
-            s = round_memory(preset, layout, args.batch, args.seq, args.steps)
+            if "ZeRO" in layout and args.compression != "none":
+                continue  # the split outer state runs without compression
+            s = round_memory(preset, layout, args.batch, args.seq, args.steps, args.compression)
             replicated = replicated or s["total"]
+            wire = wire or s["wire_bytes_per_device"]
             row = {"preset": preset, "layout": layout, **s,
                    "fraction_of_h200": s["total"] / H200_BYTES,
-                   "vs_replicated": s["total"] / replicated}  # fmt: skip
+                   "vs_replicated": s["total"] / replicated,
+                   "wire_vs_replicated": s["wire_bytes_per_device"] / wire}  # fmt: skip
             rows.append(row)
             print(
                 f"{preset:<7} {layout:<30} {s['argument_size_in_bytes'] / 1e9:>8.2f} "
                 f"{s['host_bytes'] / 1e9:>8.2f} "
                 f"{s['temp_size_in_bytes'] / 1e9:>8.2f} {s['total'] / 1e9:>9.2f} "
-                f"{row['fraction_of_h200']:>8.2f} {row['vs_replicated']:>8.2f}",
+                f"{row['fraction_of_h200']:>8.2f} {row['vs_replicated']:>8.2f} "
+                f"{s['wire_bytes_per_device'] / 1e6:>11.2f} {row['wire_vs_replicated']:>8.2f}",
                 flush=True,
             )
-    payload = {"batch": args.batch, "seq": args.seq, "inner_steps": args.steps, "rows": rows}
+    payload = {"batch": args.batch, "seq": args.seq, "inner_steps": args.steps,
+               "compression": args.compression, "rows": rows}  # fmt: skip
     print(f"\nwrote {common.write_results('mesh_memory', payload)}")
 
 

@@ -101,16 +101,17 @@ class Saver:
     """Saves checkpoints of one run into `directory` (as `save` does), keeping the last
     `keep`. With `background` (the default), `save` returns once the state is copied off the
     devices (the caller may then donate or overwrite it) and the files are written while the
-    caller goes on; the next `save` and `close` wait for the one in flight (in a multi-process
-    run every save is synchronous, for now). Call `close` when done (it raises what a
-    background write raised)."""
+    caller goes on; the next `save` and `close` wait for the one in flight, also in a
+    multi-process run (each process writes its shards). Call `close` when done (it raises
+    what a background write raised)."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, background: bool = True):
         _check_int("keep", keep, 1)
-        # Multi-process: synchronous. Orbax's background commit runs its own cross-process
-        # barriers, which interleave with the next save's on another process (measured: a
-        # barrier name mismatch on 2 processes), so each save completes before the loop goes on.
-        self.background = background and jax.process_count() == 1
+        # Multi-process too: Orbax's background commit waits at the distributed client's
+        # barriers, not at collectives, so it cannot mix with the run's own collectives, and
+        # `save` waits for the commit in flight before the next save's barriers.
+        # (tests/test_multiprocess.py saves while both processes all-reduce.)
+        self.background = background
         self._manager = _manager(directory, keep=keep, create=True, background=self.background)
 
     def save(self, step: int, state: Any, metadata: dict[str, Any]) -> None:

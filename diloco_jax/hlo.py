@@ -112,6 +112,22 @@ def communication_bytes(compiled_or_text: Any, ops: str | Iterable[str] | None =
     )
 
 
+def cross_worker_wire_bytes(compiled_or_text: Any, num_workers: int, num_devices: int) -> float:
+    """`wire_bytes` of the collectives outside loops whose groups pair devices of different
+    workers, on a mesh of `num_devices` with the worker axis first (device i is worker
+    i // (num_devices / num_workers)): what a device sends to the other workers in a round,
+    the figure `train_diloco`'s "wire_bytes_per_device" stands for. The collectives inside a
+    worker (fsdp gathers, tensor-parallel reductions) are left out."""
+    per_worker = num_devices // num_workers
+    total = 0.0
+    for c in collectives(compiled_or_text):
+        groups = c.replica_groups
+        if c.in_loop or not groups or len({d // per_worker for d in groups[0]}) < 2:
+            continue
+        total += ring_wire_bytes(c.op, c.operand_bytes, len(groups[0]))
+    return total
+
+
 def wire_bytes(compiled_or_text: Any, num_devices: int | None = None) -> float:
     """Bytes each device sends on the wire for the module's collectives (outside loops),
     under ring algorithms over each collective's group of n devices: all-reduce 2(n-1)/n x

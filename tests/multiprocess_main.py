@@ -1,13 +1,14 @@
 """One process of the 2-process test run (see test_multiprocess.py); not a test module.
 
 Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR
-       [CKPT_DIR [diloco|mesh]]
+       [CKPT_DIR [diloco|mesh|background]]
 
 Joins the run, trains DiLoCo, the synchronous baseline and DiLoCo with int8 deltas (the
 two-stage exchange) on `run_config()`'s data (the same on every process) and saves the final
 params and histories to OUT_DIR/process-I.npz. With a last argument "diloco", only the DiLoCo
 run (the one that checkpoints: what a resumed launch checks). With "mesh": `train_on_mesh`, a
 (workers=2, fsdp=4) mesh over both processes' devices, each process's devices one worker.
+With "background": `save_in_background`.
 """
 
 import json
@@ -175,6 +176,41 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     return out
 
 
+def save_in_background(checkpoint_dir: str) -> dict[str, np.ndarray]:
+    """A state split over both processes' devices saved by a background `Saver` while the
+    processes run collectives of their own (the save's barriers must not mix with them), then
+    a second save, and both steps restored: {"step1": ..., "step2": ...} whole on this host."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import diloco_jax as dj
+
+    mesh = jax.make_mesh((jax.device_count(),), ("x",), devices=jax.devices())
+    sharding = NamedSharding(mesh, P("x"))
+    values = np.arange(8 * jax.device_count(), dtype=np.float32).reshape(-1, 2)
+    state = {"v": jax.make_array_from_callback(values.shape, sharding, lambda i: values[i])}
+    total = jax.jit(lambda x: jnp.sum(x * x), out_shardings=NamedSharding(mesh, P()))
+    saver = dj.checkpoint.Saver(checkpoint_dir, keep=3)
+    assert saver.background, "a multi-process Saver writes in the background"
+    sums = []
+    for step in (1, 2):
+        saver.save(step, state, {"step": step})
+        for _ in range(5):  # cross-process all-reduces while the write is in flight
+            sums.append(float(total(state["v"])))
+        state = {"v": state["v"] + 1}
+    saver.close()
+    assert len(set(sums[:5])) == 1 and sums[0] == float(np.sum(values * values))
+    out = {}
+    for step in (2, 1):  # the latest first: then step 2 is discarded, and 1 is the latest
+        dj.checkpoint.discard_after(checkpoint_dir, step)
+        restored, metadata, at = dj.checkpoint.restore(checkpoint_dir, state, {})
+        assert at == step and metadata["step"] == step
+        out[f"step{step}"] = np.asarray(distributed.to_host(restored)["v"])
+    return out
+
+
 def main(argv: list[str]) -> None:
     coordinator, num_processes, process_id, out_dir = argv[:4]
     checkpoint_dir = argv[4] if len(argv) > 4 else None
@@ -185,6 +221,8 @@ def main(argv: list[str]) -> None:
     assert jax.process_count() == int(num_processes), jax.process_count()
     if argv[5:] == ["mesh"]:
         result = train_on_mesh(jax.devices(), checkpoint_dir)
+    elif argv[5:] == ["background"]:
+        result = save_in_background(checkpoint_dir)
     else:
         result = train_both(checkpoint_dir, only_diloco)
     np.savez(Path(out_dir) / f"process-{process_id}.npz", **result)

@@ -143,20 +143,6 @@ def test_every_state_leaf_holds_the_shard_its_spec_says():
     assert sharded / replicated == 0.25
 
 
-def _cross_worker_bytes(compiled, num_workers_per_axis):
-    """Ring bytes per device of the collectives outside loops whose groups pair devices of
-    different workers (devices 0..3 are worker 0 on a (2, ...) mesh of 8)."""
-    per_worker = 8 // num_workers_per_axis
-    total = 0.0
-    for c in hlo.collectives(compiled):
-        groups = c.replica_groups
-        if c.in_loop or not groups:
-            continue
-        if len({d // per_worker for d in groups[0]}) > 1:
-            total += hlo.ring_wire_bytes(c.op, c.operand_bytes, len(groups[0]))
-    return total
-
-
 @pytest.mark.parametrize("mesh_name", [*MESHES, "data_parallel"])
 def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_name):
     params, (batch,) = _params(), _rounds()[:1]
@@ -198,7 +184,7 @@ def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_na
         .lower(state, batches)
         .compile()
     )
-    assert _cross_worker_bytes(compiled, M) == per_device
+    assert hlo.cross_worker_wire_bytes(compiled, M, 8) == per_device
 
 
 def test_a_sharded_checkpoint_restores_onto_the_same_and_another_mesh(tmp_path):

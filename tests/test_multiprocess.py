@@ -136,6 +136,17 @@ def test_a_mesh_over_two_processes_resumes_and_equals_one_process(tmp_path):
         assert e0["wire_bytes_per_device"] == el["wire_bytes_per_device"]
 
 
+def test_background_saves_of_two_processes_restore_bit_for_bit(tmp_path):
+    """Each process's `Saver` writes in the background while both run all-reduces of their
+    own; both steps restore exactly (`multiprocess_main.save_in_background`)."""
+    _launch(tmp_path, 2, str(tmp_path / "ckpt"), "background")
+    values = np.arange(32, dtype=np.float32).reshape(-1, 2)  # 8 rows per device, 4 devices
+    for i in range(2):
+        restored = _load(tmp_path / f"process-{i}.npz")
+        np.testing.assert_array_equal(restored["step1"], values)
+        np.testing.assert_array_equal(restored["step2"], values + 1)
+
+
 def test_initialize_rejects_partial_or_bad_arguments(monkeypatch):
     for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES):
         monkeypatch.delenv(var, raising=False)

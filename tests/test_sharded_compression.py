@@ -15,9 +15,9 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from test_mesh import _cross_worker_bytes
 
 import diloco_jax as dj
+from diloco_jax import hlo
 from diloco_jax import placement as placement_lib
 
 M, H, R = 2, 2, 2
@@ -97,13 +97,17 @@ def _concatenated(blocks, ndim, dim=0):
     return jnp.concatenate([_concatenated(b, ndim, dim + 1) for b in blocks], axis=dim)
 
 
-CASES = {  # codec (two-stage, with error feedback, gather: top-k, SparseLoCo) and schedule
+CASES = {  # codec (two-stage, error feedback, gather: top-k, SparseLoCo), schedule and delay
     "int8-fsdp2xtensor2": ("fsdp2xtensor2", dict(compression="int8")),
     "int4_ef-fsdp4": ("fsdp4", dict(compression="int4,ef=1", exclude_nonfinite=False)),
     "topk-fsdp2xtensor2": ("fsdp2xtensor2", dict(compression="topk:0.1")),
     "sparseloco-fsdp4": ("fsdp4", dict(compression="sparseloco")),
     "int8_fragments-fsdp4": ("fsdp4", dict(compression="int8", fragments=2)),
     "int8_delayed-fsdp2xtensor2": ("fsdp2xtensor2", dict(compression="int8", outer_delay=1)),
+    "int8_eager-fsdp4": (
+        "fsdp4",
+        dict(compression="int8", outer_delay=1, eager=True, exclude_nonfinite=False),
+    ),
 }
 
 
@@ -172,7 +176,7 @@ def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_na
         dj.diloco_round, loss, backend=backend, compression=compression, param_specs=resolved
     )
     compiled = jax.jit(round_fn).lower(state, backend.place_batches(batch, 2)).compile()
-    assert _cross_worker_bytes(compiled, M) == per_device
+    assert hlo.cross_worker_wire_bytes(compiled, M, 8) == per_device
     # By hand for int8 on fsdp2xtensor2: a device holds w [8, 32] (8 blocks of 32 codes + a
     # float32 scale: 36 bytes), b [32] (1 block) and c [8] (1 block, padded), in two
     # exchanges (the split leaves, then c): 9 blocks padded to 10 rows, then 1 padded to 2;
