@@ -97,13 +97,18 @@ def _concatenated(blocks, ndim, dim=0):
     return jnp.concatenate([_concatenated(b, ndim, dim + 1) for b in blocks], axis=dim)
 
 
-CASES = {  # codec (two-stage, error feedback, gather: top-k, SparseLoCo), schedule and delay
+CASES = {  # codec (two-stage, error feedback, gather: top-k, SparseLoCo), schedule, delay, weights
     "int8-fsdp2xtensor2": ("fsdp2xtensor2", dict(compression="int8")),
     "int4_ef-fsdp4": ("fsdp4", dict(compression="int4,ef=1", exclude_nonfinite=False)),
     "topk-fsdp2xtensor2": ("fsdp2xtensor2", dict(compression="topk:0.1")),
     "sparseloco-fsdp4": ("fsdp4", dict(compression="sparseloco")),
     "int8_fragments-fsdp4": ("fsdp4", dict(compression="int8", fragments=2)),
     "int8_delayed-fsdp2xtensor2": ("fsdp2xtensor2", dict(compression="int8", outer_delay=1)),
+    "int4_ef_softmax-fsdp2xtensor2": (  # weighted: each worker's weight beside its payload
+        "fsdp2xtensor2",
+        dict(compression="int4,ef=1", weighting="norm_softmax", temperature=2.0),
+    ),
+    "int8_drops-fsdp4": ("fsdp4", dict(compression="int8", drop_probability=0.5, drop_seed=1)),
     "int8_eager-fsdp4": (
         "fsdp4",
         dict(compression="int8", outer_delay=1, eager=True, exclude_nonfinite=False),
@@ -146,8 +151,10 @@ def test_a_sharded_compressed_run_is_the_run_of_its_shards_as_leaves(case):
         assert got.params[name].sharding.spec == specs[name]
     for a, b in zip(got.history, ref.history, strict=True):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
-    # A worker's devices send its shards; the worker's figure is the unsharded exchange's.
-    assert got.history[-1]["wire_bytes"] == dj.comm.round_wire_bytes(
+    # A worker's devices send its shards; the worker's figure is the unsharded exchange's
+    # (checked here without fault options: those add the weights' bytes).
+    faults = "weighting" in options or "drop_probability" in options
+    assert faults or got.history[-1]["wire_bytes"] == dj.comm.round_wire_bytes(
         _params(), options["compression"], M, fragments=options.get("fragments")
     ) * R  # fmt: skip
     if "ef=1" in options["compression"]:
