@@ -895,6 +895,7 @@ def _exchanged(exchange, collectives, groups, delta_k, residual_k, included_k, w
             if res is not None:
                 residuals[i] = res[j]
     residual_k = None if res_leaves is None else treedef.unflatten(residuals)
+    # Every group sends the same weights, so any group's weight sum is the sync's.
     return treedef.unflatten(means), weight_sum, residual_k
 
 
