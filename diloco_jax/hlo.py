@@ -118,6 +118,10 @@ def cross_worker_wire_bytes(compiled_or_text: Any, num_workers: int, num_devices
     i // (num_devices / num_workers)): what a device sends to the other workers in a round,
     the figure `train_diloco`'s "wire_bytes_per_device" stands for. The collectives inside a
     worker (fsdp gathers, tensor-parallel reductions) are left out."""
+    if num_workers < 1 or num_devices % num_workers:
+        raise ValueError(
+            f"num_devices ({num_devices}) must be a multiple of num_workers ({num_workers})"
+        )
     per_worker = num_devices // num_workers
     total = 0.0
     for c in collectives(compiled_or_text):

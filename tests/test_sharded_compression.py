@@ -191,3 +191,26 @@ def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_na
     # the loss all-reduce, 4 bytes.
     if (mesh_name, compression) == ("fsdp2xtensor2", "int8"):
         assert per_device == (10 * 36 / 2 + 5 * 36) + (2 * 36 / 2 + 36) + 4
+
+
+@pytest.mark.parametrize(
+    "param_specs, match",
+    [
+        ((P(), P()), "one PartitionSpec per param leaf \\(3\\)"),
+        ([P(), "fsdp", P()], "must hold PartitionSpecs, got 'fsdp'"),
+        ({"w": P()}, "must be a tuple of one PartitionSpec per param leaf"),
+    ],
+)
+def test_bad_param_specs_name_the_argument(param_specs, match):
+    backend = dj.make_backend("auto", M, mesh=jax.make_mesh((M, 4), ("workers", "fsdp")))
+    state = dj.init_state(_params(), M, compression="int8")
+    with pytest.raises(ValueError, match=match):
+        dj.diloco_round(
+            loss, state, _rounds()[0], backend=backend, compression="int8",
+            param_specs=param_specs,
+        )  # fmt: skip
+
+
+def test_cross_worker_bytes_need_whole_workers():
+    with pytest.raises(ValueError, match="num_devices \\(8\\) must be a multiple"):
+        hlo.cross_worker_wire_bytes("", 3, 8)
