@@ -44,7 +44,7 @@ from diloco_jax.outer import (
 )
 from diloco_jax.outer_sharding import OuterShards, outer_shards
 from diloco_jax.round import DiLoCoState, diloco_round, init_state
-from diloco_jax.sampler import Sampler
+from diloco_jax.sampler import Sampler, place_sampler
 from diloco_jax.schedule import Streaming
 from diloco_jax.state_sync import StateSync
 from diloco_jax.sync import SyncState, init_sync_state, sync_step
@@ -74,6 +74,7 @@ __all__ = [
     "Streaming",
     "Weights",
     "Sampler",
+    "place_sampler",
     "cast_state",
     "clip_outer_norm",
     "SyncState",

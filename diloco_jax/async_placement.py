@@ -9,6 +9,7 @@ that stands for the worker's send). Per-worker fields of a checkpoint are global
 [M, ...] at `P(workers, *spec)` assembled from each worker's shards, never gathered.
 """
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import placement as placement_lib
+from diloco_jax import sampler as sampler_lib
 from diloco_jax.workers import WORKER_AXIS, Backend, stack_workers
 
 
@@ -45,8 +47,14 @@ class OneDevice:
     def batch(self, tree: Any, worker: int) -> Any:
         return jax.device_put(tree, self.device)
 
-    def sampler(self, sampler: Any, worker: int) -> Any:
-        return jax.device_put(sampler, self.device)
+    def sampler(self, view: Any, worker: int) -> Any:
+        """A `WorkerSampler` on the device; its Sampler's specs are checked against a mesh
+        with no axes inside a worker (any axis they name is a ValueError naming the field)."""
+        mesh = Mesh(np.array([self.device]), (WORKER_AXIS,))
+        sampler_lib.specs(
+            dataclasses.replace(view.sampler, worker_arrays=_stacked_view(view.mine)), mesh
+        )
+        return jax.device_put(view, self.device)
 
     def stack(self, trees: Sequence[Any]) -> Any:
         """[tree_0, ..., tree_{M-1}] -> one tree with leaves stacked [M, ...]."""
@@ -101,9 +109,20 @@ class OnMesh:
             tree, jax.tree.map(lambda x: NamedSharding(mesh, P(None, *self.batch_spec)), tree)
         )
 
-    def sampler(self, sampler: Any, worker: int) -> Any:
-        """A `Sampler` replicated on worker `worker`'s devices."""
-        return jax.device_put(sampler, NamedSharding(self.meshes[worker], P()))
+    def sampler(self, view: Any, worker: int) -> Any:
+        """A `WorkerSampler` on worker `worker`'s devices, each leaf at the spec the Sampler's
+        `sharding` / `worker_sharding` give it there."""
+        mesh = self.meshes[worker]
+        shared, mine = sampler_lib.specs(
+            dataclasses.replace(view.sampler, worker_arrays=_stacked_view(view.mine)), mesh
+        )
+        to = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+        return type(view)(
+            dataclasses.replace(
+                view.sampler, arrays=jax.device_put(view.sampler.arrays, jax.tree.map(to, shared))
+            ),
+            jax.device_put(view.mine, jax.tree.map(to, mine)),
+        )
 
     def stack(self, trees: Sequence[Any]) -> Any:
         """Per-worker trees (worker m's on its devices, or θ-like ones on the whole mesh) ->
@@ -119,6 +138,11 @@ class OnMesh:
             jax.tree.map(_slice, tree, placed.tree(like, per_worker=False))
             for placed in self.workers
         ]
+
+
+def _stacked_view(mine: Any) -> Any:
+    """Shapes of a one-worker stack of `mine` (what `sampler.specs` reads slices from)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)), jnp.result_type(x)), mine)
 
 
 def _stacked(sharding: NamedSharding, *xs: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import checkpoint
+from diloco_jax import sampler as sampler_lib
 from diloco_jax import trainable as trainable_lib
 from diloco_jax.async_placement import OneDevice, OnMesh
 from diloco_jax.comm import round_bytes
@@ -230,7 +231,8 @@ def train_async(
     Args:
       loss_fn: (params, batch) -> float scalar; batch is one worker's batch for one step.
       params: initial theta, any pytree of float arrays. Never mutated or donated.
-      data: a `Sampler` (job j of worker m, step h draws `sample(arrays, j, m, h)`), or an
+      data: a `Sampler` (job j of worker m, step h draws `sample(arrays, j, m, h)`, with
+        worker m's slice of its `worker_arrays` as a fifth argument where it has them), or an
         indexable sequence of rounds, each a batch pytree with leaves [M, H, ...]: worker m's
         job j uses rounds[j][m] (its first h_m steps), as round j of `train_diloco` would.
       num_workers: M >= 1. inner_steps: H >= 1. num_updates: >= 0.
@@ -475,8 +477,8 @@ def _job(
     """One job of one worker: `num_steps` inner steps from `params` (its theta_start), step h
     keyed `step_key(worker_key(rng_seed, job, worker), h)` with a seed. Returns (delta
     theta_start - theta_m in the delta dtype, new inner state, (mean loss, mean aux))."""
-    if isinstance(data, Sampler):
-        batches = functools.partial(_sample, data, job, worker)
+    if isinstance(data, sampler_lib.WorkerSampler):
+        batches = functools.partial(data.draw, job, worker)
     else:
         batches = data  # leaves [num_steps, ...]
     key = None if rng_seed is None else worker_key(rng_seed, job, worker)
@@ -486,10 +488,6 @@ def _job(
     )  # fmt: skip
     means = jax.tree.map(jnp.mean, (losses, aux[0] if aux else {}))
     return worker_delta(params, new_params), opt_state, means
-
-
-def _sample(sampler: Sampler, job, worker, step):
-    return sampler.sample(sampler.arrays, job, worker, step)
 
 
 def _apply(outer_optimizer, params, outer_state, delta):
@@ -519,10 +517,11 @@ def _job_data(
     data: Any, num_workers: int, inner_steps: int, events: Sequence[AsyncEvent], where
 ) -> Callable[[AsyncEvent], Any]:
     """event -> that job's data on its worker's devices (`where`): the Sampler (placed once
-    per worker, replicated), or worker m's first h_m steps of round j. Checks up front that
-    the rounds cover every job."""
+    per worker, with that worker's slice of its `worker_arrays`), or worker m's first h_m
+    steps of round j. Checks up front that the rounds cover every job."""
     if isinstance(data, Sampler):
-        placed = [where.sampler(data, m) for m in range(num_workers)]
+        sampler_lib.check_workers(data, num_workers)
+        placed = [where.sampler(sampler_lib.for_worker(data, m), m) for m in range(num_workers)]
         return lambda e: placed[e.worker]
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise ValueError(

@@ -14,6 +14,7 @@ TPU pods and the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID va
 """
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -119,3 +120,19 @@ def _leaf_to_host(x: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def place_global(place: Callable[[Any], Any], tree: Any) -> Any:
+    """`place(tree)`; in a multi-process run, leaf by leaf from host copies (global arrays are
+    built from identical host data on every process), typed PRNG keys through their key data."""
+    if not is_multiprocess():
+        return place(tree)
+    return jax.tree.map(lambda leaf: _place_leaf(place, leaf), tree)
+
+
+def _place_leaf(place: Callable[[Any], Any], leaf: Any) -> Any:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = place(np.asarray(jax.device_get(jax.random.key_data(leaf))))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+    return place(to_host(leaf))

@@ -41,37 +41,41 @@ def per_worker_fields(state: Any) -> frozenset[str]:
     return PER_WORKER_FIELDS
 
 
-def resolve_param_specs(params: Any, mesh: Mesh, param_sharding: Any) -> tuple[P, ...]:
+def resolve_param_specs(
+    params: Any, mesh: Mesh, param_sharding: Any, option: str = "param_sharding"
+) -> tuple[P, ...]:
     """One `PartitionSpec` per leaf of `params` (over the mesh's non-worker axes), from
-    `param_sharding`: a pytree of specs like `params`, a callable (path, leaf) -> spec, or None
-    (each leaf's own `NamedSharding` spec when it names only this mesh's non-worker axes, else
-    replicated). Raises ValueError naming `param_sharding` for a spec naming a missing axis or
-    the worker axis, an axis used twice, more dims than the leaf has, or a dim not divisible
-    by its axes' size."""
+    `param_sharding`: a pytree of specs like `params`, one spec for every leaf, a callable
+    (path, leaf) -> spec, or None (each leaf's own `NamedSharding` spec when it names only this
+    mesh's non-worker axes, else replicated). Raises ValueError naming the `option` for
+    a spec naming a missing axis or the worker axis, an axis used twice, more dims than the
+    leaf has, or a dim not divisible by its axes' size."""
     leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     inner_axes = {name for name in mesh.axis_names if name != WORKER_AXIS}
     if param_sharding is None:
         specs = [_own_spec(leaf, inner_axes) for _, leaf in leaves_with_paths]
+    elif isinstance(param_sharding, P):
+        specs = [param_sharding] * len(leaves_with_paths)
     elif callable(param_sharding):
         specs = [param_sharding(path, leaf) for path, leaf in leaves_with_paths]
     else:
         specs = per_leaf(
             params,
             param_sharding,
-            "param_sharding must be a pytree of PartitionSpecs with the params' structure, or "
-            f"a callable (path, leaf) -> PartitionSpec; got {param_sharding!r}",
+            f"{option} must be a pytree of PartitionSpecs with the arrays' structure, one "
+            f"PartitionSpec, or a callable (path, leaf) -> PartitionSpec; got {param_sharding!r}",
         )
     out = []
     for (path, leaf), spec in zip(leaves_with_paths, specs, strict=True):
         spec = P() if spec is None else spec
         where = jax.tree_util.keystr(path)
         if not isinstance(spec, P):
-            raise ValueError(f"param_sharding{where} must be a PartitionSpec, got {spec!r}")
+            raise ValueError(f"{option}{where} must be a PartitionSpec, got {spec!r}")
         shape = np.shape(leaf)
         if len(spec) > len(shape):
             raise ValueError(
-                f"param_sharding{where} = {spec} has more entries than the leaf's {len(shape)} dims"
+                f"{option}{where} = {spec} has more entries than the leaf's {len(shape)} dims"
             )
         used = []
         for dim, entry in enumerate(spec):
@@ -79,21 +83,21 @@ def resolve_param_specs(params: Any, mesh: Mesh, param_sharding: Any) -> tuple[P
             for name in names:
                 if name == WORKER_AXIS:
                     raise ValueError(
-                        f"param_sharding{where} = {spec} names the worker axis: a param is "
+                        f"{option}{where} = {spec} names the worker axis: an array is "
                         "sharded inside a worker, over the mesh's other axes"
                     )
                 if name not in inner_axes:
                     raise ValueError(
-                        f"param_sharding{where} = {spec} names {name!r}, not an axis of the mesh "
+                        f"{option}{where} = {spec} names {name!r}, not an axis of the mesh "
                         f"{mesh.axis_names}"
                     )
                 if name in used:
-                    raise ValueError(f"param_sharding{where} = {spec} uses {name!r} twice")
+                    raise ValueError(f"{option}{where} = {spec} uses {name!r} twice")
                 used.append(name)
             ways = int(np.prod([sizes[n] for n in names], dtype=np.int64))
             if shape[dim] % ways:
                 raise ValueError(
-                    f"param_sharding{where} = {spec}: dim {dim} of size {shape[dim]} is not "
+                    f"{option}{where} = {spec}: dim {dim} of size {shape[dim]} is not "
                     f"divisible by {ways} (the size of {names})"
                 )
         out.append(spec)

@@ -19,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax import checkpoint, delay, offload, outer_sharding
 from diloco_jax import model_state as model_state_lib
 from diloco_jax import placement as placement_lib
+from diloco_jax import sampler as sampler_lib
 from diloco_jax import state_sync as state_sync_lib
 from diloco_jax import trainable as trainable_lib
 from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
-from diloco_jax.distributed import is_multiprocess, to_host
+from diloco_jax.distributed import is_multiprocess, place_global, to_host
 from diloco_jax.inner import LossFn, StepInfo, check_loss_options
 from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
 from diloco_jax.placement import Placement
@@ -698,22 +699,6 @@ def _check_processes(backend: Backend) -> Backend:
     return backend
 
 
-def _place(place: Callable[[Any], Any], tree: Any) -> Any:
-    """`place(tree)`; in a multi-process run, leaf by leaf from host copies (global arrays are
-    built from identical host data on every process), typed PRNG keys through their key data."""
-    if not is_multiprocess():
-        return place(tree)
-    return jax.tree.map(functools.partial(_place_leaf, place), tree)
-
-
-def _place_leaf(place: Callable[[Any], Any], leaf: Any) -> Any:
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        data = place(np.asarray(jax.device_get(jax.random.key_data(leaf))))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
-    return place(to_host(leaf))
-
-
 def _step_record(metrics: dict[str, np.ndarray]) -> Record:
     """The per-step means of a round or step's metrics: "loss", "worker_loss" ([M]) and each
     aux metric's pair, in the order the round returned them."""
@@ -739,7 +724,7 @@ def _place_state(state: Any, backend: Backend) -> Any:
     per_worker = placement_lib.per_worker_fields(state)
     return type(state)(
         **{
-            name: _place(
+            name: place_global(
                 backend.place_workers if name in per_worker else backend.place_shared, value
             )
             for name, value in state._asdict().items()
@@ -825,7 +810,7 @@ class _Loop:
         evaluate = self.evaluator()
         eval_data = None
         if evaluate is not None and self.eval_data is not None:
-            eval_data = _place(self.backend.place_shared, self.eval_data)
+            eval_data = place_global(self.backend.place_shared, self.eval_data)
         pending = None
 
         def finish(i, metrics, evals):
@@ -954,16 +939,12 @@ def _placed(
     local: bool = False,
 ):
     """Inputs for iterations skip..count-1 on the backend's devices: a Sampler's arrays once
-    (replicated; it is keyed by the state's counter), or each host batch split along workers
-    (the first `skip` items, already trained on, are read and dropped). `local`: each item
-    holds this process's workers only (`process_local_data`)."""
+    (`place_sampler`; it is keyed by the state's counter), or each host batch split along
+    workers (the first `skip` items, already trained on, are read and dropped). `local`:
+    each item (a Sampler's `worker_arrays`) holds this process's workers only
+    (`process_local_data`)."""
     if isinstance(data, Sampler):
-        if local:
-            raise ValueError(
-                "process_local_data=True needs per-round batches: a Sampler's arrays are "
-                "placed whole on every process"
-            )
-        return itertools.repeat(_place(backend.place_shared, data), count - skip)
+        return itertools.repeat(sampler_lib.place_sampler(data, backend, local), count - skip)
     if local:
         lead = (backend.local_workers(), *lead[1:])
         what = what.replace("[num_workers", "[this process's workers")
@@ -974,7 +955,7 @@ def _placed(
     if local:
         return (backend.assemble_batches(b, len(lead)) for b in batches)
     place = functools.partial(backend.place_batches, lead=len(lead))
-    return (_place(place, b) for b in batches)
+    return (place_global(place, b) for b in batches)
 
 
 def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) -> Iterator[Any]:

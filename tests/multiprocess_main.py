@@ -111,8 +111,9 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     P("fsdp", None): with `checkpoint_dir`, 2 rounds checkpointed every round, then a second
     call that resumes there and runs the third (Orbax writing and reading each process's
     shards); else the 3 rounds in one call. Then the 3 rounds again with
-    `process_local_data=True`, each process passing only its own worker's batches, and with
-    the outer state split over the workers (`shard_outer_over_workers`). Returns
+    `process_local_data=True`, each process passing only its own worker's batches (as host
+    batches, and as a Sampler's `worker_arrays`), and with the outer state split over the
+    workers (`shard_outer_over_workers`). Returns
     the final params of both, the workers' inner momentum of w, the round the resumed call's
     data started at and the history."""
     import jax
@@ -163,6 +164,21 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
         mesh_loss, cfg["params"], local, num_rounds=NUM_ROUNDS, process_local_data=True, **run
     )
     out.update({f"local_{k}": np.asarray(v) for k, v in distributed.to_host(fed.params).items()})
+    # The same batches drawn in the graph: each process's Sampler holds its own worker's
+    # rounds (worker_arrays, [M_local, R, H, B, ...]), each batch split over its 4 devices.
+    table = {k: np.stack([b[k] for b in cfg["data"]], axis=1)[mine] for k in cfg["data"][0]}
+    sampler = dj.Sampler(
+        {}, lambda a, r, m, h, own: {k: v[r, h] for k, v in own.items()}, worker_arrays=table,
+        worker_sharding=P(None, None, "fsdp"),
+    )  # fmt: skip
+    drawn = dj.train_diloco(
+        mesh_loss, cfg["params"], sampler, num_rounds=NUM_ROUNDS, process_local_data=True, **run
+    )
+    if jax.process_count() > 1:
+        assert table["x"].shape[0] == 1  # this process's worker only
+    out.update(
+        {f"sampled_{k}": np.asarray(v) for k, v in distributed.to_host(drawn.params).items()}
+    )
     # ZeRO-1 across the processes' workers: the outer momentum split over them.
     split = dj.train_diloco(
         mesh_loss, cfg["params"], cfg["data"], num_rounds=NUM_ROUNDS,

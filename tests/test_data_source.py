@@ -53,8 +53,9 @@ def test_train_sync_takes_a_callable_too(tmp_path):
 
 def test_process_local_data_in_one_process_is_the_whole_batch():
     """One process owns every worker: its local data is the global batch, and the run is the
-    default one bit for bit (train_diloco on shard_map, train_sync on vmap); a Sampler, a
-    non-bool and a wrong worker count are refused naming the option or the shape."""
+    default one bit for bit (train_diloco on shard_map, train_sync on vmap, a Sampler's
+    worker_arrays); a non-bool and a wrong worker count are refused naming the option or the
+    shape."""
     rounds = make_data(np.random.default_rng(0), 2, M, H)
     common = dict(num_rounds=2, num_workers=M, inner_steps=H, backend="shard_map")
     whole = dj.train_diloco(linear_loss, PARAMS, rounds, **common)
@@ -66,9 +67,16 @@ def test_process_local_data_in_one_process_is_the_whole_batch():
     a = dj.train_sync(linear_loss, PARAMS, steps, **sync)
     b = dj.train_sync(linear_loss, PARAMS, steps, process_local_data=True, **sync)
     np.testing.assert_array_equal(a.params["w"], b.params["w"])
-    sampler = dj.Sampler({"x": np.zeros((4, 3), np.float32)}, lambda a, r, m, h: a)
-    with pytest.raises(ValueError, match="process_local_data=True needs per-round batches"):
-        dj.train_diloco(linear_loss, PARAMS, sampler, process_local_data=True, **common)
+    # A Sampler's worker_arrays are this process's workers' rows: here all M of them.
+    table = {k: np.stack([r[k] for r in rounds], axis=1) for k in rounds[0]}  # [M, R, H, ...]
+    draw = lambda a, r, m, h, mine: {k: v[r, h] for k, v in mine.items()}  # noqa: E731
+    sampler = dj.Sampler({}, draw, worker_arrays=table)
+    graph = dj.train_diloco(linear_loss, PARAMS, sampler, process_local_data=True, **common)
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(graph.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    half = dj.Sampler({}, draw, worker_arrays={k: v[:1] for k, v in table.items()})
+    with pytest.raises(ValueError, match=r"leading dim this process's workers = 2, got shape"):
+        dj.train_diloco(linear_loss, PARAMS, half, process_local_data=True, **common)
     with pytest.raises(ValueError, match="process_local_data must be True or False"):
         dj.train_diloco(linear_loss, PARAMS, rounds, process_local_data=1, **common)
     three = make_data(np.random.default_rng(0), 2, 3, H)

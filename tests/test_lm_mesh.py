@@ -2,6 +2,7 @@
 the `1b` preset (shapes only, never materialized), `--mesh` on the command line and its
 path through experiment.py into the trainers."""
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -14,8 +15,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from reference import assert_cli_refuses
 
+import diloco_jax as dj
 from diloco_jax.lm import cli, experiment, model
 from diloco_jax.lm import config as config_lib
+from diloco_jax.lm import data as data_lib
 
 TINY = model.PRESETS["tiny"]
 MESH_AXES = {"fsdp": 2, "tensor": 2}
@@ -283,12 +286,16 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
     """--mesh's keywords as the trainers get them, whatever the engine does with them: the
     pretrain's one worker on workers=1 (4 devices), the run's 2 workers on all 8; each with
     model.param_specs over fsdp x tensor. Without --mesh, no mesh keyword at all."""
-    calls = []
+    calls, streams = [], []
 
     def recording(trainer):
-        def fake(*args, mesh=None, worker_axis=None, param_sharding=None, **kwargs):
+        def fake(loss_fn, params, sampler, mesh=None, worker_axis=None, param_sharding=None,
+                 **kwargs):  # fmt: skip
             calls.append((trainer.__name__, mesh, worker_axis, param_sharding, kwargs))
-            return trainer(*args, **kwargs)
+            streams.append(sampler.sharding)
+            # Run without the mesh: the stream, split over it, goes back to one piece too.
+            sampler = dataclasses.replace(sampler, sharding=None, worker_sharding=None)
+            return trainer(loss_fn, params, sampler, **kwargs)
 
         fake.__name__ = trainer.__name__
         return fake
@@ -308,9 +315,12 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
     micro = model.get_config("micro")
     assert specs == pre_specs == model.param_specs(micro, _shapes(micro), MESH_AXES)
     assert summary["devices"] == 8
-    calls.clear()
+    # The token stream every worker reads (iid), split over each worker's 4 devices.
+    assert [spec.tree()["tokens"] for spec in streams] == [P(("fsdp", "tensor"))] * 2
+    calls.clear(), streams.clear()
     _train(tmp_path, "plain", "--algo", algo)
     assert [call[1:4] for call in calls] == [(None, None, None)] * 2
+    assert [spec.tree()["tokens"] for spec in streams] == [P()] * 2
 
 
 @pytest.mark.parametrize("pretrain_steps", ["0", "2"], ids=["cold", "warm-start"])
@@ -398,3 +408,37 @@ def test_a_compressed_run_on_a_sharded_mesh(tmp_path):
     _, exact = _train(tmp_path, "exact", *flags)
     sent = [s["bytes_communicated"] for s in (summary, exact)]
     assert 0.25 < sent[0] / sent[1] < 0.3
+
+
+@pytest.mark.parametrize("sharding", ["iid", "non_iid"])
+def test_the_samplers_streams_split_over_each_workers_devices_draw_the_same_windows(sharding):
+    """make_sampler under --mesh workers=2,fsdp=2,tensor=2: each device holds a quarter of the
+    stream its worker reads ("non_iid": only its own worker's shard, stored as that worker's
+    row), and every (round, worker, step) draws the windows sample_batch cuts from the whole
+    stream at the worker's shard."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, size=1001).astype(np.int32)
+    corpus = experiment.Corpus(tokens, np.asarray([0, 300, 520, 800]), {}, {})
+    mesh = (("workers", 2), ("fsdp", 2), ("tensor", 2))
+    cfg = config_lib.RunConfig(sharding=sharding, batch_size=4, seq_len=16, mesh=mesh)
+    sampler = experiment.make_sampler(cfg, corpus, 2, salt=0)
+    backend = dj.make_backend("auto", 2, mesh=experiment.make_mesh(cfg, 2))
+    placed = dj.place_sampler(sampler, backend)
+    stream = (placed.arrays if sharding == "iid" else placed.worker_arrays)["tokens"]
+    starts, lengths = data_lib.worker_shards(corpus.doc_starts, 1001, 2, sharding, 16)
+    # One stream of 1001 tokens padded to 1004, or two rows of the longest shard (520) each.
+    assert stream.shape == ((1004,) if sharding == "iid" else (2, 520))
+    assert max(lengths) == (1001 if sharding == "iid" else 520)
+    assert {s.data.shape[-1] for s in stream.addressable_shards} == {stream.shape[-1] // 4}
+
+    def draw(s, r, m, h):  # worker m's draw, its row of worker_arrays where it has one
+        own = () if s.worker_arrays is None else (jax.tree.map(lambda x: x[m], s.worker_arrays),)
+        return s.sample(s.arrays, r, m, h, *own)
+
+    draw = jax.jit(draw)
+    for r, m, h in [(0, 0, 0), (3, 1, 2), (5, 0, 7)]:
+        got = draw(placed, jnp.int32(r), m, h)
+        key = data_lib.batch_key(sampler.arrays["key"], r, m, h)
+        want = data_lib.sample_batch(tokens, starts[m], lengths[m], key, 4, 16)
+        np.testing.assert_array_equal(got["inputs"], want["inputs"])
+        np.testing.assert_array_equal(got["targets"], want["targets"])

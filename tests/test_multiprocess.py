@@ -104,8 +104,9 @@ def test_a_mesh_over_two_processes_resumes_and_equals_one_process(tmp_path):
     """(workers=2, fsdp=4) over 2 processes of 4 devices (one worker a process, its matrix
     split over that process's 4 devices): 2 checkpointed rounds, then a resume that runs the
     third, equal to 3 rounds on this process's 8 devices in one go; and the same 3 rounds
-    with `process_local_data=True`, each process passing only its own worker's batches; and
-    with the outer state split over the two processes' workers (ZeRO-1)."""
+    with `process_local_data=True`, each process passing only its own worker's batches (host
+    batches, or a Sampler holding that worker's rounds); and with the outer state split over
+    the two processes' workers (ZeRO-1)."""
     sys.path.insert(0, str(HERE))
     from multiprocess_main import train_on_mesh
 
@@ -114,14 +115,14 @@ def test_a_mesh_over_two_processes_resumes_and_equals_one_process(tmp_path):
     local = train_on_mesh(jax.devices())
     assert sorted(p0) == sorted(local) == [
         "history", "local_b", "local_w", "mesh_b", "mesh_inner_trace_w", "mesh_start_round",
-        "mesh_w", "split_b", "split_w",
+        "mesh_w", "sampled_b", "sampled_w", "split_b", "split_w",
     ]  # fmt: skip
     # The second launch call resumed: its data started at round 2, from checkpoint 2.
     assert list(p0["mesh_start_round"]) == [2] and list(local["mesh_start_round"]) == [0]
     assert "2" in os.listdir(tmp_path / "ckpt")
     assert local["mesh_inner_trace_w"].shape == (2, 8, 4)
     for key in ("mesh_w", "mesh_b", "mesh_inner_trace_w", "local_w", "local_b", "split_w",
-                "split_b"):  # fmt: skip
+                "split_b", "sampled_w", "sampled_b"):  # fmt: skip
         np.testing.assert_array_equal(p0[key], p1[key], err_msg=key)
         np.testing.assert_allclose(p0[key], local[key], rtol=1e-6, atol=1e-7, err_msg=key)
     # Fed per process (each its own worker's batches), the run is the one fed whole; with the
@@ -129,6 +130,7 @@ def test_a_mesh_over_two_processes_resumes_and_equals_one_process(tmp_path):
     for key in ("w", "b"):
         np.testing.assert_array_equal(p0[f"local_{key}"], p0[f"mesh_{key}"], err_msg=key)
         np.testing.assert_allclose(p0[f"split_{key}"], p0[f"mesh_{key}"], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(p0[f"sampled_{key}"], p0[f"mesh_{key}"], rtol=1e-6, atol=1e-7)
     h0, hl = json.loads(str(p0["history"])), json.loads(str(local["history"]))
     assert [e["round"] for e in h0] == [e["round"] for e in hl] == [0, 1, 2]
     for e0, el in zip(h0, hl, strict=True):

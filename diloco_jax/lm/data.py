@@ -512,8 +512,11 @@ def sample_batch(
     # randint's maxval is exclusive: offsets in [0, length - L - 1] keep windows in range.
     maxval = jnp.maximum(length - seq_len, 1)
     offsets_B = jax.random.randint(key, (batch_size,), 0, maxval, dtype=jnp.int32)
-    window = lambda s: jax.lax.dynamic_slice(tokens_N, (s,), (seq_len + 1,))
-    windows_BxL1 = jax.vmap(window)(start + offsets_B).astype(jnp.int32)
+    # An elementwise gather, not a dynamic_slice per window: with the stream split over a
+    # worker's devices, XLA reads each token where it lives and all-reduces the B x (L + 1)
+    # batch, where a window slice would first gather the whole stream onto every device.
+    index_BxL1 = (start + offsets_B)[:, None] + jnp.arange(seq_len + 1, dtype=jnp.int32)
+    windows_BxL1 = tokens_N[index_BxL1].astype(jnp.int32)
     return {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
 
 

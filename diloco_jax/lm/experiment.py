@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from diloco_jax.async_train import async_schedule, train_async
 from diloco_jax.lm import data as data_lib
@@ -102,33 +103,58 @@ def load_corpus(cfg: RunConfig) -> Corpus:
     return Corpus(train_tokens, doc_starts, evals, info)
 
 
-def sample_windows(batch_size: int, seq_len: int, arrays, round_index, worker, step):
-    """A `Sampler` function: B random windows of L + 1 tokens from worker `worker`'s shard
-    (arrays "tokens", "starts", "lengths", "key"), keyed by (round, worker, step)."""
+def sample_windows(batch_size: int, seq_len: int, arrays, round_index, worker, step, mine=None):
+    """A `Sampler` function: B random windows of L + 1 tokens from worker `worker`'s shard,
+    keyed by (round, worker, step). The shard is `arrays["tokens"]` from `arrays["starts"]`
+    (every worker reading one stream), or with `mine` its own stream `mine["tokens"]` from 0;
+    `arrays["lengths"]` holds each shard's length and `arrays["key"]` the base key."""
     key = data_lib.batch_key(arrays["key"], round_index, worker, step)
-    return data_lib.sample_batch(
-        arrays["tokens"],
-        arrays["starts"][worker],
-        arrays["lengths"][worker],
-        key,
-        batch_size,
-        seq_len,
+    tokens, start = (
+        (arrays["tokens"], arrays["starts"][worker])
+        if mine is None
+        else (mine["tokens"], jnp.int32(0))
     )
+    return data_lib.sample_batch(tokens, start, arrays["lengths"][worker], key, batch_size, seq_len)
 
 
 def make_sampler(cfg: RunConfig, corpus: Corpus, num_workers: int, salt: int) -> Sampler:
     """In-graph windows of the train stream for `num_workers` workers (cfg.sharding), keyed by
-    (seed, salt, round, worker, step); the token stream is uploaded once."""
+    (seed, salt, round, worker, step). "iid": one stream every worker reads; "non_iid": each
+    worker's shard is its row of `worker_arrays` (zero-padded to the longest, never read),
+    stored on its own devices only. Under cfg.mesh each stream is split over a worker's
+    devices (all its non-worker axes), so a device holds 1 / (their size) of it. The draws
+    are the same tokens in every layout."""
     starts, lengths = data_lib.worker_shards(
         corpus.doc_starts, len(corpus.train_tokens), num_workers, cfg.sharding, cfg.seq_len
     )
+    sample = functools.partial(sample_windows, cfg.batch_size, cfg.seq_len)
     arrays = {
-        "tokens": jnp.asarray(corpus.train_tokens),
         "starts": jnp.asarray(starts),
         "lengths": jnp.asarray(lengths),
         "key": jax.random.fold_in(jax.random.key(cfg.seed), salt),
     }
-    return Sampler(arrays, functools.partial(sample_windows, cfg.batch_size, cfg.seq_len))
+    inside = [] if cfg.mesh is None else [
+        (name, size) for name, size in mesh_axes(cfg, num_workers) if name != WORKER_AXIS
+    ]  # fmt: skip
+    within = math.prod(size for _, size in inside)
+    stream = P(tuple(name for name, _ in inside)) if inside else P()
+    if cfg.sharding == "iid" or num_workers == 1:
+        arrays["tokens"] = _padded(corpus.train_tokens, within)
+        specs = {name: stream if name == "tokens" else P() for name in arrays}
+        return Sampler(arrays, sample, sharding=specs)
+    rows = [corpus.train_tokens[s : s + n] for s, n in zip(starts, lengths, strict=True)]
+    width = -(-max(len(r) for r in rows) // within) * within
+    tokens_MxN = np.zeros((num_workers, width), corpus.train_tokens.dtype)
+    for m, row in enumerate(rows):
+        tokens_MxN[m, : len(row)] = row
+    return Sampler(arrays, sample, worker_arrays={"tokens": tokens_MxN}, worker_sharding=stream)
+
+
+def _padded(tokens_N: np.ndarray, multiple: int) -> np.ndarray:
+    """tokens_N zero-padded at the end to a multiple of `multiple` (the pad is never read:
+    windows stay inside each shard)."""
+    pad = -len(tokens_N) % multiple
+    return np.concatenate([tokens_N, np.zeros(pad, tokens_N.dtype)]) if pad else tokens_N
 
 
 def make_eval_fn(loss_fn: Callable, corpus: Corpus) -> Callable[[Any], dict[str, jax.Array]]:
