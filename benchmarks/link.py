@@ -1,12 +1,13 @@
 """Measured on a shaped link: M training processes (JAX's multi-process runtime, gloo CPU
-collectives over TCP, one device each) in a network namespace whose loopback has a known
-rate and delay; wall-clock per round against `diloco_jax.netsim`'s prediction, for data
-parallelism and five DiLoCo methods. See benchmarks/README.md, "link.py".
+collectives over TCP, one device each), each in a network namespace of its own, linked by
+devices of a known rate and delay; wall-clock per round against `diloco_jax.netsim`'s
+prediction, for data parallelism and five DiLoCo methods. See benchmarks/README.md,
+"link.py".
 
     sudo .venv/bin/python benchmarks/link.py [--quick] [--links 1gbit:5ms,100mbit:20ms,10mbit:50ms]
         [--methods dp,diloco,streaming,int4,sparseloco,eager] [--preset tiny] [--batch-size 8]
         [--workers 2] [--rounds 4] [--dp-steps 4] [--cycles 2] [--inner-steps H] [--mtu 1500]
-        [--delay-impl auto|netem|nfqueue] [--out benchmarks/results/link.json] [--plot PATH]
+        [--delay-impl auto|netem|relay] [--out benchmarks/results/link.json] [--plot PATH]
         [--workdir DIR] [--reanalyze DIR]
 
     # several hosts, no shaping (the real link between them), on host I of N:
@@ -14,14 +15,15 @@ parallelism and five DiLoCo methods. See benchmarks/README.md, "link.py".
         --num-processes N --process-id I [--platform cpu] [--out PATH]
 
 A link is RATE:DELAY[:LOSS], e.g. 100mbit:20ms or 10mbit:50ms:0.1%. RATE is each worker's
-uplink (its packets, TCP/IP headers included; every worker has its own: HTB classes keyed by
-the sending process's group id); DELAY is one way (a round trip is 2 x DELAY: each packet
-crosses the shaping once). Needs root, `ip` and `tc` (iproute2) and `iptables`. The delay
-is netem's where the kernel has it, else a user-space NFQUEUE delay line (link_worker.py).
+uplink (its packets, TCP/IP headers included: an HTB class on the worker's own device);
+DELAY is one way (a round trip is 2 x DELAY). Needs root, `ip` and `tc` (iproute2) and tun
+devices. Worker k has the address 127.0.1.(k + 1) on a tun device in its namespace; a relay
+process (link_worker.py) carries packets between the devices and holds each for the delay,
+unless the kernel has `netem`, which then holds it under the HTB class.
 
 Each method is one `train_diloco` / `train_sync` call whose rounds run in blocks of
 `--rounds` (data parallelism: `--dp-steps` steps, a "round" being one step), block by block
-on the unshaped loopback (its compute time) and each link, forwards then backwards
+on the unshaped link (its compute time) and each shaped one, forwards then backwards
 (`--cycles`), process 0 switching the link between blocks; a figure is the median of a
 phase's rounds, less the first of each block. The prediction is
 `netsim.predict_round_seconds` from the unshaped round time, the link and the collectives of
@@ -47,18 +49,31 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from link_worker import switch_link
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "link_worker.py"
 DEFAULT_OUT = HERE / "results" / "link.json"
 DEFAULT_LINKS = "1gbit:5ms,100mbit:20ms,10mbit:50ms"
 QUICK_LINKS = "100mbit:20ms,10mbit:50ms"
-TOOLS = ("ip", "tc", "iptables")
+TOOLS = ("ip", "tc")
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
-GID_BASE = 46000  # worker k's packets carry group id GID_BASE + k: its HTB class
-CLASS_BASE = 10  # worker k's uplink is HTB class 1:(CLASS_BASE + k)
-OTHER_CLASS = 99  # packets no worker owns (handshake replies): the same rate
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec NAME` mounts NAME's files here over /etc
 COORDINATOR_PORT = 47001  # a fresh namespace has every port free
+
+
+def tun_prefix(pid: int) -> str:
+    """The tun devices of link.py's process `pid` are named this + k (unique on the host,
+    within the 15 characters of a device name)."""
+    return f"dj{pid % 10**6}w"
+
+
+def worker_address(k: int) -> str:
+    """Worker k's address: on its tun device, inside its own namespace (the loopback range:
+    nothing leaves the machine)."""
+    return f"127.0.1.{k + 1}"
+
 
 # name -> (label, kind, inner steps, train_diloco keyword shorthand)
 METHODS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
@@ -112,7 +127,7 @@ def parse_link(text: str) -> LinkSpec:
 
 
 # --------------------------------------------------------------------------------------
-# The namespace and its shaping.
+# The namespaces, the relay between them and the shaping.
 
 
 def tool(name: str) -> str | None:
@@ -121,12 +136,14 @@ def tool(name: str) -> str | None:
 
 
 def requirements_problem() -> str | None:
-    """Why this machine can't shape a namespace (one line), or None."""
+    """Why this machine can't shape a link (one line), or None."""
     if os.geteuid() != 0:
-        return "needs root (network namespaces, tc and iptables)"
+        return "needs root (network namespaces, tun devices and tc)"
     missing = [t for t in TOOLS if tool(t) is None]
     if missing:
-        return f"needs {', '.join(missing)} (packages iproute2, iptables)"
+        return f"needs {', '.join(missing)} (package iproute2)"
+    if not os.path.exists("/dev/net/tun"):
+        return "needs tun devices (/dev/net/tun)"
     name = f"djlinkcheck{os.getpid()}"
     made = subprocess.run([tool("ip"), "netns", "add", name], capture_output=True, text=True)
     if made.returncode != 0:
@@ -135,68 +152,108 @@ def requirements_problem() -> str | None:
     return None
 
 
-def link_commands(link: LinkSpec | None, workers: int, netem: bool, queue: int) -> list[list[str]]:
-    """The commands (run inside the namespace) that put `link` on its loopback, after
-    removing whatever shaping was there; None: no shaping. An HTB class of `link.rate` per
-    worker (and one for packets no worker owns), each with a netem leaf holding the delay,
-    or a plain FIFO leaf and the NFQUEUE rule that sends arriving packets to the delay
-    line's `queue`."""
-    commands = ["tc qdisc del dev lo root".split(), "iptables -t mangle -F PREROUTING".split()]
-    if link is None:
-        return commands
-    commands.append(f"tc qdisc add dev lo root handle 1: htb default {OTHER_CLASS}".split())
-    rate = f"{link.rate:.0f}bit"
-    for c in [CLASS_BASE + k for k in range(workers)] + [OTHER_CLASS]:
+def link_commands(
+    link: LinkSpec | None, namespaces: list[str], device: str, netem: bool
+) -> list[list[str]]:
+    """The tc commands that put `link` on every worker's uplink (its tun device `device` in
+    its namespace), after removing whatever shaping was there; None: no shaping. Per
+    uplink an HTB class of `link.rate` over a netem leaf holding the delay and loss, or,
+    without netem, a plain FIFO (the relay then holds the delay, `relay_setting`)."""
+    commands = []
+    for ns in namespaces:
+        tc, dev = ["tc", "-n", ns], ["dev", device]
+        commands.append([*tc, "qdisc", "del", *dev, "root"])
+        if link is None:
+            continue
+        rate = f"{link.rate:.0f}bit"
+        commands.append([*tc, "qdisc", "add", *dev, *"root handle 1: htb default 1".split()])
         commands.append(
-            f"tc class add dev lo parent 1: classid 1:{c} htb rate {rate} ceil {rate} "
-            "quantum 60000".split()
+            [*tc, "class", "add", *dev, *"parent 1: classid 1:1 htb".split()]
+            + ["rate", rate, "ceil", rate, "quantum", "60000"]
         )
-        leaf = f"tc qdisc add dev lo parent 1:{c} handle {c}:".split()
+        leaf = [*tc, "qdisc", "add", *dev, *"parent 1:1 handle 10:".split()]
         if netem:
             leaf += f"netem delay {link.delay * 1e6:.0f}us limit 100000".split()
             leaf += ["loss", f"{link.loss * 100:g}%"] if link.loss else []
         else:
             leaf += "pfifo limit 100000".split()
         commands.append(leaf)
-    if not netem:  # the delay line holds packets on their way in
-        commands.append(
-            f"iptables -t mangle -A PREROUTING -i lo -j NFQUEUE --queue-num {queue}".split()
-        )
     return commands
 
 
-def classify_commands(workers: int) -> list[list[str]]:
-    """iptables rules giving worker k's packets (its group id) HTB class 1:(CLASS_BASE + k)."""
-    return [
-        f"iptables -t mangle -A POSTROUTING -o lo -m owner --gid-owner {GID_BASE + k} "
-        f"-j CLASSIFY --set-class 1:{CLASS_BASE + k}".split()
-        for k in range(workers)
-    ]
+def relay_setting(link: LinkSpec | None, netem: bool) -> tuple[float, float]:
+    """(one-way delay s, loss) the relay adds to each packet: the link's, unless netem does."""
+    if link is None or netem:
+        return 0.0, 0.0
+    return link.delay, link.loss
 
 
-class Namespace:
-    """A network namespace with the loopback up, torn down (its processes, itself, its
-    /etc/netns files) by `close`, which `namespace()` calls on any exit."""
+class Network:
+    """One network namespace per worker, each holding a tun device with the worker's address
+    (`worker_address`); a relay process (`link_worker.py relay`) moves packets between the
+    tun devices: every packet between two workers leaves its sender's namespace through the
+    tun device, where tc shapes it (the sender's uplink), and reaches the receiver's after
+    the relay's delay. `close` (which `network()` calls on any exit) ends the processes and
+    removes the namespaces (their devices with them) and their /etc/netns files."""
 
-    def __init__(self, name: str, mtu: int):
-        self.name = name
+    def __init__(self, tag: str, workers: int, control: Path):
+        self.names = [f"{tag}-{k}" for k in range(workers)]
+        self.device = "djlink"  # each worker's tun device, inside its namespace
+        self.control = control  # the relay's UNIX socket (`relay_setting`)
         self.processes: list[subprocess.Popen] = []
-        self.etc = Path("/etc/netns") / name
-        self._run([tool("ip"), "netns", "add", name])
-        self.exec(["ip", "link", "set", "lo", "up", "mtu", str(mtu)])
-        # Long-haul TCP tuning: no slow start after the compute phase's idle link, windows
-        # and host queues large enough for the bandwidth-delay product.
-        buffers = "4096 131072 67108864"
-        self.exec(
-            "sysctl -q -w net.ipv4.tcp_slow_start_after_idle=0".split()
-            + ["net.ipv4.tcp_limit_output_bytes=67108864"]
-            + [f"net.ipv4.tcp_rmem={buffers}", f"net.ipv4.tcp_wmem={buffers}"]
-        )
-        # `ip netns exec` mounts these over /etc: the host's name must resolve to the
-        # loopback, where gloo's listening sockets go, whatever it resolves to outside.
-        self.etc.mkdir(parents=True, exist_ok=True)
+        self.made: list[str] = []
+        self.made_etc = not ETC_NETNS.exists()
+
+    def start(self, mtu: int) -> None:
+        for name in self.names:
+            self._run([tool("ip"), "netns", "add", name])
+            self.made.append(name)
+        # The relay makes the tun devices in this namespace, named after the pid (unique
+        # here); each then moves into its worker's namespace, the relay keeping its end.
+        tuns = [f"{tun_prefix(os.getpid())}{k}" for k in range(len(self.names))]
+        argv = [sys.executable, str(WORKER), "relay", "--control", str(self.control)]
+        for k, tun in enumerate(tuns):
+            argv += ["--tun", f"{tun}={worker_address(k)}"]
+        relay = self._spawn(argv, stdout=subprocess.PIPE, text=True)
+        wait_ready(relay, "the relay")
         hostname = os.uname().nodename
-        (self.etc / "hosts").write_text(f"127.0.0.1 localhost {hostname}\n")
+        for k, (name, tun) in enumerate(zip(self.names, tuns, strict=True)):
+            self._run([tool("ip"), "link", "set", tun, "netns", name])
+            self._run([tool("ip"), "-n", name, "link", "set", tun, "name", self.device])
+            self._configure(name, worker_address(k), mtu)
+            # `ip netns exec` mounts these over /etc: the host's name resolves to the
+            # worker's own address, where gloo's listening sockets go.
+            etc = ETC_NETNS / name
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{worker_address(k)} {hostname}\n")
+
+    def _configure(self, name: str, address: str, mtu: int) -> None:
+        dev = self.device
+        # Addresses of the loopback range may cross a non-loopback device only with
+        # route_localnet (set before the address, or the kernel picks no source for it);
+        # long-haul TCP tuning: no slow start after the compute phase's idle link, windows
+        # and host queues large enough for the bandwidth-delay product.
+        settings = {
+            "net/ipv4/conf/all/route_localnet": 1,
+            f"net/ipv4/conf/{dev}/route_localnet": 1,
+            "net/ipv4/conf/all/rp_filter": 0,
+            f"net/ipv4/conf/{dev}/rp_filter": 0,
+            f"net/ipv6/conf/{dev}/disable_ipv6": 1,
+            "net/ipv4/tcp_slow_start_after_idle": 0,
+            "net/ipv4/tcp_limit_output_bytes": 67108864,
+            "net/ipv4/tcp_rmem": "4096 131072 67108864",
+            "net/ipv4/tcp_wmem": "4096 131072 67108864",
+        }
+        script = "; ".join(f"echo '{v}' > /proc/sys/{k}" for k, v in settings.items())
+        self._run([tool("ip"), "netns", "exec", name, "sh", "-ec", script])
+        ip = [tool("ip"), "-n", name]
+        self._run([*ip, "link", "set", "lo", "up"])
+        self._run([*ip, "link", "set", dev, "up", "mtu", str(mtu), "txqueuelen", "10000"])
+        self._run([*ip, "addr", "add", f"{address}/32", "dev", dev])
+        self._run([*ip, "route", "add", f"{worker_address(0).rsplit('.', 1)[0]}.0/24", "dev", dev])
+        # The loopback owns all of 127/8 by default: keep only 127.0.0.1 local, so the other
+        # workers' addresses route through the tun device.
+        self._run([*ip, "route", "del", "local", "127.0.0.0/8", "dev", "lo", "table", "local"])
 
     @staticmethod
     def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -205,34 +262,27 @@ class Namespace:
             raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
         return done
 
-    def prefix(self) -> list[str]:
-        return [tool("ip"), "netns", "exec", self.name]
-
-    def exec(self, argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
-        return self._run(self.prefix() + argv, check)
-
-    def apply(self, commands: list[list[str]]) -> None:
-        for argv in commands:
-            optional = argv[:3] == ["tc", "qdisc", "del"] or "-F" in argv
-            self.exec(argv, check=not optional)
+    def switch(self, phase: dict) -> None:
+        """Puts a phase's link on (`link_worker.switch_link` does it from a worker)."""
+        switch_link(phase)
 
     def has_netem(self) -> bool:
-        probe = self.exec("tc qdisc add dev lo root netem delay 1ms".split(), check=False)
-        self.exec("tc qdisc del dev lo root".split(), check=False)
+        tc = [tool("tc"), "-n", self.names[0]]
+        probe = self._run(
+            [*tc, *f"qdisc add dev {self.device} root netem delay 1ms".split()], False
+        )
+        self._run([*tc, "qdisc", "del", "dev", self.device, "root"], check=False)
         return probe.returncode == 0
 
-    def spawn(self, argv: list[str], gid: int | None = None, **kwargs: Any) -> subprocess.Popen:
-        """Starts `argv` inside the namespace (as group `gid`: its packets' HTB class), in
-        its own process group so `close` can end it and its children."""
-        proc = subprocess.Popen(
-            self.prefix() + argv,
-            group=gid,
-            extra_groups=[] if gid else None,
-            start_new_session=True,
-            **kwargs,
-        )
+    def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+        # Its own process group, so `close` can end it and its children.
+        proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
         self.processes.append(proc)
         return proc
+
+    def spawn(self, worker: int, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+        """Starts `argv` inside worker `worker`'s namespace."""
+        return self._spawn([tool("ip"), "netns", "exec", self.names[worker], *argv], **kwargs)
 
     def close(self) -> None:
         for proc in self.processes:
@@ -241,28 +291,31 @@ class Namespace:
                     os.killpg(proc.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10)
-        self._run([tool("ip"), "netns", "del", self.name], check=False)
-        shutil.rmtree(self.etc, ignore_errors=True)
+        for name in self.made:
+            self._run([tool("ip"), "netns", "del", name], check=False)
+            shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
+        if self.made_etc:
+            with contextlib.suppress(OSError):
+                ETC_NETNS.rmdir()
+        with contextlib.suppress(FileNotFoundError):
+            self.control.unlink()
 
 
 @contextlib.contextmanager
-def namespace(name: str, mtu: int) -> Iterator[Namespace]:
-    """A Namespace, torn down on any exit, Ctrl-C and SIGTERM / SIGHUP included."""
+def network(tag: str, workers: int, mtu: int, control: Path) -> Iterator[Network]:
+    """A started Network, torn down on any exit (a failed start, Ctrl-C and SIGTERM /
+    SIGHUP included)."""
 
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
-    ns = None
+    net = Network(tag, workers, control)
     try:
-        ns = Namespace(name, mtu)
-        yield ns
+        net.start(mtu)
+        yield net
     finally:
-        if ns is not None:
-            ns.close()
-        else:  # failed half-way through creating it
-            subprocess.run([tool("ip"), "netns", "del", name], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+        net.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -293,23 +346,14 @@ def python_env(dump_dir: Path | None = None, platform: str = "cpu") -> dict[str,
     return {**env, "XLA_FLAGS": flags, "JAX_PLATFORMS": platform, "PYTHONPATH": path}
 
 
-def probe_link(ns: Namespace, link: LinkSpec, port: int) -> dict[str, float]:
+def probe_link(net: Network, link: LinkSpec, port: int) -> dict[str, float]:
     """The link as packets see it: round trip of a 1-byte message, rate of a bulk transfer
-    from worker 0's group to worker 1's."""
-    server = ns.spawn(
-        [sys.executable, str(WORKER), "probe", "--port", str(port), "--serve"],
-        gid=GID_BASE + 1,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    from worker 0 to worker 1."""
+    probe = [sys.executable, str(WORKER), "probe", "--host", worker_address(1), "--port", str(port)]
+    server = net.spawn(1, [*probe, "--serve"], stdout=subprocess.PIPE, text=True)
     wait_ready(server, "link probe")
     size = max(256 << 10, int(link.rate / 8 * 0.5))  # about half a second of data
-    client = ns.spawn(
-        [sys.executable, str(WORKER), "probe", "--port", str(port), "--bytes", str(size)],
-        gid=GID_BASE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    client = net.spawn(0, [*probe, "--bytes", str(size)], stdout=subprocess.PIPE, text=True)
     out, _ = client.communicate(timeout=120)
     server.wait(timeout=30)
     return json.loads(out)
@@ -332,14 +376,14 @@ def method_specs(names: list[str], rounds: int, dp_steps: int, inner: int | None
 
 
 def run_workers(
-    ns: Namespace | None, args: Any, config: dict, workdir: Path, timeout: float
+    net: Network | None, args: Any, config: dict, workdir: Path, timeout: float
 ) -> dict[str, Any]:
-    """Starts the M training processes (in `ns`, or here for a multi-host run) and returns
-    process 0's results."""
-    local = ns is not None
+    """Starts the M training processes (each in its namespace of `net`, or one here for a
+    multi-host run) and returns process 0's results."""
+    local = net is not None
     ids = range(args.workers) if local else [args.process_id]
     num = args.workers if local else args.num_processes
-    coordinator = f"127.0.0.1:{COORDINATOR_PORT}" if local else args.coordinator
+    coordinator = f"{worker_address(0)}:{COORDINATOR_PORT}" if local else args.coordinator
     procs = []
     for k in ids:
         cfg = dict(config, hlo_dir=config["hlo_dir"] if k == 0 else None)
@@ -350,7 +394,7 @@ def run_workers(
         log = open(workdir / f"worker-{k}.log", "w")  # noqa: SIM115 (closed with the run)
         kwargs = dict(env=env, stdout=log, stderr=subprocess.STDOUT)
         if local:
-            procs.append((ns.spawn(argv, gid=GID_BASE + k, **kwargs), log))
+            procs.append((net.spawn(k, argv, **kwargs), log))
         else:
             procs.append((subprocess.Popen(argv, **kwargs), log))
     deadline = time.monotonic() + timeout
@@ -644,7 +688,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--inner-steps", type=int, default=None, help="override every H")
     parser.add_argument("--mtu", type=int, default=1500)
-    parser.add_argument("--delay-impl", default="auto", choices=["auto", "netem", "nfqueue"])
+    parser.add_argument("--delay-impl", default="auto", choices=["auto", "netem", "relay"])
     parser.add_argument("--timeout", type=float, default=None, help="seconds for all runs")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
@@ -682,7 +726,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # tc, ip, iptables and sysctl run by name inside the namespace (and in the workers).
+    # tc and ip run by name (here and in the workers).
     os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), *SBIN])
     links = [] if args.links == "none" else [parse_link(t) for t in args.links.split(",")]
     if args.coordinator is None and args.reanalyze is None:
@@ -801,30 +845,30 @@ def cluster_row(method: str, run: dict, context: dict) -> dict:
 def run_shaped(
     args: Any, links: list[LinkSpec], run_config: dict, workdir: Path
 ) -> tuple[dict, str, str]:
-    """The single-host run: a namespace, its links (probed), the workers; torn down after."""
-    name = f"djlink{os.getpid()}"
-    with namespace(name, args.mtu) as ns:
-        netem = ns.has_netem() if args.delay_impl != "nfqueue" else False
+    """The single-host run: the workers' namespaces, their links (probed), the workers; torn
+    down after."""
+    tag = f"djlink{os.getpid()}"
+    control = Path(tempfile.gettempdir()) / f"{tag}.sock"  # short: a UNIX socket's path
+    with network(tag, args.workers, args.mtu, control) as net:
+        netem = net.has_netem() if args.delay_impl != "relay" else False
         if args.delay_impl == "netem" and not netem:
             raise SystemExit("link.py: --delay-impl netem, but this kernel has no netem qdisc")
-        ns.apply(classify_commands(args.workers))
-        if not netem and links:
-            queues = [f"--queue={q + 1}:{x.delay * 1e3:g}:{x.loss:g}" for q, x in enumerate(links)]
-            line = ns.spawn(
-                [sys.executable, str(WORKER), "delay", *queues], stdout=subprocess.PIPE, text=True
-            )
-            wait_ready(line, "delay line")
-        phases = [{"name": "none", "commands": link_commands(None, args.workers, netem, 0)}]
+
+        def phase(name: str, link: LinkSpec | None) -> dict:
+            commands = link_commands(link, net.names, net.device, netem)
+            relay = relay_setting(link, netem)
+            return {"name": name, "commands": commands, "relay": relay, "control": str(control)}
+
+        phases = [phase("none", None)]
         probes = {}
         for q, link in enumerate(links):
-            commands = link_commands(link, args.workers, netem, q + 1)
-            ns.apply(commands)
-            probes[link.name] = probe_link(ns, link, 48000 + q)
-            phases.append({"name": link.name, "commands": commands})
-        ns.apply(phases[0]["commands"])
+            phases.append(phase(link.name, link))
+            net.switch(phases[-1])
+            probes[link.name] = probe_link(net, link, 48000 + q)
+        net.switch(phases[0])
         run_config |= {"phases": phases, "schedule": schedule(len(phases), args.cycles)}
-        run_workers(ns, args, run_config, workdir, args.timeout)
-    return probes, "netem" if netem else "nfqueue", name
+        run_workers(net, args, run_config, workdir, args.timeout)
+    return probes, "netem" if netem else "relay", tag
 
 
 if __name__ == "__main__":

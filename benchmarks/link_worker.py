@@ -1,28 +1,30 @@
-"""The processes `link.py` starts inside its network namespace; not meant to be run by hand.
+"""The processes `link.py` starts; not meant to be run by hand.
 
-    python link_worker.py delay --queue NUM:DELAY_MS:LOSS [--queue ...]
-    python link_worker.py probe --port P (--serve | --bytes N)
+    python link_worker.py relay --tun NAME=IPV4 [--tun ...] --control SOCKET
+    python link_worker.py probe --host IPV4 --port P (--serve | --bytes N)
     python link_worker.py train --coordinator HOST:PORT --num-processes M --process-id I
         --config JSON --out PATH
 
-- `delay`: a delay line for kernels without `netem` (the qdisc that usually adds delay): it
-  takes every packet the namespace's netfilter PREROUTING hook queues to it (NFQUEUE, over a
-  plain netlink socket) and hands each back DELAY_MS after it arrived, in arrival order,
-  dropping a fraction LOSS if asked. Every loopback packet crosses PREROUTING once, so the
-  delay is one-way and a round trip is 2 x DELAY_MS, as with netem on the loopback. It
-  holds packets on the receiving side, where the sender's socket no longer owns them: held
-  on the sending side they would count against TCP's small-queue limit (about a
-  millisecond of data in the host) and cap the rate far below the link's.
+- `relay`: the wire between the workers' namespaces. It makes one tun device per worker
+  (link.py moves each into its worker's namespace, where it carries the worker's address)
+  and moves every packet a worker sends to the device of the packet's destination, after
+  the link's one-way delay, dropping a fraction of them if the link loses packets (set on
+  the UNIX socket SOCKET at each switch of the link). tc shapes each worker's uplink on its
+  own tun device, before the relay; where the kernel has `netem`, netem holds the delay
+  there and the relay adds none. A packet handed to a tun device leaves its sender's
+  socket (tun orphans it), so the delay does not count against TCP's small-queue limit.
 - `probe`: a TCP echo / bulk sender that measures the shaped link itself (round trip of a
   small message, rate of a bulk transfer), so each table row says what the packets saw.
 - `train`: one JAX process of the multi-process run (gloo CPU collectives); trains every
   method of `--config` once, in blocks of rounds on the links of its schedule (the unshaped
-  loopback and each shaped link, interleaved; process 0 switches the shaping between
-  blocks), and writes the time each round's history entry was recorded to `--out`.
+  link and each shaped one, interleaved; process 0 switches the shaping between blocks),
+  and writes the time each round's history entry was recorded to `--out`.
 """
 
 import argparse
 import collections
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -35,123 +37,73 @@ from pathlib import Path
 from typing import Any
 
 # --------------------------------------------------------------------------------------
-# The NFQUEUE delay line (netlink constants from linux/netfilter/nfnetlink_queue.h).
+# The relay between the workers' namespaces.
 
-NETLINK_NETFILTER = 12
-SOL_NETLINK = 270
-NETLINK_NO_ENOBUFS = 5
-NFNL_SUBSYS_QUEUE = 3
-MSG_PACKET, MSG_VERDICT, MSG_CONFIG, MSG_VERDICT_BATCH = 0, 1, 2, 3
-CFG_CMD, CFG_PARAMS, CFG_QUEUE_MAXLEN, CFG_MASK, CFG_FLAGS = 1, 2, 3, 4, 5
-CFG_F_GSO = 4  # hand over segmentation-offload packets whole (no per-segment copies)
-CMD_BIND = 1
-COPY_META = 1  # the packet's metadata (its id), not its payload: the delay needs no more
-ATTR_PACKET_HDR, ATTR_VERDICT_HDR = 1, 2
-NF_DROP, NF_ACCEPT = 0, 1
-NLM_F_REQUEST, NLM_F_ACK = 1, 4
-NLMSG_ERROR = 2
-QUEUE_MAXLEN = 65536  # packets held at once: far above what the links here keep in flight
+TUNSETIFF = 0x400454CA  # linux/if_tun.h
+IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 
 
-def _attr(kind: int, payload: bytes) -> bytes:
-    data = struct.pack("=HH", 4 + len(payload), kind) + payload
-    return data + b"\0" * (-len(data) % 4)
+def open_tun(name: str) -> int:
+    """A new tun device `name` (IP packets, no extra header) and its non-blocking fd; the
+    device lives as long as the fd."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
+    return fd
 
 
-def _message(kind: int, queue: int, attrs: bytes, flags: int = NLM_F_REQUEST) -> bytes:
-    body = struct.pack("=BB", socket.AF_UNSPEC, 0) + struct.pack(">H", queue) + attrs
-    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | kind, flags, 0, 0) + (
-        body
-    )
-
-
-def _check_ack(sock: socket.socket) -> None:
-    data = sock.recv(65536)
-    kind = struct.unpack_from("=H", data, 4)[0]
-    if kind == NLMSG_ERROR:
-        errno = -struct.unpack_from("=i", data, 16)[0]
-        if errno:
-            raise OSError(errno, f"nfqueue config: {os.strerror(errno)}")
-
-
-def open_queues(queues: list[int]) -> socket.socket:
-    """A netlink socket bound to each NFQUEUE of `queues`, copying packet metadata only."""
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    sock.bind((0, 0))
-    sock.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE (root): bursts fit
-    sock.setsockopt(SOL_NETLINK, NETLINK_NO_ENOBUFS, 1)
-    cmd = struct.pack("=BB", CMD_BIND, 0) + struct.pack(">H", socket.AF_INET)
-    gso = _attr(CFG_FLAGS, struct.pack(">I", CFG_F_GSO))
-    gso += _attr(CFG_MASK, struct.pack(">I", CFG_F_GSO))
-    for queue in queues:
-        for attrs in (
-            _attr(CFG_CMD, cmd),
-            _attr(CFG_PARAMS, struct.pack(">IB", 0, COPY_META)),
-            _attr(CFG_QUEUE_MAXLEN, struct.pack(">I", QUEUE_MAXLEN)),
-            gso,
-        ):
-            sock.send(_message(MSG_CONFIG, queue, attrs, NLM_F_REQUEST | NLM_F_ACK))
-            _check_ack(sock)
-    return sock
-
-
-def _packets(data: bytes) -> list[tuple[int, int]]:
-    """(queue, packet id) of each queued packet in one recv's netlink messages."""
-    out, offset = [], 0
-    while offset + 20 <= len(data):
-        length, kind = struct.unpack_from("=IH", data, offset)
-        if length < 20:
-            break
-        if kind & 0xFF == MSG_PACKET:
-            queue = struct.unpack_from(">H", data, offset + 18)[0]
-            pos, end = offset + 20, offset + length  # after nlmsghdr and nfgenmsg
-            while pos + 4 <= end:
-                alen, akind = struct.unpack_from("=HH", data, pos)
-                if akind & 0x7FFF == ATTR_PACKET_HDR:
-                    out.append((queue, struct.unpack_from(">I", data, pos + 4)[0]))
-                    break
-                pos += (alen + 3) & ~3
-        offset += (length + 3) & ~3
-    return out
-
-
-def _verdict(sock: socket.socket, queue: int, kind: int, verdict: int, packet: int) -> None:
-    sock.send(_message(kind, queue, _attr(ATTR_VERDICT_HDR, struct.pack(">II", verdict, packet))))
-
-
-def run_delay_line(queues: dict[int, tuple[float, float]]) -> None:
-    """For each NFQUEUE q -> (delay_s, loss): holds every packet queued to q delay_s seconds,
-    then accepts it (all of a queue's due packets by one batch verdict: ids rise in arrival
-    order); drops a fraction `loss` on arrival."""
-    sock = open_queues(list(queues))
-    rng = random.Random(0)
-    held = {q: collections.deque() for q in queues}
-    try:  # a late verdict is extra delay: run ahead of the training processes
+def run_relay(tuns: dict[str, str], control: str) -> None:
+    """Makes a tun device per worker (name -> its IPv4 address) and moves every IPv4 packet
+    read from one to the device of its destination address, `delay` seconds after it was
+    read, in order, dropping a fraction `loss` of them (seeded); other packets are dropped.
+    (delay, loss) start at (0, 0) and change with each datagram "DELAY LOSS" received on the
+    UNIX socket `control`, for packets read from then on."""
+    fds = {name: open_tun(name) for name in tuns}
+    route = {socket.inet_aton(address): fds[name] for name, address in tuns.items()}
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(control)
+    ctl = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ctl.bind(control)
+    ctl.setblocking(False)
+    delay, loss, rng = 0.0, 0.0, random.Random(0)
+    held: collections.deque = collections.deque()  # (due, fd, packet), due rising
+    try:  # a late packet is extra delay: run ahead of the training processes
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
     except (AttributeError, OSError):
         os.nice(-10)
-    print("ready", flush=True)
     poller = select.poll()
-    poller.register(sock, select.POLLIN)
+    for fd in [*fds.values(), ctl.fileno()]:
+        poller.register(fd, select.POLLIN)
+    print("ready", flush=True)
     while True:
-        due = [line[0][0] for line in held.values() if line]
-        timeout = None if not due else max(0.0, min(due) - time.monotonic()) * 1e3
-        if poller.poll(timeout):
-            data = sock.recv(1 << 20)
+        timeout = None if not held else max(0.0, held[0][0] - time.monotonic()) * 1e3
+        for fd, _ in poller.poll(timeout):
+            if fd == ctl.fileno():
+                text = ctl.recv(256).decode().split()
+                delay, loss = float(text[0]), float(text[1])
+                continue
             now = time.monotonic()
-            for queue, packet in _packets(data):
-                delay, loss = queues[queue]
-                if loss and rng.random() < loss:
-                    _verdict(sock, queue, MSG_VERDICT, NF_DROP, packet)
-                else:
-                    held[queue].append((now + delay, packet))
+            while True:
+                try:
+                    packet = os.read(fd, 65536)
+                except BlockingIOError:
+                    break
+                out = route.get(packet[16:20]) if packet[:1] and packet[0] >> 4 == 4 else None
+                if out is None or (loss and rng.random() < loss):
+                    continue
+                # A shorter delay than the last packet's (a switch) must not overtake it.
+                due = max(now + delay, held[-1][0]) if held else now + delay
+                held.append((due, out, packet))
         now = time.monotonic()
-        for queue, line in held.items():
-            last = None
-            while line and line[0][0] <= now:
-                last = line.popleft()[1]
-            if last is not None:
-                _verdict(sock, queue, MSG_VERDICT_BATCH, NF_ACCEPT, last)
+        while held and held[0][0] <= now:
+            _, out, packet = held.popleft()
+            with contextlib.suppress(OSError):  # the receiver's device went down: lost
+                os.write(out, packet)
+
+
+def set_relay(control: str, delay: float, loss: float) -> None:
+    """Tells the relay listening on `control` its new (delay, loss)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(f"{delay!r} {loss!r}".encode(), control)
 
 
 # --------------------------------------------------------------------------------------
@@ -166,10 +118,10 @@ def _recv_exactly(conn: socket.socket, count: int) -> None:
         count -= len(chunk)
 
 
-def serve_probe(port: int) -> None:
+def serve_probe(host: str, port: int) -> None:
     """Echoes each 1-byte ping; then reads a bulk payload announced by its 8-byte length and
     answers one byte once it has all of it."""
-    with socket.create_server(("127.0.0.1", port)) as server:
+    with socket.create_server((host, port)) as server:
         print("ready", flush=True)
         conn, _ = server.accept()
         with conn:
@@ -188,11 +140,11 @@ def serve_probe(port: int) -> None:
                 conn.sendall(b"k")
 
 
-def run_probe(port: int, bulk_bytes: int, pings: int = 5) -> dict[str, float]:
+def run_probe(host: str, port: int, bulk_bytes: int, pings: int = 5) -> dict[str, float]:
     """Median round trip of `pings` 1-byte messages and the rate (bit/s) of sending
     `bulk_bytes`, from the sender's first byte to the receiver's acknowledgement (so one
     round trip is inside it, which the rate corrects for)."""
-    with socket.create_connection(("127.0.0.1", port)) as conn:
+    with socket.create_connection((host, port)) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rtts = []
         for _ in range(pings):
@@ -266,18 +218,17 @@ def train_method(
     return times
 
 
-def switch_link(commands: list[list[str]]) -> None:
-    """Runs the shaping commands of a phase (inside the namespace; deletions of what may not
-    exist are allowed to fail)."""
+def switch_link(phase: dict[str, Any]) -> None:
+    """Puts `phase`'s link on (a phase of link.py): its tc commands on every worker's uplink
+    (a deletion of shaping that may not be there is allowed to fail), then the relay's
+    delay and loss."""
     import subprocess
 
-    for argv in commands:
-        subprocess.run(
-            argv,
-            check=argv[:3] != ["tc", "qdisc", "del"] and "-F" not in argv,
-            capture_output=True,
-            timeout=30,
-        )
+    for argv in phase["commands"]:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0 and argv[3:5] != ["qdisc", "del"]:
+            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+    set_relay(phase["control"], *phase["relay"])
 
 
 def switcher(phases: list[dict[str, Any]], schedule: list[int], per_block: int) -> Any:
@@ -289,7 +240,7 @@ def switcher(phases: list[dict[str, Any]], schedule: list[int], per_block: int) 
         block = (i + 1) // per_block
         if (i + 1) % per_block == 0 and block < len(schedule):
             if schedule[block] != schedule[block - 1]:
-                switch_link(phases[schedule[block]]["commands"])
+                switch_link(phases[schedule[block]])
 
     return on_entry
 
@@ -321,7 +272,7 @@ def run_training(args: Any) -> None:
         spec = dict(spec, blocks=len(schedule))
         on_entry = None
         if args.process_id == 0:
-            switch_link(phases[schedule[0]]["commands"])
+            switch_link(phases[schedule[0]])
             on_entry = switcher(phases, schedule, spec["rounds_per_block"])
         _new_dumps(dumps, seen)
         start = time.perf_counter()
@@ -350,11 +301,11 @@ def run_training(args: Any) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    delay = sub.add_parser("delay")
-    delay.add_argument(
-        "--queue", action="append", required=True, help="NUM:DELAY_MS:LOSS, once per queue"
-    )
+    relay = sub.add_parser("relay")
+    relay.add_argument("--tun", action="append", required=True, help="NAME=IPV4, once a worker")
+    relay.add_argument("--control", required=True, help="the UNIX socket to listen on")
     probe = sub.add_parser("probe")
+    probe.add_argument("--host", required=True)
     probe.add_argument("--port", type=int, required=True)
     probe.add_argument("--serve", action="store_true")
     probe.add_argument("--bytes", type=int, default=0)
@@ -365,17 +316,13 @@ def main(argv: list[str]) -> None:
     train.add_argument("--config", required=True, help="JSON: what link.py asks to run")
     train.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if args.command == "delay":
-        queues = {}
-        for item in args.queue:
-            num, delay_ms, loss = item.split(":")
-            queues[int(num)] = (float(delay_ms) / 1e3, float(loss))
-        run_delay_line(queues)
+    if args.command == "relay":
+        run_relay(dict(item.split("=", 1) for item in args.tun), args.control)
     elif args.command == "probe":
         if args.serve:
-            serve_probe(args.port)
+            serve_probe(args.host, args.port)
         else:
-            print(json.dumps(run_probe(args.port, args.bytes)), flush=True)
+            print(json.dumps(run_probe(args.host, args.port, args.bytes)), flush=True)
     else:
         run_training(args)
 

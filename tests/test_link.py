@@ -1,6 +1,6 @@
 """benchmarks/link.py: link specs, shaping commands and round timing by hand; and, where the
-machine allows it (root, ip / tc / iptables, network namespaces), a tiny run over a shaped
-loopback and its cleanup, on normal exit and on SIGTERM."""
+machine allows it (root, ip and tc, tun devices, network namespaces), a tiny run over a
+shaped link and its cleanup, on normal exit and on SIGTERM."""
 
 import json
 import os
@@ -34,20 +34,25 @@ def test_parse_link():
 
 def test_link_commands_shape_every_worker_uplink():
     spec = link.parse_link("10mbit:50ms:1%")
-    netem = link.link_commands(spec, 2, netem=True, queue=1)
+    names = ["djlink7-0", "djlink7-1"]
+    netem = link.link_commands(spec, names, "djlink", netem=True)
+    # Per worker: remove, an HTB root, its class at the rate, a leaf.
+    assert [c[:3] for c in netem] == [["tc", "-n", n] for n in names for _ in range(4)]
+    classes = [c for c in netem if c[3:5] == ["class", "add"]]
+    assert [c[c.index("rate") + 1] for c in classes] == ["10000000bit"] * 2
+    assert [c[c.index("ceil") + 1] for c in classes] == ["10000000bit"] * 2
     leaves = [c for c in netem if "netem" in c]
-    assert len(leaves) == 3  # two workers' classes and the one for unowned packets
+    assert len(leaves) == 2 and all(c[c.index("dev") + 1] == "djlink" for c in leaves)
     assert leaves[0][-6:] == ["delay", "50000us", "limit", "100000", "loss", "1%"]
-    classes = [c for c in netem if c[:3] == ["tc", "class", "add"]]
-    assert [c[c.index("classid") + 1] for c in classes] == ["1:10", "1:11", "1:99"]
-    assert all(c[c.index("rate") + 1] == "10000000bit" for c in classes)
-    queued = link.link_commands(spec, 2, netem=False, queue=3)
-    assert not any("netem" in c for c in queued)
-    assert queued[-1][queued[-1].index("--queue-num") + 1] == "3"
-    # No link: only the removals (allowed to fail when nothing is there).
-    assert link.link_commands(None, 2, netem=False, queue=0) == netem[:2]
-    rules = link.classify_commands(2)
-    assert [r[r.index("--gid-owner") + 1] for r in rules] == ["46000", "46001"]
+    assert link.relay_setting(spec, netem=True) == (0.0, 0.0)  # netem holds the delay
+    relayed = link.link_commands(spec, names, "djlink", netem=False)
+    assert not any("netem" in c for c in relayed)
+    assert [c[-3:] for c in relayed if "pfifo" in c] == [["pfifo", "limit", "100000"]] * 2
+    assert link.relay_setting(spec, netem=False) == (0.05, 0.01)
+    # No link: only the removals (allowed to fail when nothing is there), no delay.
+    none = link.link_commands(None, names, "djlink", netem=False)
+    assert none == [netem[0], netem[4]]
+    assert link.relay_setting(None, netem=False) == (0.0, 0.0)
 
 
 def test_method_specs_keep_streaming_h_a_multiple_of_p():
@@ -81,8 +86,20 @@ def _cannot_shape() -> str | None:
     return link.requirements_problem()
 
 
-def _namespaces() -> str:
-    return subprocess.run([link.tool("ip"), "netns", "list"], capture_output=True, text=True).stdout
+def _namespaces() -> list[str]:
+    listed = subprocess.run([link.tool("ip"), "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+
+
+def _left_behind(tag: str) -> list[str]:
+    """What a run tagged `tag` left: its namespaces, /etc/netns files, relay socket, devices."""
+    mine = [n for n in _namespaces() if n.startswith(f"{tag}-")]
+    etc = [str(p) for p in Path("/etc/netns").glob(f"{tag}-*")]
+    sock = Path(link.tempfile.gettempdir()) / f"{tag}.sock"
+    links = subprocess.run([link.tool("ip"), "-o", "link"], capture_output=True, text=True)
+    prefix = link.tun_prefix(int(tag.removeprefix("djlink")))
+    tuns = [line for line in links.stdout.splitlines() if f": {prefix}" in line]
+    return mine + etc + ([str(sock)] if sock.exists() else []) + tuns
 
 
 def _command(out: Path, *extra: str) -> list[str]:
@@ -111,8 +128,8 @@ def test_tiny_run_over_a_shaped_link(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["namespace"] not in _namespaces()
-    assert not (Path("/etc/netns") / result["namespace"]).exists()
+    assert result["delay_impl"] in ("relay", "netem")
+    assert _left_behind(result["namespace"]) == []
     probe = result["link_probes"]["10mbit:20ms"]
     assert 0.03 < probe["rtt_s"] < 0.2  # two one-way delays of 20 ms
     assert {r["method"] for r in result["rows"]} == {"dp", "diloco"}
@@ -142,14 +159,14 @@ def test_sigterm_tears_the_namespace_down(tmp_path):
     proc = subprocess.Popen(
         _command(tmp_path / "link.json"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    name = f"djlink{proc.pid}"
+    tag = f"djlink{proc.pid}"
     try:
         deadline = time.monotonic() + 60
-        while name not in _namespaces():
+        while f"{tag}-1" not in _namespaces():
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "the namespace never appeared"
             time.sleep(0.2)
-        time.sleep(3)  # the delay line and the probes are up; the workers are starting
+        time.sleep(3)  # the relay and the probes are up; the workers are starting
         assert proc.poll() is None, "link.py ended before the signal"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -157,6 +174,5 @@ def test_sigterm_tears_the_namespace_down(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert name not in _namespaces()
-    assert not (Path("/etc/netns") / name).exists()
+    assert _left_behind(tag) == []
     assert os.path.exists(tmp_path) and not (tmp_path / "link.json").exists()
