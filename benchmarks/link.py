@@ -653,7 +653,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.minorticks_off()
     ax.set_xlabel("link: rate per worker : one-way delay")
     ax.set_ylabel("tokens / s (all workers)")
-    ax.set_title("Measured over a shaped loopback (x: netsim's prediction)")
+    ax.set_title("Measured over a shaped link (x: netsim's prediction)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

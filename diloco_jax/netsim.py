@@ -15,13 +15,14 @@ behind the next round's inner steps (delayed or eager outer updates, `overlap=Tr
     t_round = max(H * t_step, latency + 8 * wire_bytes / bandwidth)
 
 That formula charges one latency per exchange. Measured over a shaped link (benchmarks/
-link.py: two processes with gloo CPU collectives over a loopback of known rate and one-way
-delay) the rounds took up to 5.7x its figure (a data-parallel step at 100 Mbit/s, 20 ms;
-2.1x a DiLoCo round and 2.5x a SparseLoCo round at 10 Mbit/s, 50 ms), because a round is
-many collectives and each waits for the link's delay several times. `program_seconds`
-costs the compiled program's collectives (`diloco_jax.hlo.collectives`) message by message
-as a transport sends them (`Transport`; `GLOO_TCP`, what XLA's CPU runtime uses across
-processes), which predicted every measured round within 15%:
+link.py: two processes with gloo CPU collectives, each in a network namespace of its own,
+joined by a link of known rate and one-way delay) the rounds took up to 6.4x its figure (a
+data-parallel step at 100 Mbit/s, 20 ms; 2.2x a DiLoCo round and 3.7x a SparseLoCo round
+at 10 Mbit/s, 50 ms), because a round is many collectives and each waits for the link's
+delay several times. `program_seconds` costs the compiled program's collectives
+(`diloco_jax.hlo.collectives`) message by message as a transport sends them (`Transport`;
+`GLOO_TCP`, what XLA's CPU runtime uses across processes), which predicted every measured
+round within 5% (six methods, three links):
 
 * every operand of a combined (variadic) all-reduce / all-gather is its own call, one after
   the other (XLA's CPU thunks loop over the operands);

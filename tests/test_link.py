@@ -176,3 +176,42 @@ def test_sigterm_tears_the_namespace_down(tmp_path):
             proc.wait()
     assert _left_behind(tag) == []
     assert os.path.exists(tmp_path) and not (tmp_path / "link.json").exists()
+
+
+@pytest.mark.slow
+def test_cluster_mode_measures_the_real_link_without_shaping(tmp_path):
+    # Two "hosts" on this one: each process started as on its own host, --links none.
+    port = 47000 + os.getpid() % 900
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "link.py"),
+                *("--links", "none", "--coordinator", f"127.0.0.1:{port}"),
+                *("--num-processes", "2", "--process-id", str(i), "--methods", "diloco"),
+                *("--preset", "micro", "--inner-steps", "2", "--rounds", "3", "--cycles", "1"),
+                *("--batch-size", "2", "--out", str(tmp_path / f"host{i}.json")),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        errors = [p.communicate(timeout=RUN_TIMEOUT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errors]
+    for i in range(2):
+        result = json.loads((tmp_path / f"host{i}.json").read_text())
+        assert result["namespace"] is None and result["delay_impl"] == "none"
+        (row,) = result["rows"]
+        assert (row["link"], row["method"], row["inner_steps"]) == ("none", "diloco", 2)
+        assert len(row["round_s_all"]) == 2  # 3 rounds after the first (compile), less the last
+        assert row["measured_round_s"] > 0
+        assert row["measured_tokens_per_s"] == pytest.approx(
+            2 * 2 * 32 * 2 / row["measured_round_s"]  # M B L H: micro has L = 32
+        )
