@@ -113,7 +113,8 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     shards); else the 3 rounds in one call. Then the 3 rounds again with
     `process_local_data=True`, each process passing only its own worker's batches (as host
     batches, and as a Sampler's `worker_arrays`), and with the outer state split over the
-    workers (`shard_outer_over_workers`). Returns
+    workers (`shard_outer_over_workers`); over several processes, `train_async` on the mesh
+    must refuse (its jobs run one at a time in one process). Returns
     the final params of both, the workers' inner momentum of w, the round the resumed call's
     data started at and the history."""
     import jax
@@ -186,6 +187,16 @@ def train_on_mesh(devices, checkpoint_dir: str | None = None) -> dict[str, np.nd
     )  # fmt: skip
     trace_w = split.state.outer_opt_state[0].trace["w"]
     assert trace_w.sharding.spec == P(("fsdp", "workers")), trace_w.sharding
+    if jax.process_count() > 1:  # async jobs run one at a time: not over several processes
+        try:
+            dj.train_async(
+                mesh_loss, cfg["params"], cfg["data"], num_workers=2, num_updates=2,
+                inner_steps=INNER_STEPS, step_seconds=[1.0, 1.0], mesh=mesh,
+            )  # fmt: skip
+        except ValueError as error:
+            assert "runs in one process" in str(error), error
+        else:
+            raise AssertionError("train_async ran on a mesh over several processes")
     out.update({f"split_{k}": np.asarray(v) for k, v in distributed.to_host(split.params).items()})
     out["mesh_inner_trace_w"] = np.asarray(state.inner_opt_state[0].trace["w"])
     out["history"] = np.asarray(json.dumps(result.history))
