@@ -21,13 +21,15 @@ the deltas) and the total. Layouts:
 "wire MB/dev" is what each device sends to the other workers in the round: the ring bytes of
 the compiled program's cross-worker collectives (`hlo.cross_worker_wire_bytes`).
 `--compression SPEC` runs every layout with that codec (each device encoding its own shards;
-the ZeRO-1 layout, which refuses compression, is left out).
+the ZeRO-1 layout, which refuses compression, is left out). `--no-exclusion` turns the
+non-finite exclusion off: no round-start copy of the inner state is kept for a non-finite
+worker's restore (what that copy costs in temporaries).
 
 The figures are XLA CPU's: a GPU compile's arguments and outputs are the same bytes, its
 temporaries differ.
 
   python benchmarks/mesh_memory.py [--presets 150m,400m,1b] [--batch B] [--seq L] [--steps H]
-      [--compression int8]
+      [--compression int8] [--no-exclusion]
 """
 
 import os
@@ -58,10 +60,17 @@ LAYOUTS = ("replicated", "fsdp=4", "fsdp=4 + ZeRO-1 over workers", "fsdp=4 + pin
 
 
 def round_memory(
-    preset: str, layout: str, batch: int, seq: int, steps: int, compression: str = "none"
+    preset: str,
+    layout: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    compression: str = "none",
+    exclusion: bool = True,
 ) -> dict:
-    """memory_stats of the compiled round of `preset` under `layout` (with `compression`),
-    its cross-worker wire bytes per device (from the HLO), and the compile's wall seconds."""
+    """memory_stats of the compiled round of `preset` under `layout` (with `compression`;
+    without the non-finite exclusion if not `exclusion`), its cross-worker wire bytes per
+    device (from the HLO), and the compile's wall seconds."""
     config = model.get_config(preset)
     # One axis name for both layouts ("replicated" only leaves the params whole on it): the
     # model's logical axes (`model.LOGICAL_RULES`) name it.
@@ -81,7 +90,7 @@ def round_memory(
         split_outer="ZeRO" in layout,
         host="pinned_host" in layout,
     )
-    method = dj.DiLoCo(compression=compression)
+    method = dj.DiLoCo(compression=compression, weights=dj.Weights(exclude_nonfinite=exclusion))
     state = jax.eval_shape(lambda p: dj.init_state(p, M, method), shapes)
     shardings = placed.shardings(state)
     state = jax.tree.map(
@@ -126,6 +135,11 @@ def main() -> None:
     parser.add_argument(
         "--compression", default="none", help="a codec spec (the ZeRO-1 row is left out)"
     )
+    parser.add_argument(
+        "--no-exclusion",
+        action="store_true",
+        help="exclude_nonfinite=False: no round-start copy of the inner state to restore",
+    )
     args = parser.parse_args()
     print(common.header() + "\n")
     rows = []
@@ -138,7 +152,10 @@ def main() -> None:
         for layout in LAYOUTS:
             if "ZeRO" in layout and args.compression != "none":
                 continue  # the split outer state runs without compression
-            s = round_memory(preset, layout, args.batch, args.seq, args.steps, args.compression)
+            s = round_memory(
+                preset, layout, args.batch, args.seq, args.steps, args.compression,
+                exclusion=not args.no_exclusion,
+            )  # fmt: skip
             replicated = replicated or s["total"]
             wire = wire or s["wire_bytes_per_device"]
             row = {"preset": preset, "layout": layout, **s,
@@ -155,7 +172,8 @@ def main() -> None:
                 flush=True,
             )
     payload = {"batch": args.batch, "seq": args.seq, "inner_steps": args.steps,
-               "compression": args.compression, "rows": rows}  # fmt: skip
+               "compression": args.compression, "exclusion": not args.no_exclusion,
+               "rows": rows}  # fmt: skip
     print(f"\nwrote {common.write_results('mesh_memory', payload)}")
 
 
