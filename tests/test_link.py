@@ -5,6 +5,7 @@ shaped link and its cleanup, on normal exit and on SIGTERM."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,7 +182,9 @@ def test_sigterm_tears_the_namespace_down(tmp_path):
 @pytest.mark.slow
 def test_cluster_mode_measures_the_real_link_without_shaping(tmp_path):
     # Two "hosts" on this one: each process started as on its own host, --links none.
-    port = 47000 + os.getpid() % 900
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     procs = [
         subprocess.Popen(
             [
