@@ -378,7 +378,30 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "load_average_1m": round(os.getloadavg()[0], 2),
+        "allocator": allocator(),
     }
+
+
+def allocator() -> str:
+    """The malloc this process runs on: a preloaded mimalloc / jemalloc / tcmalloc, else the C
+    library's ("libc"). On XLA's CPU runtime it matters: temporaries are allocated afresh at
+    every execution (benchmarks/README.md, "device_round.py")."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "libc"
+    for name in ("mimalloc", "jemalloc", "tcmalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "libc"
+
+
+def mimalloc_library() -> Path | None:
+    """The shared library of the `cmeel-mimalloc` package (the dev extra), if installed."""
+    import sysconfig
+
+    lib = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib" / "libmimalloc.so"
+    return lib if lib.exists() else None
 
 
 def header() -> str:
@@ -389,7 +412,8 @@ def header() -> str:
         commit += " + uncommitted diloco_jax changes"
     return (
         f"diloco-jax {commit}; jax {env['jax']}; {env['num_devices']} x {env['device_kind']} "
-        f"({env['platform']}); {env['cpu_count']} CPUs; 1-min load {env['load_average_1m']}"
+        f"({env['platform']}); {env['cpu_count']} CPUs; 1-min load {env['load_average_1m']}; "
+        f"malloc {env['allocator']}"
     )
 
 

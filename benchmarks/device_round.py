@@ -9,7 +9,12 @@ a diagnostic row runs the hand-written round with each device's worker under a s
 `jax.vmap`, as the backend ran it before. Workload: MLP 512-2048-512 (2.1M params), M = 2
 workers on 2 fake CPU devices, H = 20 AdamW steps, batch 32 per worker and step.
 
-  python benchmarks/device_round.py [--reps N] [--steps H]
+`--malloc mimalloc` reruns the script with mimalloc preloaded (the `cmeel-mimalloc` package of
+the dev extra): XLA's CPU runtime allocates each execution's temporaries afresh, and glibc's
+malloc hands large freed blocks back to the kernel, so with it every round faults its
+temporaries in again (benchmarks/README.md). The header and the JSON say which malloc ran.
+
+  python benchmarks/device_round.py [--reps N] [--steps H] [--malloc libc|mimalloc]
 """
 
 import os
@@ -21,6 +26,7 @@ os.environ["XLA_FLAGS"] = (
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import common  # noqa: E402
@@ -90,7 +96,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7, help="timed samples per variant")
     parser.add_argument("--steps", type=int, default=20, help="inner steps H")
+    parser.add_argument("--malloc", choices=["libc", "mimalloc"], default="libc")
     args = parser.parse_args()
+    if args.malloc == "mimalloc" and common.allocator() != "mimalloc":
+        library = common.mimalloc_library()
+        if library is None:
+            parser.error("--malloc mimalloc needs the cmeel-mimalloc package (pip install it)")
+        preload = ":".join(filter(None, [str(library), os.environ.get("LD_PRELOAD")]))
+        env = {**os.environ, "LD_PRELOAD": preload}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     H = args.steps
     print(common.header() + "\n")
     params, inner, outer = mlp_params(), dj.default_inner_optimizer(), dj.default_outer_optimizer()
@@ -177,7 +191,8 @@ def main() -> None:
                      "ratio": ratio})  # fmt: skip
         print(f"{name:<40} {statistics.median(ts):>9.3f} {min(ts):>7.3f} {ratio:>6.2f}")
     print(f"\ntarget: library rows within {TARGET:.2f}x of hand-written")
-    payload = {"inner_steps": H, "reps": args.reps, "rows": rows, "target": TARGET}
+    payload = {"inner_steps": H, "reps": args.reps, "rows": rows, "target": TARGET,
+               "allocator": common.allocator()}  # fmt: skip
     print(f"wrote {common.write_results('device_round', payload)}")
 
 
