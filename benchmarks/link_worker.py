@@ -249,7 +249,7 @@ def switcher(phases: list[dict[str, Any]], schedule: list[int], per_block: int) 
 def run_training(args: Any) -> None:
     """Joins the run and trains each method of the config once: blocks of `rounds_per_block`
     rounds, block k on the link of phase schedule[k] (link.py interleaves the unshaped
-    loopback with the links), process 0 switching the link between rounds; writes the round
+    link with the shaped ones), process 0 switching the link between rounds; writes the round
     times (and, where HLO is dumped, the compiled round's dump) after every method, so a
     cut-short run keeps what it got. One run per method, its phases interleaved, keeps its
     unshaped and shaped rounds close in time on a shared machine (load drifts hit both),
