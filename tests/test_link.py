@@ -56,6 +56,37 @@ def test_link_commands_shape_every_worker_uplink():
     assert link.relay_setting(None, netem=False) == (0.0, 0.0)
 
 
+def test_a_machine_that_cannot_shape_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # main() adds the sbin directories
+    monkeypatch.setattr(link.os, "geteuid", lambda: 1000)
+    assert link.requirements_problem() == "needs root (network namespaces, tun devices and tc)"
+    assert link.main(["--links", "10mbit:20ms"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("link.py: needs root")
+    monkeypatch.setattr(link.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(link, "tool", lambda name: None if name == "tc" else "/bin/true")
+    assert link.requirements_problem() == "needs tc (package iproute2)"
+    monkeypatch.setattr(link, "tool", lambda name: "/bin/true")
+    monkeypatch.setattr(link.os.path, "exists", lambda path: path != "/dev/net/tun")
+    assert link.requirements_problem() == "needs tun devices (/dev/net/tun)"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "dp,nope"], "unknown methods"),
+        (["--rounds", "1"], "must be >= 2"),
+        (["--coordinator", "h:1"], "go together"),
+        (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"], "--links none"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        link.parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_method_specs_keep_streaming_h_a_multiple_of_p():
     specs = {s["name"]: s for s in link.method_specs(list(link.METHODS), 4, 6, None)}
     assert specs["dp"]["inner_steps"] == 1 and specs["dp"]["rounds_per_block"] == 6
