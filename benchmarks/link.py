@@ -69,9 +69,13 @@ def tun_prefix(pid: int) -> str:
     return f"dj{pid % 10**6}w"
 
 
+WORKER_SUBNET = "127.0.1.0/24"  # the loopback range: nothing leaves the machine
+MAX_WORKERS = 254
+
+
 def worker_address(k: int) -> str:
-    """Worker k's address: on its tun device, inside its own namespace (the loopback range:
-    nothing leaves the machine)."""
+    """Worker k's address (0 <= k < MAX_WORKERS), on its tun device inside its own
+    namespace, in WORKER_SUBNET."""
     return f"127.0.1.{k + 1}"
 
 
@@ -250,7 +254,7 @@ class Network:
         self._run([*ip, "link", "set", "lo", "up"])
         self._run([*ip, "link", "set", dev, "up", "mtu", str(mtu), "txqueuelen", "10000"])
         self._run([*ip, "addr", "add", f"{address}/32", "dev", dev])
-        self._run([*ip, "route", "add", f"{worker_address(0).rsplit('.', 1)[0]}.0/24", "dev", dev])
+        self._run([*ip, "route", "add", WORKER_SUBNET, "dev", dev])
         # The loopback owns all of 127/8 by default: keep only 127.0.0.1 local, so the other
         # workers' addresses route through the tun device.
         self._run([*ip, "route", "del", "local", "127.0.0.0/8", "dev", "lo", "table", "local"])
@@ -262,15 +266,10 @@ class Network:
             raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
         return done
 
-    def switch(self, phase: dict) -> None:
-        """Puts a phase's link on (`link_worker.switch_link` does it from a worker)."""
-        switch_link(phase)
-
     def has_netem(self) -> bool:
         tc = [tool("tc"), "-n", self.names[0]]
-        probe = self._run(
-            [*tc, *f"qdisc add dev {self.device} root netem delay 1ms".split()], False
-        )
+        add = f"qdisc add dev {self.device} root netem delay 1ms".split()
+        probe = self._run([*tc, *add], check=False)
         self._run([*tc, "qdisc", "del", "dev", self.device, "root"], check=False)
         return probe.returncode == 0
 
@@ -707,6 +706,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = args.rounds or (3 if args.quick else 4)
     args.dp_steps = args.dp_steps or (3 if args.quick else 4)
     args.cycles = args.cycles or (1 if args.quick else 2)
+    if not 2 <= args.workers <= MAX_WORKERS:
+        parser.error(f"--workers must be in [2, {MAX_WORKERS}] (a link joins two processes)")
     if min(args.rounds, args.dp_steps) < 2:
         parser.error("--rounds and --dp-steps must be >= 2 (a block's first gap is dropped)")
     if args.quick and args.inner_steps is None:
@@ -863,9 +864,9 @@ def run_shaped(
         probes = {}
         for q, link in enumerate(links):
             phases.append(phase(link.name, link))
-            net.switch(phases[-1])
+            switch_link(phases[-1])
             probes[link.name] = probe_link(net, link, 48000 + q)
-        net.switch(phases[0])
+        switch_link(phases[0])
         run_config |= {"phases": phases, "schedule": schedule(len(phases), args.cycles)}
         run_workers(net, args, run_config, workdir, args.timeout)
     return probes, "netem" if netem else "relay", tag

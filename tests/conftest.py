@@ -13,12 +13,10 @@ used as it is).
 
 The allocator: where the dev extra installed mimalloc (`cmeel-mimalloc`, Linux x86-64), the
 processes this one starts (the xdist workers, the CLI and multi-process runs) preload it.
-XLA's CPU compiler spends about a sixth of its time in glibc's malloc and free, and glibc
-hands large freed blocks back to the kernel, so every execution faults its temporaries in
-again; with mimalloc the suite took 8 min 20 - 8 min 41 s against 9 min 26 s - 9 min 51 s
-without on the same 2 cores (it changes no result: an allocator decides addresses, not
-values).
-DILOCO_JAX_TEST_MALLOC=0 turns it off."""
+XLA's CPU compiler, most of the suite's time, spent about a sixth of it in glibc's malloc and
+free (perf, on the golden replay); with mimalloc the suite took 8 min 20 s - 8 min 41 s
+against 9 min 26 s - 9 min 51 s without on the same 2 cores (it changes no result: an
+allocator decides addresses, not values). DILOCO_JAX_TEST_MALLOC=0 turns it off."""
 
 import atexit
 import os

@@ -76,6 +76,8 @@ def test_a_machine_that_cannot_shape_is_one_line_and_exit_2(monkeypatch, capsys)
     [
         (["--methods", "dp,nope"], "unknown methods"),
         (["--rounds", "1"], "must be >= 2"),
+        (["--workers", "1"], "--workers must be in [2, 254]"),
+        (["--workers", "255"], "--workers must be in [2, 254]"),
         (["--coordinator", "h:1"], "go together"),
         (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"], "--links none"),
     ],
