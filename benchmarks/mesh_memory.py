@@ -2,7 +2,8 @@
 
 For each LM preset, M = 2 workers on 8 fake CPU devices, the default method (AdamW inner
 steps, Nesterov outer, non-finite exclusion), the round is lowered from shapes alone (no
-array is ever allocated) and compiled as `train_diloco` jits it (the state donated);
+array is ever allocated) and compiled as `train_diloco` jits it on a GPU or TPU (the whole
+state donated; on CPU it keeps the restored fields, `diloco_jax.donation`);
 `compiled.memory_analysis()` of the partitioned program gives each device's bytes:
 arguments (the state and the batch it holds), outputs, temporaries (activations, gradients,
 the deltas) and the total. Layouts:

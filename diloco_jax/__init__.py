@@ -14,6 +14,7 @@ from diloco_jax.comm import payload_bytes, round_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.delayed_nesterov import DelayedNesterovState, delayed_nesterov
+from diloco_jax.donation import jit_round, restored_fields
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
 from diloco_jax.inner import StepInfo, inner_loop, inner_step, step_key, worker_key
 from diloco_jax.layout import sync_steps, worker_rounds
@@ -91,9 +92,11 @@ __all__ = [
     "init_sync_state",
     "inner_loop",
     "inner_step",
+    "jit_round",
     "make_backend",
     "method_from_options",
     "restart_momentum",
+    "restored_fields",
     "muon_inner_optimizer",
     "nnx_model_fns",
     "muon_labels",

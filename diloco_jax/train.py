@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint, delay, offload, outer_sharding
+from diloco_jax import checkpoint, delay, donation, offload, outer_sharding
 from diloco_jax import model_state as model_state_lib
 from diloco_jax import placement as placement_lib
 from diloco_jax import sampler as sampler_lib
@@ -889,11 +889,14 @@ class _Loop:
 @functools.lru_cache(maxsize=64)
 def _cached_jit(fn, loss_fn, backend, options, placement=None):
     step = functools.partial(fn, loss_fn, backend=backend, **dict(options))
+    kept = ()
+    if fn is diloco_round:
+        kept = donation.kept_fields(dict(options)["method"], donation.platform_of(backend))
     if placement is not None and placement.host:
-        return _HostKept(step, placement)
+        return _HostKept(step, placement, kept)
     if placement is not None:
         step = functools.partial(_kept_in_place, step, placement)
-    return jax.jit(step, donate_argnums=0)
+    return donation.jit_donating(step, kept)
 
 
 class _HostKept:
@@ -902,14 +905,14 @@ class _HostKept:
     the program keeps no memory kind, and a device_put there fuses apart and rounds the
     update differently from the on-device run; out_shardings does neither."""
 
-    def __init__(self, step, placement: Placement):
-        self.step, self.placement, self.jitted = step, placement, None
+    def __init__(self, step, placement: Placement, kept: tuple[str, ...]):
+        self.step, self.placement, self.kept, self.jitted = step, placement, kept, None
 
     def __call__(self, state, batch):
         if self.jitted is None:
             new_state, _ = jax.eval_shape(self.step, state, batch)
             out = (self.placement.shardings(new_state), None)
-            self.jitted = jax.jit(self.step, donate_argnums=0, out_shardings=out)
+            self.jitted = donation.jit_donating(self.step, self.kept, out_shardings=out)
         return self.jitted(state, batch)
 
 
