@@ -2,12 +2,14 @@
 `jit(shard_map(scan of H optax steps -> pmean of the deltas -> optax outer step))`.
 
 Rows (each timed as the median of interleaved samples; a sample puts the round's host batch
-on the devices and runs one round): the library's jitted `diloco_round` on the "shard_map"
-backend and on a user mesh (`make_backend(mesh=...)`, one worker per device), and
-`train_diloco` itself on each (per round in steady state), against the hand-written round;
-a diagnostic row runs the hand-written round with each device's worker under a size-1
-`jax.vmap`, as the backend ran it before. Workload: MLP 512-2048-512 (2.1M params), M = 2
-workers on 2 fake CPU devices, H = 20 AdamW steps, batch 32 per worker and step.
+on the devices and runs one round): the library's round jitted as `train_diloco` jits it
+(`dj.jit_round`) on the "shard_map" backend and on a user mesh (`make_backend(mesh=...)`,
+one worker per device), and `train_diloco` itself on each (per round in steady state, each
+sample followed by hand-written rounds that are its baseline), against the hand-written
+round; diagnostic rows run the hand-written round with each device's worker under a size-1
+`jax.vmap` (as the backend ran it before) and the round with the whole state donated.
+Workload: MLP 512-2048-512 (2.1M params), M = 2 workers on 2 fake CPU devices, H = 20 AdamW
+steps, batch 32 per worker and step.
 
 `--malloc mimalloc` reruns the script with mimalloc preloaded (the `cmeel-mimalloc` package of
 the dev extra): XLA's CPU runtime allocates each execution's temporaries afresh, and glibc's
@@ -184,15 +186,25 @@ def main() -> None:
         "train_diloco, shard_map (per round)": trainer(backend="shard_map"),
         "train_diloco, mesh (per round)": trainer(mesh=user_mesh),
     }
+    # Each loop's sample is followed by hand-written rounds, its own baseline: the loops run
+    # after the interleaved samples above, when the machine may have drifted.
+    bases = {name: times["hand-written shard_map"] for name in variants}
+    reference_round = variants["hand-written shard_map"]
     for name, run_rounds in loops.items():
         run_rounds(3)  # compile
-        times[name] = [run_rounds(4) for _ in range(max(2, args.reps // 3))]
-    base = statistics.median(times["hand-written shard_map"])
+        times[name], bases[name] = [], []
+        for _ in range(max(2, args.reps // 3)):
+            times[name].append(run_rounds(4))
+            for _ in range(3):
+                start = time.perf_counter()
+                reference_round()
+                bases[name].append(time.perf_counter() - start)
     rows = []
     print(f"{'variant':<48} {'median s':>9} {'min s':>7} {'ratio':>6}")
     for name, ts in times.items():
-        ratio = statistics.median(ts) / base
+        ratio = statistics.median(ts) / statistics.median(bases[name])
         rows.append({"variant": name, "median_s": statistics.median(ts), "min_s": min(ts),
+                     "baseline_median_s": statistics.median(bases[name]),
                      "ratio": ratio})  # fmt: skip
         print(f"{name:<48} {statistics.median(ts):>9.3f} {min(ts):>7.3f} {ratio:>6.2f}")
     print(f"\ntarget: library rows within {TARGET:.2f}x of hand-written")

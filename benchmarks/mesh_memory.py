@@ -17,12 +17,14 @@ the deltas) and the total. Layouts:
   (`outer_state_memory="pinned_host"`). XLA's CPU compiler has one memory for both kinds and
   counts host buffers as device bytes, so this row subtracts the θ and outer-state shards
   the placement puts in host memory ("host GB", once: the donated outputs reuse the
-  arguments' buffers) from args and total.
+  arguments' buffers) from args and total;
+- fsdp=4 + ZeRO-1 + pinned_host: both, the outer state's shards over the workers in host
+  memory.
 
 "wire MB/dev" is what each device sends to the other workers in the round: the ring bytes of
 the compiled program's cross-worker collectives (`hlo.cross_worker_wire_bytes`).
 `--compression SPEC` runs every layout with that codec (each device encoding its own shards;
-the ZeRO-1 layout, which refuses compression, is left out). `--no-exclusion` turns the
+the ZeRO-1 layouts, which refuse compression, are left out). `--no-exclusion` turns the
 non-finite exclusion off: no round-start copy of the inner state is kept for a non-finite
 worker's restore (what that copy costs in temporaries).
 
@@ -57,7 +59,13 @@ from diloco_jax.lm import model  # noqa: E402
 
 M = 2
 H200_BYTES = 141e9
-LAYOUTS = ("replicated", "fsdp=4", "fsdp=4 + ZeRO-1 over workers", "fsdp=4 + pinned_host")
+LAYOUTS = (
+    "replicated",
+    "fsdp=4",
+    "fsdp=4 + ZeRO-1 over workers",
+    "fsdp=4 + pinned_host",
+    "fsdp=4 + ZeRO-1 + pinned_host",
+)
 
 
 def round_memory(
@@ -134,7 +142,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=2, help="inner steps H (a lax.scan)")
     parser.add_argument(
-        "--compression", default="none", help="a codec spec (the ZeRO-1 row is left out)"
+        "--compression", default="none", help="a codec spec (the ZeRO-1 rows are left out)"
     )
     parser.add_argument(
         "--no-exclusion",

@@ -7,7 +7,11 @@ device three times a sync: at the round's start (the workers' starting params, u
 carry their own), after the inner steps for the deltas θ - θ_m, and, with the outer state,
 after the mean delta for the outer update. An optimization barrier ties each copy to the value
 it waits for (the workers' snapshot, the mean), so XLA cannot hoist the copy into the inner
-steps and keep the device copy live across them. The new θ and outer state go back to host
+steps and keep the device copy live across them. With the outer state split over the
+workers (ZeRO-1) the update's copies (θ's leaves, this device's outer-state shards) come
+before the reduce-scatter: the per-worker shards tied to the worker's delta, the shared ones
+untied (a barrier with a per-worker value would make them per-worker too; the compiled
+1b round's temporaries show no hoisted copy). The new θ and outer state go back to host
 memory as the round's outputs (their shardings carry the memory kind). The arithmetic is the
 on-device round's, so results are equal bit for bit; the cost is the host-device traffic (3
 |θ| + 2 |outer state| per round) against H inner steps.

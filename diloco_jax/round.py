@@ -231,8 +231,8 @@ def diloco_round(
         (what `train_diloco(..., shard_outer_over_workers=True)` passes). None: replicated.
       outer_state_memory: "device", or "pinned_host" when θ and the outer state arrive in
         host memory (`diloco_jax.offload`): the round copies them to the device where it
-        reads them, after the inner steps. Not with a delay, eager updates, outer_shards or
-        pmap.
+        reads them, after the inner steps (with outer_shards, each device's shards of the
+        outer state). Not with a delay, eager updates or pmap.
       param_specs: each param leaf's `PartitionSpec` over the mesh's non-worker axes, in
         `jax.tree.leaves` order (`diloco_jax.placement.resolve_param_specs`; what
         `train_diloco` passes on a mesh). Read by a compressed exchange on a mesh backend:
@@ -285,7 +285,7 @@ def diloco_round(
     leaves, treedef = jax.tree.flatten(like)
     outer_states = state.outer_opt_state if schedule.fragmented else (state.outer_opt_state,)
     zero = _sync_shards(outer_shards, method, backend, schedule, leaves, treedef, outer_states)
-    host = _check_host(outer_state_memory, method, backend, zero)
+    host = _check_host(outer_state_memory, method, backend)
     exchanges = [
         make_exchange(
             method.compression,
@@ -610,6 +610,12 @@ def _round_body(
                     to_reduce_k, sent_weights_k = to_reduce_k
                     weight_sum = collectives.reduce(_total, sent_weights_k)
                 sums = jax.tree.map(lambda x: jnp.sum(x, 0), to_reduce_k)
+                if host:  # θ's leaves and this device's outer-state pieces, for the update
+                    # (θ and the shared pieces are the same on every worker: tied to no
+                    # per-worker value, they stay so)
+                    old, outer_states[sync.index] = offload.fetch((old, outer_states[sync.index]))
+                    zero_local[sync.index] = offload.fetch(zero_local[sync.index], after=sums)
+                    on_device.update(indices)
                 new, new_shared, new_local, squared = outer_shards_lib.sync_step(
                     zero[sync.index], outer_optimizer, old, outer_states[sync.index],
                     zero_local[sync.index], sums, weight_sum,
@@ -646,7 +652,7 @@ def _round_body(
                     treedef, collectives.vary, per_worker=True,
                 )  # fmt: skip
                 continue
-            if host:  # θ's leaves and their outer state from host memory, for the update
+            if host and zero is None:  # θ's leaves and their outer state, for the update
                 old, outer_states[sync.index] = offload.fetch(
                     (old, outer_states[sync.index]), after=mean
                 )
@@ -763,7 +769,7 @@ def _mean_to_every_worker(local: Any, num_workers: int) -> Any:
     return jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape), mean, local)
 
 
-def _check_host(memory, method, backend, zero) -> bool:
+def _check_host(memory, method, backend) -> bool:
     """Whether θ and the outer state arrive in host memory; ValueError naming
     outer_state_memory for what it can't run with."""
     if offload.check_memory(memory) != offload.HOST:
@@ -771,8 +777,6 @@ def _check_host(memory, method, backend, zero) -> bool:
     why = None
     if method.outer_delay:
         why = "a delayed or eager outer update (its mean is ready before the inner steps)"
-    elif zero is not None:
-        why = "the outer state split over workers (shard_outer_over_workers)"
     elif backend.name == "pmap":
         why = "the pmap backend"
     if why is not None:

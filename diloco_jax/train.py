@@ -135,7 +135,8 @@ def train_diloco(
         steps, copied to the device inside the compiled round only for the sync (and θ for
         the workers' start); the same arithmetic, so the same bits (`diloco_jax.offload`).
         `TrainResult.params` is copied back to device memory, `TrainResult.state` keeps
-        them in host memory. Not with a delay, eager updates, the split outer state or pmap.
+        them in host memory. With shard_outer_over_workers, each device's shards of the outer
+        state. Not with a delay, eager updates or pmap.
       has_aux: `loss_fn` returns (loss, aux), aux a dict of scalars (e.g. accuracy): each
         joins the history like "loss" / "worker_loss", as history[r][name] (mean over the
         round's steps and workers) and history[r]["worker_" + name] ([M]); a name that

@@ -1,8 +1,8 @@
 """θ and the outer state in host memory (`outer_state_memory="pinned_host"`): between rounds
 they sit in pinned host memory (the per-worker state on the devices), the compiled round
 takes and returns them there, and the run is the on-device run bit for bit (on a mesh, with
-fragments and drops, on one device, through an eval and a resume); what it can't run with is
-refused, naming the option."""
+fragments and drops, on one device, through an eval and a resume, with the outer state split
+over the workers); what it can't run with is refused, naming the option."""
 
 import functools
 import re
@@ -65,6 +65,23 @@ def test_host_memory_between_rounds_and_the_same_bits(layout, options):
         assert got.params["w1"].sharding.spec == P(None, "fsdp")
 
 
+def test_the_outer_state_split_over_workers_in_host_memory_is_the_device_run():
+    ref = _run("fsdp4", shard_outer_over_workers=True)
+    got = _run("fsdp4", shard_outer_over_workers=True, outer_state_memory="pinned_host")
+    _equal(ref.state, got.state)
+    _equal(ref.params, got.params)
+    assert [h["loss"] for h in ref.history] == [h["loss"] for h in got.history]
+    outer = jax.tree.leaves(got.state.outer_opt_state)
+    assert {_memory(x) for x in jax.tree.leaves(got.state.params) + outer} == {"pinned_host"}
+    assert {_memory(x) for x in jax.tree.leaves(got.state.inner_opt_state)} == {"device"}
+    # Each device's host memory holds its 1/(4 fsdp x 2 workers) of w1's momentum trace.
+    (trace,) = [
+        x for path, x in jax.tree_util.tree_leaves_with_path(got.state.outer_opt_state)
+        if "w1" in jax.tree_util.keystr(path)
+    ]  # fmt: skip
+    assert trace.addressable_shards[0].data.size * 8 == _params()["w1"].size
+
+
 def test_the_compiled_round_takes_and_returns_them_in_host_memory():
     mesh, _ = _mesh("fsdp4")
     params = _params()
@@ -105,7 +122,6 @@ def test_an_eval_and_a_resume_see_the_same_bits(tmp_path):
     "options, match",
     [
         (dict(outer_delay=1), "does not run with a delayed or eager"),
-        (dict(shard_outer_over_workers=True), "does not run with the outer state split"),
         (dict(backend="pmap"), "does not run with the pmap backend"),
         (dict(outer_state_memory="gpu"), "outer_state_memory must be one of"),
     ],
