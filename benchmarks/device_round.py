@@ -193,7 +193,7 @@ def main() -> None:
     for name, run_rounds in loops.items():
         run_rounds(3)  # compile
         times[name], bases[name] = [], []
-        for _ in range(max(2, args.reps // 3)):
+        for _ in range(args.reps):
             times[name].append(run_rounds(4))
             for _ in range(3):
                 start = time.perf_counter()
