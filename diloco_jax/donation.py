@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from diloco_jax.method import DiLoCo
+from diloco_jax.method import SHORTHAND, DiLoCo, method_from_options
 from diloco_jax.round import diloco_round
 
 RESTORED = ("inner_opt_state", "model_state")
@@ -85,7 +85,9 @@ def jit_round(loss_fn: Callable, method: DiLoCo | None = None, **round_options) 
     runs it: `step(state, batches) -> (new state, metrics)`, the state donated (don't use it
     after the call), on CPU except the fields a left-out worker's restore reads back
     (`kept_fields`). `round_options`: `diloco_round`'s keyword arguments (backend,
-    num_workers, inner_steps, ...)."""
+    num_workers, inner_steps, ..., or the method's keyword shorthand)."""
+    shorthand = {k: round_options.pop(k) for k in list(round_options) if k in SHORTHAND}
+    method = method_from_options(method, shorthand, caller="jit_round", allowed=SHORTHAND)
 
     def step(state, batches):
         return diloco_round(loss_fn, state, batches, method, **round_options)

@@ -59,6 +59,13 @@ def test_jit_round_donates_all_but_the_restored_fields_and_equals_the_plain_roun
     dj.jit_round(loss_fn, NO_EXCLUSION)(state, batches)
     assert all(x.is_deleted() for x in jax.tree.leaves(state.inner_opt_state))
 
+    # The keyword shorthand builds the method first: int8 deltas turn the exclusion off.
+    state = dj.init_state(params, M, dj.DiLoCo(compression="int8"))
+    dj.jit_round(loss_fn, compression="int8")(state, batches)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.inner_opt_state))
+    with pytest.raises(ValueError, match="not both"):
+        dj.jit_round(loss_fn, NO_EXCLUSION, compression="int8")
+
 
 def compiled_temp_bytes(step, method) -> int:
     params, batches = params_and_batches(size=256)
