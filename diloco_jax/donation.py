@@ -17,7 +17,7 @@ copy lives, and that matters on one platform:
 - GPU and TPU: buffers come from a pooled allocator, so a copy in temporaries costs no
   faults, and the donated layout's peak is the lower one where they differ (XLA's CPU
   compiler needed up to half an inner state more undonated for tests/test_donation.py's
-  model, 1.04 GB more for the 400m preset's replicated round): the whole state is donated.
+  model): the whole state is donated.
 """
 
 import functools

@@ -297,20 +297,6 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def restore_workers(keep_k: jax.Array, new_k: Any, start_k: Any) -> Any:
-    """Per worker (leaves [k, ...]): its leaves of `new_k` where keep_k [k] is True, else
-    those of `start_k`. Written as a loop of zero or one trip, taken only when some worker
-    is not kept: a select would read both trees and write a third each round, while a round
-    without a restore (the usual one) passes `new_k` on untouched."""
-
-    def restore(carry):
-        pending, current = carry
-        return pending & False, jax.vmap(select_tree)(keep_k, current, start_k)
-
-    _, restored = jax.lax.while_loop(lambda carry: carry[0], restore, (~jnp.all(keep_k), new_k))
-    return restored
-
-
 def select_workers(mask_M: jax.Array, on_true_M: Any, on_false: Any) -> Any:
     """Per worker: leaf [M, ...] of `on_true_M` where mask_M [M] is True, else `on_false`
     ([...], broadcast to every worker)."""

@@ -685,7 +685,7 @@ def _round_body(
                 )  # fmt: skip
             if rule is not None and rule.leaves_out:
                 # A non-finite worker's new inner state may hold NaNs: back to the round's start.
-                opt_k, model_k = faults.restore_workers(
+                opt_k, model_k = jax.vmap(faults.select_tree)(
                     finite_k, (opt_k, model_k), (opt_start_k, model_start_k)
                 )
     if merge_rules is not None:  # once a round, after its last sync

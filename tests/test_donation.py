@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import diloco_jax as dj
-from diloco_jax import donation, faults
+from diloco_jax import donation
 
 M, H, D = 2, 3, 64
 NO_EXCLUSION = dj.DiLoCo(weights=dj.Weights(exclude_nonfinite=False))
@@ -108,15 +108,3 @@ def test_a_non_finite_worker_restarts_from_its_round_start_inner_state():
         if before.ndim > 1:  # mu and nu moved on for the finite worker
             assert not np.array_equal(np.asarray(got)[0], before[0])
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(new))
-
-
-@pytest.mark.parametrize("keep", [[True, True, True], [True, False, True], [False, False, False]])
-def test_restore_workers_picks_the_start_for_the_workers_not_kept(keep):
-    rng = np.random.default_rng(1)
-    new = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(3,))}
-    start = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(3,))}
-    got = jax.jit(faults.restore_workers)(jnp.asarray(keep), new, start)
-    for name in new:
-        kept = np.reshape(keep, (3,) + (1,) * (new[name].ndim - 1))
-        expected = np.where(kept, new[name], start[name]).astype(np.float32)
-        np.testing.assert_array_equal(np.asarray(got[name]), expected)

@@ -74,6 +74,10 @@ def test_the_outer_state_split_over_workers_in_host_memory_is_the_device_run():
     outer = jax.tree.leaves(got.state.outer_opt_state)
     assert {_memory(x) for x in jax.tree.leaves(got.state.params) + outer} == {"pinned_host"}
     assert {_memory(x) for x in jax.tree.leaves(got.state.inner_opt_state)} == {"device"}
+    # Every state leaf keeps the split on-device run's partitioning (none gathered).
+    for x, y in zip(jax.tree.leaves(ref.state), jax.tree.leaves(got.state), strict=True):
+        assert x.sharding.spec == y.sharding.spec
+        assert x.addressable_shards[0].data.shape == y.addressable_shards[0].data.shape
     # Each device's host memory holds its 1/(4 fsdp x 2 workers) of w1's momentum trace.
     (trace,) = [
         x for path, x in jax.tree_util.tree_leaves_with_path(got.state.outer_opt_state)
