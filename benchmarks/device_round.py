@@ -43,7 +43,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import diloco_jax as dj  # noqa: E402
 
 M, D, F, B = 2, 512, 2048, 32
+H = 20  # inner steps (--steps)
 TARGET = 1.10
+REFERENCE = "hand-written shard_map"
+DIAGNOSTICS = (
+    "hand-written, unit vmap (diagnostic)",
+    "diloco_round, whole state donated (diagnostic)",
+)
 
 
 def mlp_params() -> dict:
@@ -94,21 +100,9 @@ def hand_written(mesh, inner, outer, unit_vmap: bool):
     return jax.jit(mapped, donate_argnums=(0, 1, 2))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7, help="timed samples per variant")
-    parser.add_argument("--steps", type=int, default=20, help="inner steps H")
-    parser.add_argument("--malloc", choices=["libc", "mimalloc"], default="libc")
-    args = parser.parse_args()
-    if args.malloc == "mimalloc" and common.allocator() != "mimalloc":
-        library = common.mimalloc_library()
-        if library is None:
-            parser.error("--malloc mimalloc needs the cmeel-mimalloc package (pip install it)")
-        preload = ":".join(filter(None, [str(library), os.environ.get("LD_PRELOAD")]))
-        env = {**os.environ, "LD_PRELOAD": preload}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    H = args.steps
-    print(common.header() + "\n")
+def measure(reps: int, H: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(seconds per round of each variant's samples, each variant's baseline samples: the
+    hand-written round's, interleaved with it). Needs M devices."""
     params, inner, outer = mlp_params(), dj.default_inner_optimizer(), dj.default_outer_optimizer()
     rng = np.random.default_rng(1)
     host_batch = {
@@ -164,7 +158,7 @@ def main() -> None:
         return run_rounds
 
     variants = {
-        "hand-written shard_map": reference(False),
+        REFERENCE: reference(False),
         "library jit_round, shard_map": library(dj.make_backend("shard_map", M)),
         "library jit_round, mesh": library(dj.make_backend("auto", M, mesh=user_mesh)),
         "hand-written, unit vmap (diagnostic)": reference(True),
@@ -176,7 +170,7 @@ def main() -> None:
         run()
         run()
     times = {name: [] for name in variants}
-    for rep in range(args.reps):
+    for rep in range(reps):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for name in order:
             start = time.perf_counter()
@@ -188,17 +182,35 @@ def main() -> None:
     }
     # Each loop's sample is followed by hand-written rounds, its own baseline: the loops run
     # after the interleaved samples above, when the machine may have drifted.
-    bases = {name: times["hand-written shard_map"] for name in variants}
-    reference_round = variants["hand-written shard_map"]
+    bases = {name: times[REFERENCE] for name in variants}
+    reference_round = variants[REFERENCE]
     for name, run_rounds in loops.items():
         run_rounds(3)  # compile
         times[name], bases[name] = [], []
-        for _ in range(args.reps):
+        for _ in range(reps):
             times[name].append(run_rounds(4))
             for _ in range(3):
                 start = time.perf_counter()
                 reference_round()
                 bases[name].append(time.perf_counter() - start)
+    return times, bases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="timed samples per variant")
+    parser.add_argument("--steps", type=int, default=H, help="inner steps H")
+    parser.add_argument("--malloc", choices=["libc", "mimalloc"], default="libc")
+    args = parser.parse_args()
+    if args.malloc == "mimalloc" and common.allocator() != "mimalloc":
+        library = common.mimalloc_library()
+        if library is None:
+            parser.error("--malloc mimalloc needs the cmeel-mimalloc package (pip install it)")
+        preload = ":".join(filter(None, [str(library), os.environ.get("LD_PRELOAD")]))
+        env = {**os.environ, "LD_PRELOAD": preload}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    print(common.header() + "\n")
+    times, bases = measure(args.reps, args.steps)
     rows = []
     print(f"{'variant':<48} {'median s':>9} {'min s':>7} {'ratio':>6}")
     for name, ts in times.items():
@@ -208,7 +220,7 @@ def main() -> None:
                      "ratio": ratio})  # fmt: skip
         print(f"{name:<48} {statistics.median(ts):>9.3f} {min(ts):>7.3f} {ratio:>6.2f}")
     print(f"\ntarget: library rows within {TARGET:.2f}x of hand-written")
-    payload = {"inner_steps": H, "reps": args.reps, "rows": rows, "target": TARGET,
+    payload = {"inner_steps": args.steps, "reps": args.reps, "rows": rows, "target": TARGET,
                "allocator": common.allocator()}  # fmt: skip
     print(f"wrote {common.write_results('device_round', payload)}")
 
