@@ -26,7 +26,7 @@ where no worker is included leaves its leaves and their outer state unchanged.
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -295,6 +295,33 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """Leafwise `where(pred, on_true, on_false)` for a scalar bool `pred` (no NaN leaks)."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def restore_workers(keep_k: jax.Array, new_k: Any, start_k: Any) -> Any:
+    """Per worker (leaves [k, ...]): its leaves of `new_k` where keep_k [k] is True, else
+    those of `start_k`. A loop of zero or one trip, taken only when some worker is not kept:
+    when every worker is, `new_k` passes on in place (a select would read both trees and
+    write a third)."""
+
+    def restore(carry):
+        pending, current = carry
+        return pending & False, jax.vmap(select_tree)(keep_k, current, start_k)
+
+    _, restored = jax.lax.while_loop(lambda carry: carry[0], restore, (~jnp.all(keep_k), new_k))
+    return restored
+
+
+def unless(skip: jax.Array, update: Callable[..., tuple], values: tuple, *args: Any) -> tuple:
+    """`update(*values, *args)` (a tuple like `values`: same structure, shapes and dtypes),
+    or `values` unchanged where the bool scalar `skip` is True. A loop of zero or one trip:
+    unlike a select after the update, the usual case updates in place."""
+
+    def run(carry):
+        pending, current = carry
+        return pending & False, tuple(update(*current, *args))
+
+    _, out = jax.lax.while_loop(lambda carry: carry[0], run, (~skip, tuple(values)))
+    return out
 
 
 def select_workers(mask_M: jax.Array, on_true_M: Any, on_false: Any) -> Any:

@@ -451,6 +451,14 @@ def _round_body(
     num_local = jax.tree.leaves(data_k)[0].shape[0]
     res_leaves = None if residual_k is None else treedef.flatten_up_to(residual_k)
     false_k = jnp.zeros((num_local,), bool)
+    # With one worker per device (shard_map, pmap, a user mesh), what only a fault changes (θ
+    # and its outer state at a sync that includes no worker, a left-out worker's inner state)
+    # is updated by a loop of zero or one trip: the usual round passes the values on in place,
+    # where a select reads two copies, writes a third and makes XLA keep the old ones alive.
+    # With several workers on a device (vmap) they stay selects: XLA fuses the workers' sum
+    # into the outer update (a loop would change its rounding), and with the whole state
+    # donated it copies the inner state twice more around a restore loop.
+    in_place_skips = num_local == 1
     excluded_k, dropped_any_k, skipped = false_k, false_k, jnp.bool_(False)
     losses, auxes, snapshots, means = [], [], {}, []
     if outer_delay:
@@ -657,15 +665,24 @@ def _round_body(
                     (old, outer_states[sync.index]), after=mean
                 )
                 on_device.update(indices)
+            apply_outer = functools.partial(outer_update, outer_optimizer)
             if zero is not None:
                 new_outer = new_shared
+            elif weight_sum is not None and in_place_skips:
+                # A sync with no worker included leaves both as they are.
+                new, new_outer = faults.unless(
+                    weight_sum <= 0, apply_outer, (old, outer_states[sync.index]), mean
+                )
             else:
-                new, new_outer = outer_update(outer_optimizer, old, outer_states[sync.index], mean)
+                new, new_outer = apply_outer(old, outer_states[sync.index], mean)
             if weight_sum is not None:
                 none_included = weight_sum <= 0
                 skipped = skipped | none_included
-                new = faults.select_tree(none_included, old, new)
-                new_outer = faults.select_tree(none_included, outer_states[sync.index], new_outer)
+                if zero is not None or not in_place_skips:
+                    new = faults.select_tree(none_included, old, new)
+                    new_outer = faults.select_tree(
+                        none_included, outer_states[sync.index], new_outer
+                    )
             outer_states[sync.index] = new_outer
             for i, value in zip(indices, jax.tree.leaves(new), strict=True):
                 global_leaves[i] = value
@@ -685,9 +702,8 @@ def _round_body(
                 )  # fmt: skip
             if rule is not None and rule.leaves_out:
                 # A non-finite worker's new inner state may hold NaNs: back to the round's start.
-                opt_k, model_k = jax.vmap(faults.select_tree)(
-                    finite_k, (opt_k, model_k), (opt_start_k, model_start_k)
-                )
+                restore = faults.restore_workers if in_place_skips else jax.vmap(faults.select_tree)
+                opt_k, model_k = restore(finite_k, (opt_k, model_k), (opt_start_k, model_start_k))
     if merge_rules is not None:  # once a round, after its last sync
         model_k = model_states.merge(model_k, merge_rules, collectives, num_workers)
     if zero is not None:

@@ -112,11 +112,14 @@ def test_nonfinite_worker_is_left_out_of_that_round(backend):
     assert np.isnan(history[0]["worker_loss"][1])
 
 
-def test_nonfinite_worker_keeps_its_inner_state_from_before_the_round():
+# shard_map: one worker per device, where the restore and the skip are loops of zero or one
+# trip (round.py's `in_place_skips`); vmap: both workers on one device, selects.
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_nonfinite_worker_keeps_its_inner_state_from_before_the_round(backend):
     data = make_data(np.random.default_rng(1), num_rounds=1, num_workers=2, inner_steps=2)
     data[0]["y"][1, 1, 0] = np.inf
     inner = optax.adam(0.01)
-    state, _ = run_rounds(data, inner=inner, exclude_nonfinite=True)
+    state, _ = run_rounds(data, backend, inner=inner, exclude_nonfinite=True)
     fresh = inner.init(PARAMS)
     mu0, mu1 = (jax.tree.map(lambda x, m=m: x[m], state.inner_opt_state[0].mu) for m in (0, 1))
     assert_trees_equal(mu1, jax.tree.map(np.asarray, fresh[0].mu))
@@ -125,16 +128,45 @@ def test_nonfinite_worker_keeps_its_inner_state_from_before_the_round():
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(mu0))
 
 
-def test_all_workers_nonfinite_skips_the_round_bit_for_bit():
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+def test_all_workers_nonfinite_skips_the_round_bit_for_bit(backend):
     data = make_data(np.random.default_rng(2), num_rounds=2, num_workers=2, inner_steps=2)
     data[1]["x"][:, 0] = np.nan
-    state1, _ = run_rounds(data[:1], exclude_nonfinite=True)
-    state2, history = run_rounds(data, exclude_nonfinite=True)
+    state1, _ = run_rounds(data[:1], backend, exclude_nonfinite=True)
+    state2, history = run_rounds(data, backend, exclude_nonfinite=True)
     assert history[1]["skipped"] and not history[0]["skipped"]
     assert history[1]["excluded_workers"].all()
     assert_trees_equal(state2.params, state1.params)
     assert_trees_equal(state2.outer_opt_state, state1.outer_opt_state)
     assert int(state2.round) == 2
+
+
+def test_restore_workers_takes_the_start_values_of_workers_not_kept():
+    new_k = {"a": np.asarray([[1.0, np.nan], [3.0, 4.0], [np.inf, 6.0]], np.float32)}
+    start_k = {"a": np.asarray([[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]], np.float32)}
+    restore = jax.jit(faults.restore_workers)
+    kept = restore(jnp.asarray([True, True, True]), new_k, start_k)
+    assert_trees_equal(kept, new_k)
+    mixed = restore(jnp.asarray([False, True, False]), new_k, start_k)
+    np.testing.assert_array_equal(mixed["a"], [[-1.0, -2.0], [3.0, 4.0], [-5.0, -6.0]])
+
+
+def test_unless_applies_the_update_or_leaves_the_values_bit_for_bit():
+    values = (np.asarray([1.5, -0.0, 2.0], np.float32), np.asarray([0.25, 0.5, 0.0], np.float32))
+    step = np.asarray([0.1, 0.2, 0.3], np.float32)
+
+    def update(x, v, g):  # heavy-ball: v <- 0.9 v + g, x <- x - v
+        v = 0.9 * v + g
+        return x - v, v
+
+    run = jax.jit(lambda skip: faults.unless(skip, update, values, step))
+    x, v = run(jnp.bool_(False))
+    v_ref = np.float32(0.9) * values[1] + step
+    np.testing.assert_array_equal(v, v_ref)
+    np.testing.assert_array_equal(x, values[0] - v_ref)
+    kept = run(jnp.bool_(True))
+    assert_trees_equal(kept, values)
+    assert np.signbit(kept[0][1])  # -0.0 stays -0.0: the values, not x + 0
 
 
 def test_drop_probability_zero_is_the_plain_round_bit_for_bit():
