@@ -225,6 +225,27 @@ def test_params_placed_by_the_user_keep_their_sharding():
     assert result.state.inner_opt_state[0].mu["w1"].sharding.spec == P("workers", None, "fsdp")
 
 
+def test_a_callable_param_sharding_and_a_batch_sharding_equal_the_vmap_run():
+    def spec_of(path, leaf):  # matrices over (fsdp, tensor), vectors over tensor
+        return P("fsdp", "tensor") if leaf.ndim == 2 else P("tensor")
+
+    options = dict(num_rounds=R, num_workers=M, inner_steps=H, inner_optimizer=optax.sgd(0.05))
+    ref = dj.train_diloco(mlp_loss, _params(), _rounds(), backend="vmap", **options)
+    got = dj.train_diloco(
+        mlp_loss, _params(), _rounds(), mesh=_mesh((2, 2, 2), ("workers", "fsdp", "tensor")),
+        param_sharding=spec_of, batch_sharding=P("tensor"), **options,
+    )  # fmt: skip
+    _close(ref.params, got.params, 1e-5)
+    for a, b in zip(ref.history, got.history, strict=True):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    assert got.params["w2"].sharding.spec == P("fsdp", "tensor")
+    assert got.params["b1"].sharding.spec == P("tensor")
+    assert got.state.outer_opt_state[0].trace["w1"].sharding.spec == P("fsdp", "tensor")
+    # Each device all-reduces its shards (a quarter of w1 and w2, half of b1) in float32,
+    # plus the loss and the exclusion count.
+    assert got.history[0]["wire_bytes_per_device"] == 4 * (128 / 4 + 64 / 4 + 16 / 2) + 8
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
