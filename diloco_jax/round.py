@@ -665,24 +665,26 @@ def _round_body(
                     (old, outer_states[sync.index]), after=mean
                 )
                 on_device.update(indices)
+            # A sync that includes no worker leaves θ's leaves and their outer state as they are.
+            none_included = None if weight_sum is None else weight_sum <= 0
             apply_outer = functools.partial(outer_update, outer_optimizer)
-            if zero is not None:
+            if zero is not None:  # its outer-state pieces were kept above
                 new_outer = new_shared
-            elif weight_sum is not None and in_place_skips:
-                # A sync with no worker included leaves both as they are.
+                if none_included is not None:
+                    new = faults.select_tree(none_included, old, new)
+            elif none_included is not None and in_place_skips:
                 new, new_outer = faults.unless(
-                    weight_sum <= 0, apply_outer, (old, outer_states[sync.index]), mean
+                    none_included, apply_outer, (old, outer_states[sync.index]), mean
                 )
             else:
                 new, new_outer = apply_outer(old, outer_states[sync.index], mean)
-            if weight_sum is not None:
-                none_included = weight_sum <= 0
-                skipped = skipped | none_included
-                if zero is not None or not in_place_skips:
+                if none_included is not None:
                     new = faults.select_tree(none_included, old, new)
                     new_outer = faults.select_tree(
                         none_included, outer_states[sync.index], new_outer
                     )
+            if none_included is not None:
+                skipped = skipped | none_included
             outer_states[sync.index] = new_outer
             for i, value in zip(indices, jax.tree.leaves(new), strict=True):
                 global_leaves[i] = value
