@@ -36,6 +36,12 @@ class OneDevice:
     def to_worker(self, tree: Any, worker: int) -> Any:
         return tree
 
+    def shards(self, params: Any) -> None:
+        return None  # one device: no per-device count beside the worker's
+
+    def results(self, tree: Any) -> Any:
+        return tree
+
     def arrived(self, delta: Any) -> Any:
         return delta  # already where θ is
 
@@ -81,6 +87,16 @@ class OnMesh:
         ]
         self.workers = [placement_lib.placement(params, sub, specs) for sub in self.meshes]
         self.batch_spec = backend.batch_spec
+        self.backend = backend
+
+    def shards(self, params: Any) -> Any:
+        """One device's shard of each param leaf (shapes and dtypes): what it sends of a
+        delta."""
+        return placement_lib.shard_shapes(params, self.full)
+
+    def results(self, tree: Any) -> Any:
+        """The run's final arrays on the user's mesh (`Backend.on_user_mesh`)."""
+        return self.backend.on_user_mesh(tree)
 
     def shared(self, tree: Any) -> Any:
         """θ-like trees (θ, the outer state, a delta) at the specs over the whole mesh."""

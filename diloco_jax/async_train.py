@@ -279,8 +279,9 @@ def train_async(
       "loss" (the job's mean inner loss), "bytes_communicated" and "wire_bytes" (cumulative
       bytes each worker sent, averaged over the M workers: a delta of |theta| x itemsize
       bytes in float32 or wider to the server per applied job; the server's reply is not
-      counted), "worker_bytes" (each worker's own cumulative bytes, [M]). Same inputs give
-      bit-identical results.
+      counted), "worker_bytes" (each worker's own cumulative bytes, [M]); on a mesh,
+      "wire_bytes_per_device" (the same, per device: each sends its shard of the delta).
+      Same inputs give bit-identical results.
     """
     _check_int("num_workers", num_workers, 1)
     _check_int("inner_steps", inner_steps, 1)
@@ -362,6 +363,8 @@ def train_async(
             if e.start_update <= done:
                 starts[e.start_update] = job_starts[e.worker]
     per_job = round_bytes(params)
+    shards = where.shards(params)  # on a mesh: each device sends its shard of a delta
+    per_job_device = None if shards is None else round_bytes(shards)
     sent = [0] * num_workers
     for e in events[:done]:
         sent[e.worker] += per_job
@@ -419,6 +422,8 @@ def train_async(
                 "wire_bytes": round(sum(sent) / num_workers),
                 "worker_bytes": list(sent),
             }
+            if per_job_device is not None:
+                entry["wire_bytes_per_device"] = round(done * per_job_device / num_workers)
             # Pull the previous update's metrics only now, so the host never stalls the device.
             if pending is not None:
                 finish(*pending)
@@ -436,6 +441,7 @@ def train_async(
     if pending is not None:
         finish(*pending)
     state = AsyncState(theta, outer_state, where.stack(inner_states), num_updates)
+    theta, state = where.results((theta, state))
     return AsyncResult(theta, state, history, schedule.elapsed_seconds, schedule.utilization)
 
 

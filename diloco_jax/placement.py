@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from diloco_jax import offload
 from diloco_jax.outer_sharding import OuterShards, split_shapes
+from diloco_jax.schedule import synced_indices
 from diloco_jax.trees import per_leaf
-from diloco_jax.workers import WORKER_AXIS
+from diloco_jax.workers import WORKER_AXIS, Backend
 
 # DiLoCoState fields that live in host memory under `outer_state_memory="pinned_host"`.
 HOST_FIELDS = frozenset({"params", "outer_opt_state"})
@@ -194,6 +195,53 @@ def placement(
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         outer = split_shapes(shapes, specs, sizes, sizes[WORKER_AXIS])
     return Placement(mesh, treedef, shapes, specs, tuple(tuple(g) for g in groups), outer, host)
+
+
+def of_backend(
+    backend: Backend, params: Any, param_sharding: Any = None, streaming: Any = None,
+    frozen: tuple = (), split_outer: bool = False, host: bool = False,
+) -> Placement:  # fmt: skip
+    """The `Placement` of a run's state on `backend`'s mesh: the params at `param_sharding`
+    (see `resolve_param_specs`; None: the backend's own `make_backend(param_sharding=)`, else
+    the params' own shardings), the outer state per Streaming fragment of `streaming`
+    (`frozen` leaves in none); `split_outer`, `host` as in `placement`."""
+    if param_sharding is None and backend.param_sharding is not None:
+        param_sharding = backend.param_sharding.value()
+    specs = resolve_param_specs(params, backend.mesh, param_sharding)
+    groups = synced_indices(params, streaming, frozen)
+    return placement(params, backend.mesh, specs, groups, split_outer, host)
+
+
+def build_in_place(init, placed: Placement, params, model_state=None, worker_state=None):
+    """`init(params, model_state=, worker_state=)` (e.g. `init_state`) compiled with its
+    inputs and outputs at the placement's shardings (the inputs copied to their shards
+    first): no device ever holds more than its shards."""
+    compiled, inputs = build_program(init, placed, params, model_state, worker_state)
+    return compiled(*inputs)
+
+
+def build_program(init, placed: Placement, params, model_state=None, worker_state=None):
+    """(`build_in_place`'s compiled program, its inputs placed at their shards)."""
+    inputs = (params, model_state, worker_state)
+    shardings = (placed.tree(params, False), placed.tree(model_state, False),
+                 placed.tree(worker_state, False))  # fmt: skip
+    inputs = jax.device_put(inputs, shardings)
+    build = lambda p, m, w: init(p, model_state=m, worker_state=w)  # noqa: E731
+    out = placed.shardings(jax.eval_shape(build, *inputs))
+    return jax.jit(build, out_shardings=out).lower(*inputs).compile(), inputs
+
+
+def shard_shapes(params: Any, placed: Placement) -> Any:
+    """One device's shard of each leaf of `params` at the placement's specs (shapes and
+    dtypes)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(shard_shape(np.shape(x), s, placed.mesh), x.dtype)
+            for x, s in zip(leaves, placed.specs, strict=True)
+        ],
+    )
 
 
 def shard_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import delay, faults, offload
@@ -121,6 +122,7 @@ def init_state(
     trainable: Any = None,
     model_state: Any = None,
     worker_state: Any = None,
+    backend: "str | Backend | None" = None,
     **options,
 ) -> DiLoCoState:
     """Round-0 state for `method` (a `DiLoCo`; or its keyword shorthand, see
@@ -134,8 +136,19 @@ def init_state(
     optimizer state and no outer state. `model_state` (a pytree of arrays, see
     `diloco_jax.model_state`): copied to every worker, [M, ...]. `worker_state`: a worker
     step's state (`train_diloco_step`), copied to every worker as `inner_opt_state` in place
-    of the inner optimizer's. `diloco_round` refuses a state built for another method."""
+    of the inner optimizer's. `backend`: a `Backend` from `make_backend(..., mesh=,
+    param_sharding=)` builds the state in place on its mesh, every field at its shards
+    (`diloco_jax.placement`), as `train_diloco` does; without a mesh it changes nothing.
+    `diloco_round` refuses a state built for another method."""
     method = method_from_options(method, options, caller="init_state")
+    if backend is not None and make_backend(backend, num_workers).mesh_axes:
+        backend = make_backend(backend, num_workers)
+        frozen = frozen_leaves(params, trainable)
+        placed = placement_lib.of_backend(backend, params, None, method.schedule, frozen)
+        init = functools.partial(
+            init_state, num_workers=num_workers, method=method, trainable=trainable
+        )
+        return placement_lib.build_in_place(init, placed, params, model_state, worker_state)
     frozen = frozen_leaves(params, trainable)
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
     residual = None
@@ -237,7 +250,8 @@ def diloco_round(
         `jax.tree.leaves` order (`diloco_jax.placement.resolve_param_specs`; what
         `train_diloco` passes on a mesh). Read by a compressed exchange on a mesh backend:
         each device encodes and exchanges its own shards (the codec's blocks per shard).
-        None: the leaves are taken as replicated inside a worker.
+        None: the backend's `make_backend(param_sharding=)`, resolved against the state's
+        params; without one, the leaves are taken as replicated inside a worker.
 
     A weights part with fault options on (exclusion, drops, worker steps, weighting, anomaly)
     leaves workers out of a sync's mean or weighs them (`diloco_jax.faults`); a delay applies
@@ -259,6 +273,8 @@ def diloco_round(
     custom = _check_step_functions(params_of, with_params, method, has_aux)
     num_workers = num_workers_of(batches, num_workers)
     backend = make_backend(backend, num_workers)
+    _check_round_mesh(backend, state, "state")
+    _check_round_mesh(backend, batches, "batches")
     num_steps = _inner_steps_of(batches, inner_steps)
     # Under eager updates (and for a state built for them, which `_check_state` refuses
     # below) θ is the workers' mean.
@@ -295,6 +311,10 @@ def diloco_round(
         )
         for sync in schedule.syncs
     ]
+    if param_specs is None and backend.param_sharding is not None:
+        param_specs = placement_lib.resolve_param_specs(
+            like, backend.mesh, backend.param_sharding.value()
+        )
     per_shard = _per_shard(param_specs, method, backend, schedule, leaves, weighted)
     steps_M = dropped_MxP = None
     if weighted:
@@ -919,6 +939,27 @@ def _exchanged(exchange, collectives, groups, delta_k, residual_k, included_k, w
     residual_k = None if res_leaves is None else treedef.unflatten(residuals)
     # Every group sends the same weights, so any group's weight sum is the sync's.
     return treedef.unflatten(means), weight_sum, residual_k
+
+
+def _check_round_mesh(backend: Backend, tree: Any, name: str) -> None:
+    """ValueError naming `name` for an array typed on a mesh with Explicit axes other than the
+    round's (`Backend.mesh`): the round can't take it (e.g. a state placed by hand on the
+    user's mesh with a worker axis of another name)."""
+    if not backend.mesh_axes:
+        return
+    names = tuple(backend.mesh.axis_names)
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        types = getattr(mesh, "axis_types", ())
+        if tuple(getattr(mesh, "axis_names", names)) != names and AxisType.Explicit in types:
+            raise ValueError(
+                f"{name} holds arrays on a mesh with Explicit axes {mesh.axis_names}, not the "
+                f"round's mesh {names}: build the state with init_state(..., backend=backend) "
+                "and put batches with backend.place_batches (Backend.on_user_mesh moves "
+                "results back)"
+            )
 
 
 def _per_shard(param_specs, method, backend: Backend, schedule, leaves: list, weighted: bool):

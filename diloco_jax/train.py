@@ -29,7 +29,6 @@ from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_optio
 from diloco_jax.placement import Placement
 from diloco_jax.round import diloco_round, init_state
 from diloco_jax.sampler import Sampler
-from diloco_jax.schedule import synced_indices
 from diloco_jax.sync import init_sync_state, sync_step
 from diloco_jax.workers import Backend, make_backend
 
@@ -349,7 +348,7 @@ def _train_diloco(
     if placed is None:
         state = init(params, model_state=model_state, worker_state=worker_state)
     else:  # built in place: no device ever holds more than its shards
-        state = _init_in_place(init, placed, params, model_state, worker_state)
+        state = placement_lib.build_in_place(init, placed, params, model_state, worker_state)
     step = _jitted(
         diloco_round,
         fn,
@@ -374,7 +373,7 @@ def _train_diloco(
         wire_per_round += outer_sharding.wire_bytes(method.num_syncs(params), num_workers)
     per_device = None
     if placed is not None and backend.mesh_axes:  # each device: the exchange of its shards
-        shards = _shards(params, placed)
+        shards = placement_lib.shard_shapes(params, placed)
         inner_shards = inner_state
         if worker_state is None:
             inner_shards = jax.eval_shape(inner.init, shards)
@@ -446,18 +445,25 @@ def _train_diloco(
         ),
     )
     state, history = loop.run(step, record, state, data)
-    return _result(state, history, rules)
+    return _result(state, history, backend, rules)
 
 
 def _backend(run: _RunOptions, num_workers: int) -> Backend:
     """The backend of a run's options (ValueError naming the placement option given without
     a mesh)."""
-    if run.mesh is None:
+    on_mesh = isinstance(run.backend, Backend) and bool(run.backend.mesh_axes)
+    if run.mesh is None and not on_mesh:
         for name in ("param_sharding", "batch_sharding"):
             if getattr(run, name) is not None:
                 raise ValueError(f"{name} needs a mesh (mesh=jax.sharding.Mesh(...))")
         if run.worker_axis != "workers":
             raise ValueError("worker_axis needs a mesh (mesh=jax.sharding.Mesh(...))")
+    if on_mesh and run.mesh is None and run.batch_sharding is not None:
+        raise ValueError("batch_sharding with a built backend: give it to make_backend")
+    if on_mesh and run.param_sharding is not None and run.backend.param_sharding is not None:
+        raise ValueError(
+            "param_sharding given twice: to train_diloco and to the backend's make_backend"
+        )
     return make_backend(
         run.backend, num_workers, run.devices, run.data_parallel, mesh=run.mesh,
         worker_axis=run.worker_axis, batch_sharding=run.batch_sharding,
@@ -476,42 +482,9 @@ def _placement(
     host = offload.check_memory(run.outer_state_memory) == offload.HOST
     if not backend.mesh_axes and not split and not host:
         return None
-    specs = placement_lib.resolve_param_specs(params, backend.mesh, run.param_sharding)
-    groups = ()
-    if method is not None:
-        groups = synced_indices(params, method.schedule, frozen)
-    return placement_lib.placement(
-        params, backend.mesh, specs, groups, split_outer=split, host=host
-    )
-
-
-def _init_in_place(init, placed: Placement, params, model_state, worker_state):
-    """`init(params, model_state=, worker_state=)` compiled with its inputs and outputs at
-    the placement's shardings (the inputs copied to their shards first)."""
-    compiled, inputs = _init_program(init, placed, params, model_state, worker_state)
-    return compiled(*inputs)
-
-
-def _init_program(init, placed: Placement, params, model_state, worker_state):
-    """(`_init_in_place`'s compiled program, its inputs placed at their shards)."""
-    inputs = (params, model_state, worker_state)
-    shardings = (placed.tree(params, False), placed.tree(model_state, False),
-                 placed.tree(worker_state, False))  # fmt: skip
-    inputs = jax.device_put(inputs, shardings)
-    build = lambda p, m, w: init(p, model_state=m, worker_state=w)  # noqa: E731
-    out = placed.shardings(jax.eval_shape(build, *inputs))
-    return jax.jit(build, out_shardings=out).lower(*inputs).compile(), inputs
-
-
-def _shards(params: Any, placed: Placement) -> Any:
-    """One device's shard of each param leaf (shapes and dtypes)."""
-    leaves, treedef = jax.tree.flatten(params)
-    return jax.tree.unflatten(
-        treedef,
-        [
-            jax.ShapeDtypeStruct(placement_lib.shard_shape(np.shape(x), s, placed.mesh), x.dtype)
-            for x, s in zip(leaves, placed.specs, strict=True)
-        ],
+    streaming = None if method is None else method.schedule
+    return placement_lib.of_backend(
+        backend, params, run.param_sharding, streaming, frozen, split_outer=split, host=host
     )
 
 
@@ -617,7 +590,7 @@ def train_sync(
     wire_per_step = sync_step_wire_bytes(params, num_workers)
     per_device = None
     if placed is not None:
-        per_device = sync_step_wire_bytes(_shards(params, placed), num_workers)
+        per_device = sync_step_wire_bytes(placement_lib.shard_shapes(params, placed), num_workers)
     elif backend.data_parallel > 1:
         per_device = wire_per_step
     merge_per_step = 0.0
@@ -660,20 +633,22 @@ def train_sync(
         ),
     )
     state, history = loop.run(step, record, state, data)
-    return _result(state, history, rules)
+    return _result(state, history, backend, rules)
 
 
-def _result(state: Any, history: list[Record], rules=None) -> TrainResult:
+def _result(state: Any, history: list[Record], backend: Backend, rules=None) -> TrainResult:
     """The final result, as the run's arrays: in a multi-process run, global arrays (each
     process holds its shards; `distributed.to_host` copies them whole to every host, a
-    collective, when the caller wants that). Under eager updates the params are the mean of
-    the workers' own; the model state is the merged one (`model_state.merged_view`)."""
+    collective, when the caller wants that); on a user's mesh, on that mesh
+    (`Backend.on_user_mesh`). Under eager updates the params are the mean of the workers'
+    own; the model state is the merged one (`model_state.merged_view`)."""
     params = state.params if state.params is not None else jax.jit(delay.global_params)(state)
     params = offload.in_device_memory(params)
     model_state = None
     if rules is not None:
         model_state = model_state_lib.merged_view(state.model_state, rules)
-    return TrainResult(params, state, history, model_state)
+    return TrainResult(*backend.on_user_mesh((params, state)), history,
+                       backend.on_user_mesh(model_state))  # fmt: skip
 
 
 def _check_processes(backend: Backend) -> Backend:

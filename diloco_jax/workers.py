@@ -60,6 +60,13 @@ class Backend:
     # axis named WORKER_AXIS, and `devices` in the mesh's order; () otherwise.
     mesh_axes: tuple[tuple[str, int], ...] = ()
     batch_spec: P | None = None  # one worker's one-step batch on the other axes
+    # The user's own mesh, its worker axis's name and `make_backend(param_sharding=)` in a
+    # hashable form (`ParamSharding`). The round runs on `mesh` (the worker axis named
+    # WORKER_AXIS, every axis Auto); a run's results go back to `user_mesh`
+    # (`on_user_mesh`).
+    user_mesh: Mesh | None = None
+    worker_axis: str = WORKER_AXIS
+    param_sharding: Any = None
 
     @property
     def workers_per_device(self) -> int:
@@ -76,6 +83,26 @@ class Backend:
             return Mesh(np.array(self.devices), (WORKER_AXIS,), axis_types=(AxisType.Auto,))
         grid = np.array(self.devices).reshape(-1, self.data_parallel)
         return Mesh(grid, (WORKER_AXIS, DATA_AXIS), axis_types=(AxisType.Auto,) * 2)
+
+    def on_user_mesh(self, tree: Any) -> Any:
+        """`tree` with every array on `mesh` moved onto the user's mesh (`user_mesh`: its
+        worker axis's name and axis types), the worker axis renamed in its spec; the same
+        buffers (no copy, any process count). The identity without a user's mesh, or where
+        it is `mesh` itself."""
+        if self.user_mesh is None or self.user_mesh == self.mesh:
+            return tree
+        internal = self.mesh
+
+        def move(x):
+            sharding = getattr(x, "sharding", None)
+            if not isinstance(sharding, NamedSharding) or sharding.mesh != internal:
+                return x
+            spec = P(*(_renamed(entry, self.worker_axis) for entry in sharding.spec))
+            target = NamedSharding(self.user_mesh, spec, memory_kind=sharding.memory_kind)
+            shards = [s.data for s in x.addressable_shards]
+            return jax.make_array_from_single_device_arrays(x.shape, target, shards)
+
+        return jax.tree.map(move, tree)
 
     def map_workers(self, body: Callable[..., tuple[Any, Any]], nested: bool = False) -> Callable:
         """Lifts a per-device `body(shared, local, collectives) -> (same_everywhere, local_out)`.
@@ -201,6 +228,45 @@ class Backend:
         )
 
 
+def _renamed(entry: Any, worker_axis: str) -> Any:
+    """A spec entry with WORKER_AXIS renamed `worker_axis`."""
+    if isinstance(entry, tuple):
+        return tuple(worker_axis if n == WORKER_AXIS else n for n in entry)
+    return worker_axis if entry == WORKER_AXIS else entry
+
+
+class ParamSharding(NamedTuple):
+    """`make_backend(param_sharding=)` in a hashable form: a pytree of specs as its structure
+    and its leaves, else the value itself (one `PartitionSpec` or a callable)."""
+
+    treedef: Any
+    specs: Any
+
+    @classmethod
+    def of(cls, param_sharding: Any) -> "ParamSharding | None":
+        if param_sharding is None:
+            return None
+        if isinstance(param_sharding, P) or callable(param_sharding):
+            return cls(None, param_sharding)
+        specs, treedef = jax.tree.flatten(
+            param_sharding, is_leaf=lambda x: isinstance(x, P) or x is None
+        )
+        for spec in specs:
+            if spec is not None and not isinstance(spec, P):
+                raise ValueError(
+                    "param_sharding must be a pytree of PartitionSpecs like the params, one "
+                    f"PartitionSpec, or a callable (path, leaf) -> PartitionSpec; got a leaf "
+                    f"{spec!r}"
+                )
+        return cls(treedef, tuple(specs))
+
+    def value(self) -> Any:
+        """The `param_sharding` given (a pytree rebuilt from its leaves)."""
+        if self.treedef is None:
+            return self.specs
+        return jax.tree.unflatten(self.treedef, self.specs)
+
+
 @functools.lru_cache(maxsize=256)
 def _sharding(backend: Backend, spec: P) -> jax.sharding.Sharding:
     # Cached: building a Mesh and a NamedSharding per batch costs more than the dispatch.
@@ -238,15 +304,21 @@ def make_backend(
     *,
     mesh: Mesh | None = None,
     worker_axis: str = WORKER_AXIS,
+    param_sharding: Any = None,
     batch_sharding: P | None = None,
 ) -> Backend:
     """Resolves a backend name for M = `num_workers` on `devices` (default: `jax.devices()`).
 
     `mesh`: the user's `jax.sharding.Mesh` (backend "auto" or "shard_map"; not with
     `devices` or `data_parallel`): one axis `worker_axis` of size M, every other axis
-    partitions each worker; `batch_sharding` the `PartitionSpec` of one worker's one-step
-    batch over those axes (default: its leading dim over all of them). See
-    `diloco_jax.placement` for where the state goes.
+    partitions each worker; `param_sharding` the params' specs over those axes (a pytree of
+    `PartitionSpec`s like the params, one spec, or a callable (path, leaf) -> spec; None:
+    replicated inside a worker), read by `init_state(..., backend=)`, `diloco_round` and
+    `jit_round`; `batch_sharding` the `PartitionSpec` of one worker's one-step batch over
+    those axes (default: its leading dim over all of them). See `diloco_jax.placement` for
+    where the state goes. The round runs on `Backend.mesh`, the same devices with the worker
+    axis named "workers" and every axis Auto; `Backend.on_user_mesh` moves its arrays onto
+    `mesh` (no copy), as the `train_*` functions do with their results.
 
     `data_parallel` = N >= 1 devices per worker (N > 1 needs "shard_map" or "auto" and a
     device count divisible by N). Raises ValueError naming `backend` for an unknown name,
@@ -257,9 +329,12 @@ def make_backend(
         raise ValueError(f"data_parallel must be an integer >= 1, got {data_parallel!r}")
     if mesh is not None:
         return _mesh_backend(backend, num_workers, devices, data_parallel, mesh, worker_axis,
-                             batch_sharding)  # fmt: skip
-    if batch_sharding is not None:
-        raise ValueError("batch_sharding needs a mesh (make_backend(..., mesh=...))")
+                             param_sharding, batch_sharding)  # fmt: skip
+    for name, value in (("param_sharding", param_sharding), ("batch_sharding", batch_sharding)):
+        if value is not None:
+            raise ValueError(f"{name} needs a mesh (make_backend(..., mesh=...))")
+    if worker_axis != WORKER_AXIS:
+        raise ValueError("worker_axis needs a mesh (make_backend(..., mesh=...))")
     if data_parallel > 1:
         return _data_parallel_backend(backend, num_workers, devices, data_parallel)
     if isinstance(backend, Backend):
@@ -288,11 +363,23 @@ def make_backend(
     return Backend(backend, num_workers, devices)
 
 
-def _mesh_backend(backend, num_workers, devices, data_parallel, mesh, worker_axis, batch_sharding):
+def _mesh_backend(
+    backend, num_workers, devices, data_parallel, mesh, worker_axis, param_sharding,
+    batch_sharding,
+):  # fmt: skip
     if isinstance(backend, Backend):
         if not backend.mesh_axes:
             raise ValueError("mesh= with a backend built without one: pass backend='auto'")
-        return backend
+        if backend.user_mesh != mesh or backend.worker_axis != worker_axis:
+            raise ValueError(
+                "backend was built on another mesh or worker_axis than the mesh= and "
+                "worker_axis= given: pass one of them"
+            )
+        if param_sharding is not None or batch_sharding is not None:
+            raise ValueError(
+                "param_sharding and batch_sharding with a built backend: give them to make_backend"
+            )
+        return make_backend(backend, num_workers)  # checks M
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if backend not in ("auto", "shard_map"):
@@ -328,8 +415,9 @@ def _mesh_backend(backend, num_workers, devices, data_parallel, mesh, worker_axi
     axes = tuple((WORKER_AXIS if n == worker_axis else n, sizes[n]) for n in names)
     per_worker = int(np.prod([sizes[n] for n in inner], dtype=np.int64))
     return Backend(
-        "shard_map", num_workers, tuple(mesh.devices.flat), per_worker, axes, batch_sharding
-    )
+        "shard_map", num_workers, tuple(mesh.devices.flat), per_worker, axes, batch_sharding,
+        mesh, worker_axis, ParamSharding.of(param_sharding),
+    )  # fmt: skip
 
 
 def _data_parallel_backend(backend, num_workers, devices, data_parallel) -> Backend:

@@ -323,6 +323,34 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
     assert [spec.tree()["tokens"] for spec in streams] == [P()] * 2
 
 
+def test_compare_on_a_mesh_counts_what_each_device_sends(tmp_path):
+    """`compare --mesh workers=2,fsdp=2,tensor=2`: DiLoCo, the one-worker baseline and data
+    parallelism all train on the mesh, and each run's summary holds what a device sends: its
+    float32 shards of the params (by `model.param_specs`) per exchange, plus DiLoCo's loss and
+    exclusion count (8 bytes a round) or the sync step's loss (4 bytes a step)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 3)
+    out = tmp_path / "cmp"
+    argv = ["compare", "--preset", "micro", "--data", f"text:{corpus}", "--rounds", "2",
+            "--inner-steps", "2", "--pretrain-steps", "0", "--out", str(out), "--no-progress",
+            "--mesh", "workers=2,fsdp=2,tensor=2"]  # fmt: skip
+    assert cli.main(argv) == 0
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    micro = model.get_config("micro")
+    shapes = _shapes(micro)
+    specs = model.param_specs(micro, shapes, MESH_AXES)
+    shard = 0
+    for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs), strict=True):
+        named = [n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))]
+        shard += np.prod(leaf.shape) // np.prod([MESH_AXES[n] for n in named], dtype=int)
+    assert 0 < shard < model.count_params(shapes) / 3  # most of the model split 4 ways
+    assert runs["diloco"]["wire_bytes_per_device"] == 2 * (4 * shard + 8)
+    assert runs["sync_data_parallel"]["wire_bytes_per_device"] == 2 * 2 * (4 * shard + 4)
+    assert runs["sync_1worker"]["wire_bytes_per_device"] == 0
+    for run in runs.values():
+        assert np.isfinite(run["final_eval_loss"])
+
+
 @pytest.mark.parametrize("pretrain_steps", ["0", "2"], ids=["cold", "warm-start"])
 def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
     """tiny (float32) with 2 workers, each over fsdp=2 x tensor=2 of the 8 devices: the same

@@ -103,12 +103,24 @@ def test_a_sharded_run_equals_the_vmap_run(mesh_name, case):
         assert got.params[name].sharding.spec == spec
 
 
+# The default inner AdamW (Muon for MuLoCo); DES-LOC syncs Adam's two moments.
+ADAM_CASES = {
+    **{k: v for k, v in SGD_CASES.items() if k not in ("des_loc", "muloco")},
+    "des_loc": dict(state_sync={"mu": 4, "nu": 8}),
+    "muloco": dict(inner_optimizer=dj.muon_inner_optimizer(0.02)),
+}
+
+
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_adam_in_float64_equals_the_vmap_run(mesh_name):
+@pytest.mark.parametrize("case", list(ADAM_CASES))
+def test_adam_in_float64_equals_the_vmap_run(mesh_name, case):
     with precision("float64"):
-        ref, got = _run(None, jnp.float64), _run(mesh_name, jnp.float64)
+        options = ADAM_CASES[case]
+        ref, got = _run(None, jnp.float64, **options), _run(mesh_name, jnp.float64, **options)
         _close(ref.params, got.params, 1e-12)
         _close(ref.state, got.state, 1e-12)
+        for a, b in zip(ref.history, got.history, strict=True):  # recorded in float32
+            np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6)
 
 
 def test_every_state_leaf_holds_the_shard_its_spec_says():
@@ -185,6 +197,114 @@ def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_na
         .compile()
     )
     assert hlo.cross_worker_wire_bytes(compiled, M, 8) == per_device
+
+
+@pytest.mark.parametrize(
+    "options", [dict(fragments=2), dict(compression="int8"), dict(outer_delay=1, eager=True)],
+    ids=["fragments", "int8", "eager"],
+)  # fmt: skip
+def test_the_low_level_api_on_a_mesh_backend_equals_train_diloco(options):
+    """`make_backend(mesh=, worker_axis=, param_sharding=)`, `init_state(..., backend=)` and
+    `jit_round`: the state built at its shards, the rounds keep them, the run ends where
+    train_diloco's does on the same mesh, and the compiled collectives carry exactly its
+    `wire_bytes_per_device`. `on_user_mesh` hands the arrays back on the user's mesh (the
+    same buffers), the worker axis by its own name."""
+    mesh = _mesh((2, 2, 2), ("replica", "fsdp", "tensor"))
+    specs = MESHES["fsdp2xtensor2"][2]
+    method = dj.method_from_options(None, dict(options), caller="test")
+    backend = dj.make_backend("auto", M, mesh=mesh, worker_axis="replica", param_sharding=specs)
+    state = dj.init_state(_params(), M, method, backend=backend)
+    assert state.inner_opt_state[0].mu["w1"].sharding.spec == P("workers", "fsdp", "tensor")
+    step = dj.jit_round(mlp_loss, method, backend=backend)
+    for batches in _rounds():
+        state, _ = step(state, backend.place_batches(batches, lead=2))
+    ref = dj.train_diloco(
+        mlp_loss, _params(), _rounds(), num_rounds=R, num_workers=M, inner_steps=H,
+        method=method, mesh=mesh, worker_axis="replica", param_sharding=specs,
+    )  # fmt: skip
+    mine = backend.on_user_mesh(state)
+    _close(ref.state, mine, 1e-6)
+    for a, b in zip(jax.tree.leaves(ref.state), jax.tree.leaves(mine), strict=True):
+        assert a.sharding == b.sharding
+    mu = mine.inner_opt_state[0].mu["w2"]
+    assert mu.sharding == jax.NamedSharding(mesh, P("replica", "tensor", "fsdp"))
+    before = {
+        s.device: s.data.unsafe_buffer_pointer()
+        for s in state.inner_opt_state[0].mu["w1"].addressable_shards
+    }
+    after = {
+        s.device: s.data.unsafe_buffer_pointer()
+        for s in mine.inner_opt_state[0].mu["w1"].addressable_shards
+    }
+    assert before == after
+    # The collectives of the compiled round: each device's shards of the exchange.
+    batches = backend.place_batches(_rounds()[0], 2)
+    round_ = functools.partial(dj.diloco_round, mlp_loss, method=method, backend=backend)
+    compiled = jax.jit(round_).lower(state, batches).compile()
+    per_round = ref.history[0]["wire_bytes_per_device"]
+    assert hlo.cross_worker_wire_bytes(compiled, M, 8) == per_round
+
+
+def _meshes(tree):
+    return {x.sharding.mesh for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}
+
+
+def test_a_users_explicit_mesh_with_its_own_worker_axis_name():
+    """`jax.make_mesh` as a user calls it (Explicit axes) with the workers on "replica": the
+    run equals the vmap run and every array comes back on that very mesh; train_sync and
+    train_async too. A state put on that mesh by hand is refused by the round with the
+    way out, and a Backend's param_sharding can't be given twice."""
+    mesh = jax.make_mesh((2, 4), ("replica", "fsdp"))
+    specs = MESHES["fsdp4"][2]
+    inner = optax.sgd(0.05, momentum=0.9)
+    options = dict(num_rounds=R, num_workers=M, inner_steps=H, inner_optimizer=inner)
+    ref = dj.train_diloco(mlp_loss, _params(), _rounds(), backend="vmap", **options)
+    placed = dict(mesh=mesh, worker_axis="replica", param_sharding=specs)
+    got = dj.train_diloco(mlp_loss, _params(), _rounds(), **placed, **options)
+    _close(ref.params, got.params, 1e-5)
+    _close(ref.state, got.state, 1e-5)
+    assert got.params["w1"].sharding == jax.NamedSharding(mesh, P(None, "fsdp"))
+    trace = got.state.inner_opt_state[0].trace["w1"]
+    assert trace.sharding == jax.NamedSharding(mesh, P("replica", None, "fsdp"))
+    assert _meshes(got.state) == {mesh}
+    steps = [{k: v[:, h] for k, v in r.items()} for r in _rounds() for h in range(H)]
+    sync = dj.train_sync(
+        mlp_loss, _params(), steps, num_steps=2, num_workers=M, optimizer=inner, **placed
+    )
+    assert _meshes((sync.params, sync.state)) == {mesh}
+    asyn = dj.train_async(
+        mlp_loss, _params(), _rounds(), num_workers=M, inner_steps=H, num_updates=2,
+        step_seconds=(1.0, 1.7), inner_optimizer=inner, **placed,
+    )  # fmt: skip
+    assert _meshes((asyn.params, asyn.state)) == {mesh}
+    backend = dj.make_backend("auto", M, mesh=mesh, worker_axis="replica", param_sharding=specs)
+    by_hand = jax.device_put(
+        dj.init_state(_params(), M), jax.NamedSharding(mesh, P())
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"state holds arrays on a mesh with Explicit axes"):
+        dj.diloco_round(mlp_loss, by_hand, _rounds()[0], backend=backend)
+    with pytest.raises(ValueError, match="param_sharding given twice"):
+        dj.train_diloco(
+            mlp_loss, _params(), _rounds(), backend=backend, param_sharding=specs, **options
+        )
+    # The backend's own param_sharding, given no other: the run above, bit for bit.
+    again = dj.train_diloco(mlp_loss, _params(), _rounds(), backend=backend, **options)
+    for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(again.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(param_sharding={"w1": P()}), "param_sharding needs a mesh"),
+        (dict(worker_axis="replica"), "worker_axis needs a mesh"),
+        (dict(mesh=_mesh((2, 4), ("workers", "fsdp")), param_sharding={"w1": "fsdp"}),
+         "param_sharding must be a pytree of PartitionSpecs"),
+    ],
+)  # fmt: skip
+def test_make_backend_refuses_placement_options_it_cant_use(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dj.make_backend("auto", M, **kwargs)
 
 
 def test_a_sharded_checkpoint_restores_onto_the_same_and_another_mesh(tmp_path):
@@ -376,6 +496,13 @@ def test_train_async_on_a_mesh_equals_one_device(mesh_name):
     assert max(e["staleness"] for e in got.history) > 0
     for a, b in zip(ref.history, got.history, strict=True):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-12)
+    # Each arrival: the job's worker sends a float64 delta, |θ| = 128 + 16 + 64, and each of
+    # its devices its shard of it; the counts are averaged over the M workers.
+    shard = {"fsdp2xtensor2": 128 / 4 + 16 / 2 + 64 / 4, "fsdp4": (128 + 16 + 64) / 4}[mesh_name]
+    for done, entry in enumerate(got.history, start=1):
+        assert entry["wire_bytes"] == round(done * 8 * (128 + 16 + 64) / M)
+        assert entry["wire_bytes_per_device"] == round(done * 8 * shard / M)
+    assert "wire_bytes_per_device" not in ref.history[0]
     shape, names, specs = MESHES[mesh_name]
     mesh = _mesh(shape, names)
     mu = got.state.inner_opt_state[0].mu

@@ -277,17 +277,16 @@ def test_storage_and_worker_forms_round_trip():
 
 @pytest.mark.parametrize("split", [False, True], ids=["replicated_outer", "split_outer"])
 def test_init_state_compiles_to_no_more_than_each_devices_shards(split):
-    """The in-place init `train_diloco` runs (`_init_program`): no temporaries, and its
+    """The in-place init `train_diloco` runs (`placement.build_program`): no temporaries, and its
     outputs on a device are exactly that device's shards of the state."""
     from diloco_jax import placement as placement_lib
-    from diloco_jax import train as train_lib
 
     mesh, specs = _mesh("fsdp2xtensor2")
     params = _params()
     specs = placement_lib.resolve_param_specs(params, mesh, specs | {"c": P()})
     placed = placement_lib.placement(params, mesh, specs, split_outer=split)
     init = functools.partial(dj.init_state, num_workers=M, method=dj.DiLoCo())
-    compiled, _ = train_lib._init_program(init, placed, params, None, None)
+    compiled, _ = placement_lib.build_program(init, placed, params, None, None)
     stats = compiled.memory_analysis()
     # Per device, float32: w1 [8, 16] -> [4, 8], b1 [16] over tensor -> [8], w2 [16, 4] ->
     # [8, 2], c [3] whole: 4 x (32 + 8 + 16 + 3) = 236 bytes of params.

@@ -406,6 +406,8 @@ def run(
         "wall_seconds": time.perf_counter() - start,
         "num_params": model_lib.count_params(params),
     }
+    if "wire_bytes_per_device" in last:  # on a mesh: what each device sends of its shards
+        summary["wire_bytes_per_device"] = last["wire_bytes_per_device"]
     summary.update(throughput(cfg, model_cfg, num_workers, summary))
     if algo == "async":
         summary.update(

@@ -23,6 +23,7 @@ SCALARS = {
     "outer_grad_norm": "diloco/outer_grad_norm",
     "bytes_communicated": "communication/bytes_communicated",
     "wire_bytes": "communication/wire_bytes",
+    "wire_bytes_per_device": "communication/wire_bytes_per_device",
     "tokens_per_second": "throughput/tokens_per_second",
     "mfu": "throughput/mfu",
 }
