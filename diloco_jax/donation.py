@@ -27,7 +27,9 @@ from typing import Any, NamedTuple
 import jax
 
 from diloco_jax.method import SHORTHAND, DiLoCo, method_from_options
+from diloco_jax.placement import kept_in_place
 from diloco_jax.round import diloco_round
+from diloco_jax.workers import Backend
 
 RESTORED = ("inner_opt_state", "model_state")
 
@@ -89,8 +91,17 @@ def jit_round(loss_fn: Callable, method: DiLoCo | None = None, **round_options) 
     shorthand = {k: round_options.pop(k) for k in list(round_options) if k in SHORTHAND}
     method = method_from_options(method, shorthand, caller="jit_round", allowed=SHORTHAND)
 
-    def step(state, batches):
-        return diloco_round(loss_fn, state, batches, method, **round_options)
+    backend = round_options.get("backend", "vmap")
+    if (
+        isinstance(backend, Backend)
+        and backend.mesh_axes
+        and round_options.get("outer_state_memory", "device") == "device"
+    ):  # as train_diloco: every field kept at its shards, round after round
+        round_ = functools.partial(diloco_round, loss_fn, method=method, **round_options)
+        step = functools.partial(kept_in_place, round_, None)
+    else:
 
-    platform = platform_of(round_options.get("backend", "vmap"))
-    return jit_donating(step, kept_fields(method, platform))
+        def step(state, batches):
+            return diloco_round(loss_fn, state, batches, method, **round_options)
+
+    return jit_donating(step, kept_fields(method, platform_of(backend)))

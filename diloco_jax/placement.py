@@ -18,9 +18,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import offload
+from diloco_jax import delay, offload
 from diloco_jax.outer_sharding import OuterShards, split_shapes
 from diloco_jax.schedule import synced_indices
+from diloco_jax.trainable import frozen_leaves
 from diloco_jax.trees import per_leaf
 from diloco_jax.workers import WORKER_AXIS, Backend
 
@@ -210,6 +211,28 @@ def of_backend(
     specs = resolve_param_specs(params, backend.mesh, param_sharding)
     groups = synced_indices(params, streaming, frozen)
     return placement(params, backend.mesh, specs, groups, split_outer, host)
+
+
+def kept_in_place(step, placed: "Placement | None", state, batch):
+    """`step(state, batch)`, its new state constrained to the placement's shardings (so every
+    field stays where `Placement` puts it, round after round). `placed` None: the placement
+    of `step`'s backend (`step.keywords`' `backend`, `method`, `trainable`, `outer_shards`:
+    a `diloco_round` partial), built from the state's shapes when traced."""
+    new_state, metrics = step(state, batch)
+    if placed is None:
+        placed = _round_placement(step.keywords, state)
+    return jax.lax.with_sharding_constraint(new_state, placed.shardings(new_state)), metrics
+
+
+def _round_placement(options: dict, state: Any) -> Placement:
+    like = state.params
+    if like is None:  # eager updates: θ is the workers' mean
+        like = jax.eval_shape(delay.global_params, state)
+    method = options.get("method")
+    streaming = None if method is None else method.schedule
+    frozen = frozen_leaves(like, options.get("trainable"))
+    split = options.get("outer_shards") is not None
+    return of_backend(options["backend"], like, None, streaming, frozen, split_outer=split)
 
 
 def build_in_place(init, placed: Placement, params, model_state=None, worker_state=None):

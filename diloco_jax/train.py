@@ -871,7 +871,7 @@ def _cached_jit(fn, loss_fn, backend, options, placement=None):
     if placement is not None and placement.host:
         return _HostKept(step, placement, kept)
     if placement is not None:
-        step = functools.partial(_kept_in_place, step, placement)
+        step = functools.partial(placement_lib.kept_in_place, step, placement)
     return donation.jit_donating(step, kept)
 
 
@@ -890,13 +890,6 @@ class _HostKept:
             out = (self.placement.shardings(new_state), None)
             self.jitted = donation.jit_donating(self.step, self.kept, out_shardings=out)
         return self.jitted(state, batch)
-
-
-def _kept_in_place(step, placement: Placement, state, batch):
-    """`step`, its new state constrained to the placement's shardings (so every field stays
-    where `Placement` puts it, round after round)."""
-    new_state, metrics = step(state, batch)
-    return jax.lax.with_sharding_constraint(new_state, placement.shardings(new_state)), metrics
 
 
 def _jitted(fn, loss_fn, backend: Backend, placement: "Placement | None" = None, **options):

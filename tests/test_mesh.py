@@ -215,8 +215,8 @@ def test_per_device_wire_bytes_are_the_compiled_cross_worker_collectives(mesh_na
 )  # fmt: skip
 def test_the_low_level_api_on_a_mesh_backend_equals_train_diloco(options):
     """`make_backend(mesh=, worker_axis=, param_sharding=)`, `init_state(..., backend=)` and
-    `jit_round`: the state built at its shards, the rounds keep them, the run ends where
-    train_diloco's does on the same mesh, and the compiled collectives carry exactly its
+    `jit_round`: the state built at its shards, the rounds keep them, the run ends bit for bit
+    where train_diloco's does on the same mesh, and the compiled collectives carry exactly its
     `wire_bytes_per_device`. `on_user_mesh` hands the arrays back on the user's mesh (the
     same buffers), the worker axis by its own name."""
     mesh = _mesh((2, 2, 2), ("replica", "fsdp", "tensor"))
@@ -233,8 +233,8 @@ def test_the_low_level_api_on_a_mesh_backend_equals_train_diloco(options):
         method=method, mesh=mesh, worker_axis="replica", param_sharding=specs,
     )  # fmt: skip
     mine = backend.on_user_mesh(state)
-    _close(ref.state, mine, 1e-6)
     for a, b in zip(jax.tree.leaves(ref.state), jax.tree.leaves(mine), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same program
         assert a.sharding == b.sharding
     mu = mine.inner_opt_state[0].mu["w2"]
     assert mu.sharding == jax.NamedSharding(mesh, P("replica", "tensor", "fsdp"))
