@@ -141,8 +141,9 @@ def init_state(
     (`diloco_jax.placement`), as `train_diloco` does; without a mesh it changes nothing.
     `diloco_round` refuses a state built for another method."""
     method = method_from_options(method, options, caller="init_state")
-    if backend is not None and make_backend(backend, num_workers).mesh_axes:
+    if backend is not None:
         backend = make_backend(backend, num_workers)
+    if backend is not None and backend.mesh_axes:
         frozen = frozen_leaves(params, trainable)
         placed = placement_lib.of_backend(backend, params, None, method.schedule, frozen)
         init = functools.partial(
