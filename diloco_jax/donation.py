@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from diloco_jax import placement as placement_lib
 from diloco_jax.method import SHORTHAND, DiLoCo, method_from_options
-from diloco_jax.placement import kept_in_place
 from diloco_jax.round import diloco_round
 from diloco_jax.workers import Backend
 
@@ -92,16 +92,25 @@ def jit_round(loss_fn: Callable, method: DiLoCo | None = None, **round_options) 
     method = method_from_options(method, shorthand, caller="jit_round", allowed=SHORTHAND)
 
     backend = round_options.get("backend", "vmap")
-    if (
+    # On a mesh whose param specs are known, as train_diloco: the new state constrained to
+    # the placement, every field kept at its shards round after round (a constraint keeps no
+    # memory kind, so not with the state in host memory).
+    constrained = (
         isinstance(backend, Backend)
         and backend.mesh_axes
         and round_options.get("outer_state_memory", "device") == "device"
-    ):  # as train_diloco: every field kept at its shards, round after round
-        round_ = functools.partial(diloco_round, loss_fn, method=method, **round_options)
-        step = functools.partial(kept_in_place, round_, None)
-    else:
+    )
 
-        def step(state, batches):
-            return diloco_round(loss_fn, state, batches, method, **round_options)
+    def step(state, batches):
+        new_state, metrics = diloco_round(loss_fn, state, batches, method, **round_options)
+        placed = None
+        if constrained:
+            placed = placement_lib.of_round_state(
+                backend, state, method, round_options.get("trainable"),
+                round_options.get("param_specs"), round_options.get("outer_shards") is not None,
+            )  # fmt: skip
+        if placed is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, placed.shardings(new_state))
+        return new_state, metrics
 
     return jit_donating(step, kept_fields(method, platform_of(backend)))

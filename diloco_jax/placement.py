@@ -213,26 +213,31 @@ def of_backend(
     return placement(params, backend.mesh, specs, groups, split_outer, host)
 
 
-def kept_in_place(step, placed: "Placement | None", state, batch):
+def kept_in_place(step, placed: Placement, state, batch):
     """`step(state, batch)`, its new state constrained to the placement's shardings (so every
-    field stays where `Placement` puts it, round after round). `placed` None: the placement
-    of `step`'s backend (`step.keywords`' `backend`, `method`, `trainable`, `outer_shards`:
-    a `diloco_round` partial), built from the state's shapes when traced."""
+    field stays where `Placement` puts it, round after round)."""
     new_state, metrics = step(state, batch)
-    if placed is None:
-        placed = _round_placement(step.keywords, state)
     return jax.lax.with_sharding_constraint(new_state, placed.shardings(new_state)), metrics
 
 
-def _round_placement(options: dict, state: Any) -> Placement:
+def of_round_state(
+    backend: Backend, state: Any, method: Any, trainable: Any = None, param_specs=None,
+    split_outer: bool = False,
+) -> "Placement | None":  # fmt: skip
+    """The `Placement` of a round's `state` (arrays or tracers) on `backend`'s mesh, its
+    params at `param_specs` (one spec per leaf) or else the backend's `param_sharding`; None
+    when neither says where the params go (a traced leaf carries no sharding to read)."""
+    if param_specs is None and backend.param_sharding is None:
+        return None
     like = state.params
     if like is None:  # eager updates: θ is the workers' mean
         like = jax.eval_shape(delay.global_params, state)
-    method = options.get("method")
+    frozen = frozen_leaves(like, trainable)
     streaming = None if method is None else method.schedule
-    frozen = frozen_leaves(like, options.get("trainable"))
-    split = options.get("outer_shards") is not None
-    return of_backend(options["backend"], like, None, streaming, frozen, split_outer=split)
+    if param_specs is None:
+        return of_backend(backend, like, None, streaming, frozen, split_outer=split_outer)
+    groups = synced_indices(like, streaming, frozen)
+    return placement(like, backend.mesh, tuple(param_specs), groups, split_outer)
 
 
 def build_in_place(init, placed: Placement, params, model_state=None, worker_state=None):

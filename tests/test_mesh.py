@@ -255,6 +255,28 @@ def test_the_low_level_api_on_a_mesh_backend_equals_train_diloco(options):
     assert hlo.cross_worker_wire_bytes(compiled, M, 8) == per_round
 
 
+@pytest.mark.parametrize("given", ["param_specs", "nothing"])
+def test_jit_round_keeps_a_state_placed_by_hand_at_its_shards(given):
+    """A mesh backend built without param_sharding and a state put at its shards by hand:
+    jit_round keeps every leaf where it was (with param_specs= it constrains the new state
+    to them; without, nothing tells it the specs, so it adds no constraint that would
+    replicate them)."""
+    shape, names, specs = MESHES["fsdp2xtensor2"]
+    backend = dj.make_backend("auto", M, mesh=_mesh(shape, names))
+    params = _params()
+    resolved = placement_lib.resolve_param_specs(params, backend.mesh, specs)
+    placed = placement_lib.placement(params, backend.mesh, resolved, [(0, 1, 2)])
+    state = dj.init_state(params, M)
+    state = jax.device_put(state, placed.shardings(state))
+    want = [x.sharding.spec for x in jax.tree.leaves(state)]
+    options = {"param_specs": resolved} if given == "param_specs" else {}
+    step = dj.jit_round(mlp_loss, backend=backend, **options)
+    for batches in _rounds()[:2]:
+        state, _ = step(state, backend.place_batches(batches, 2))
+    assert [x.sharding.spec for x in jax.tree.leaves(state)] == want
+    assert state.inner_opt_state[0].mu["w1"].sharding.spec == P("workers", "fsdp", "tensor")
+
+
 def _meshes(tree):
     return {x.sharding.mesh for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}
 
