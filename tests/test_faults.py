@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from reference import linear_grads, linear_loss, make_data
 
 import diloco_jax as dj
@@ -364,3 +366,25 @@ def test_train_diloco_drops_are_reported_and_resumable(tmp_path):
     # Under compression the same workers are dropped (keyed by seed and round only).
     compressed = dj.train_diloco(linear_loss, params, rounds, **dict(kw, compression="int8"))
     assert [h["dropped_workers"] for h in compressed.history] == dropped
+
+
+def test_the_finite_check_reads_each_devices_own_shard():
+    """Inside the workers' map, a leaf split over a worker's own devices (fsdp, left to XLA's
+    partitioner) is checked shard by shard: the compiled program moves none of it between
+    devices (flattening it first gathered it whole onto each), and the answer is right."""
+    mesh = jax.make_mesh((2, 4), ("workers", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    x = np.ones((2, 8, 16), np.float32)
+    x[1, 3, 5] = np.nan
+    x = jax.device_put(x, NamedSharding(mesh, P("workers", None, "fsdp")))
+    check = jax.jit(
+        jax.shard_map(
+            lambda x: faults.all_finite({"w": x[0]})[None],
+            mesh=mesh,
+            in_specs=P("workers"),
+            out_specs=P("workers"),
+            axis_names={"workers"},
+        )
+    )
+    np.testing.assert_array_equal(check(x), [True, False])
+    text = check.lower(x).compile().as_text()
+    assert "all-gather" not in text and "all-to-all" not in text
