@@ -5,13 +5,14 @@ path through experiment.py into the trainers."""
 import dataclasses
 import functools
 import json
+import re
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from reference import assert_cli_refuses
 
@@ -186,6 +187,46 @@ def test_params_placed_by_their_specs_give_the_same_loss_and_grads():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
 
 
+def test_shard_activations_splits_the_residual_batch_over_fsdp():
+    """Under a mesh with an fsdp axis, `shard_activations` constrains the residual stream at
+    each block boundary (num_layers + 1 of them) to its batch over fsdp, with or without
+    `remat`; the loss and gradients stay the unconstrained ones up to rounding. Without the
+    option, or with a batch fsdp does not divide, nothing is constrained; beside a tensor
+    axis (where XLA's partitioner aborts on it) it is a ValueError."""
+    mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+    params = model.init_params(TINY, jax.random.key(0))
+    specs = model.param_specs(TINY, params, mesh)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+    def lowered(config, batch_size, mesh=mesh):
+        tokens = jax.random.randint(jax.random.key(1), (batch_size, 17), 0, 256, jnp.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        # Built outside the mesh: building the NNX module under `jax.set_mesh` fails (noted).
+        grad = jax.jit(jax.value_and_grad(model.make_loss_fn(config)))
+        with jax.set_mesh(mesh):
+            return grad.lower(placed, batch), grad(placed, batch)
+
+    def batch_constraints(text):
+        # [B, L, D] split on B over fsdp, whole over tensor (Shardy's lowering)
+        return len(re.findall(r'sharding_constraint .*\[\{"fsdp"\}, \{\}, \{\}\]', text))
+
+    plain_lowered, (loss, grads) = lowered(TINY, 4)
+    assert batch_constraints(plain_lowered.as_text()) == 0
+    for options in ({"shard_activations": True}, {"shard_activations": True, "remat": True}):
+        config = dataclasses.replace(TINY, **options)
+        got_lowered, (got_loss, got_grads) = lowered(config, 4)
+        # each boundary's and, in the backward pass, its cotangent's
+        assert batch_constraints(got_lowered.as_text()) == 2 * (TINY.num_layers + 1)
+        np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
+        for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    odd, _ = lowered(dataclasses.replace(TINY, shard_activations=True), 6)
+    assert batch_constraints(odd.as_text()) == 0
+    tensor = jax.make_mesh((2, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match="shard_activations .* also partitions \\('tensor',\\)"):
+        lowered(dataclasses.replace(TINY, shard_activations=True), 4, mesh=tensor)
+
+
 # Stated range for the 1b preset: 1.0-1.3B parameters with the byte vocabulary or a 32k one.
 @pytest.mark.parametrize("vocab_size, exact", [(256, 1_007_241_216), (32_000, 1_072_252_928)])
 def test_1b_preset_parameter_count_and_flops(vocab_size, exact):
@@ -247,6 +288,11 @@ def test_mesh_flag_parses_into_the_config():
         (
             ["train", "--batch-size", "8", "--mesh", "workers=2,fsdp=8"],
             "--mesh workers=2,fsdp=8 needs 16 devices, there are 8",
+        ),
+        (
+            ["train", "--shard-activations", "--mesh", "workers=2,fsdp=2,tensor=2"],
+            "--shard-activations splits the batch over fsdp only: --mesh "
+            "workers=2,fsdp=2,tensor=2 also partitions each worker over tensor",
         ),
     ],
 )
@@ -355,12 +401,18 @@ def test_compare_on_a_mesh_counts_what_each_device_sends(tmp_path):
 def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
     """tiny (float32) with 2 workers, each over fsdp=2 x tensor=2 of the 8 devices: the same
     losses as the vmap / shard_map run, up to the partitioned matmuls' rounding. The warm
-    start trains its one worker on the mesh workers=1,fsdp=2,tensor=2 (4 devices)."""
+    start trains its one worker on the mesh workers=1,fsdp=4 (4 devices), then 2 workers on
+    workers=2,fsdp=4, recomputing each block and splitting the residual's batch over fsdp
+    (`--remat --shard-activations`: what a device holds, not what the model computes)."""
     flags = ["--pretrain-steps", pretrain_steps]
     plain, _ = _train(tmp_path, "plain", *flags, model_name="tiny")
     mesh = ["--mesh", "workers=2,fsdp=2,tensor=2"]
+    if pretrain_steps != "0":
+        mesh = ["--mesh", "workers=2,fsdp=4", "--remat", "--shard-activations"]
     meshed, summary = _train(tmp_path, "mesh", *flags, *mesh, model_name="tiny")
     assert (tmp_path / "mesh" / "metrics.jsonl").exists() and summary["devices"] == 8
+    model_record = json.loads((tmp_path / "mesh" / "config.json").read_text())["model"]
+    assert model_record["remat"] == model_record["shard_activations"] == (pretrain_steps != "0")
     assert [r["run"] for r in meshed] == [r["run"] for r in plain]
     assert [r["run"] for r in meshed].count("pretrain") == int(pretrain_steps)
     for got, want in zip(meshed, plain, strict=True):

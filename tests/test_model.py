@@ -506,6 +506,8 @@ def test_flops_per_token_matches_xla_cost_analysis():
         {"attention": "flash"},
         {"embedding": "hash"},
         {"attention": "cudnn", "dtype": "bfloat16", "head_dim": 12},
+        {"remat": 1},
+        {"shard_activations": "yes"},
     ],
 )
 def test_bad_config_raises(overrides):
@@ -523,3 +525,20 @@ def test_bad_inputs_and_names_raise():
         model.apply(MICRO, {"token_embed": params["token_embed"]}, jnp.zeros((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="preset"):
         model.get_config("10b")
+
+
+def test_remat_and_shard_activations_keep_the_loss_and_gradients_bit_for_bit():
+    """Without a mesh, `shard_activations` constrains nothing, and `remat` recomputes the
+    very ops it dropped: the loss and every gradient are the plain model's bits."""
+    params = model.init_params(MICRO, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, MICRO.vocab_size, jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def loss_and_grads(config):
+        return jax.jit(jax.value_and_grad(model.make_loss_fn(config)))(params, batch)
+
+    want = loss_and_grads(MICRO)
+    for options in ({"remat": True}, {"shard_activations": True}):
+        got = loss_and_grads(dataclasses.replace(MICRO, **options))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -80,6 +80,18 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         choices=("auto", "gather", "onehot"),
         help="token embedding: auto = onehot matmul on accelerators, gather on CPU",
     )
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        default=None,
+        help="recompute each block's activations in the backward pass (less memory)",
+    )
+    p.add_argument(
+        "--shard-activations",
+        action="store_true",
+        default=None,
+        help="with --mesh: split the residual stream's batch over fsdp (FSDP proper)",
+    )
     p.add_argument("--max-bytes", type=int, help="read at most this many bytes of data")
     p.add_argument("--pretrain-steps", type=int, help="shared 1-worker warm start (0: none)")
     p.add_argument("--compression", help="DiLoCo deltas as none|bf16|int8|int4|sparseloco|...")
@@ -232,6 +244,8 @@ _CONFIG_FLAGS = (
     "param_dtype",
     "attention",
     "embedding",
+    "remat",
+    "shard_activations",
     "max_bytes",
     "pretrain_steps",
     *_DILOCO_FLAGS,
@@ -399,8 +413,14 @@ def main(argv: list[str] | None = None) -> int:
 
 RUN_IDENTITY = "run.json"  # in OUT/checkpoints: what run the checkpoints there belong to
 # Config fields a resume may change: where, not what, it trains (checkpoints hold the state
-# in the params' shapes whatever its layout).
-PLACEMENT_FIELDS = ("mesh", "shard_outer_over_workers", "outer_state_memory")
+# in the params' shapes whatever its layout), and what a device keeps for the backward pass.
+PLACEMENT_FIELDS = (
+    "mesh",
+    "shard_outer_over_workers",
+    "outer_state_memory",
+    "remat",
+    "shard_activations",
+)
 
 
 def run_identity(cfg: Any, algo: str | None, data_info: dict[str, Any]) -> dict[str, Any]:

@@ -55,6 +55,9 @@ class RunConfig:
     param_dtype: str = "float32"  # master weights, gradients, optimizer and DiLoCo state
     attention: str = "auto"  # "auto" | "xla" | "cudnn" (model.attention_implementation)
     embedding: str = "auto"  # "auto" | "gather" | "onehot" (model.embedding_implementation)
+    # what a device holds, not what the model computes (model.ModelConfig's fields)
+    remat: bool = False  # recompute each block's activations in the backward pass
+    shard_activations: bool = False  # under --mesh: the residual's batch split over fsdp
     # every run starts from one shared checkpoint trained this many steps by a single worker,
     # as the paper starts from a 24k-step pretrained model; 0 starts from random init
     pretrain_steps: int = 500
@@ -383,6 +386,17 @@ def _validate_mesh(cfg: RunConfig) -> None:
             f"--mesh places the workers on its devices itself: it needs --backend auto, "
             f"got {cfg.backend!r}"
         )
+    from diloco_jax.lm.model import ACTIVATION_BATCH_AXES
+
+    others = [
+        n for n, size in cfg.mesh if n not in (WORKER_AXIS, *ACTIVATION_BATCH_AXES) and size > 1
+    ]
+    if cfg.shard_activations and others:
+        raise ConfigError(
+            f"--shard-activations splits the batch over {'/'.join(ACTIVATION_BATCH_AXES)} "
+            f"only: --mesh {shown} also partitions each worker over {', '.join(others)} "
+            "(XLA's partitioner aborts on that combination)"
+        )
 
 
 def method(cfg: RunConfig) -> DiLoCo:
@@ -433,7 +447,7 @@ def state_sync_of(cfg: RunConfig) -> dict[str, int] | None:
 
 def model_config(cfg: RunConfig):
     """The ModelConfig of cfg.model with the run's vocabulary (the tokenizer's), dtypes,
-    attention and embedding."""
+    attention, embedding, remat and activation sharding."""
     from diloco_jax.lm.model import get_config
 
     return get_config(
@@ -443,6 +457,8 @@ def model_config(cfg: RunConfig):
         param_dtype=cfg.param_dtype,
         attention=cfg.attention,
         embedding=cfg.embedding,
+        remat=cfg.remat,
+        shard_activations=cfg.shard_activations,
     )
 
 

@@ -98,6 +98,19 @@ class ModelConfig:
       embedding: "gather" (table lookup; its gradient is a scatter-add), "onehot" (a one-hot
         matmul; its gradient is a matmul) or "auto" (onehot on GPU / TPU for vocab_size <=
         ONEHOT_MAX_VOCAB, else gather). Same values either way, up to float rounding.
+      remat: recompute each block's activations in the backward pass (`nnx.remat` per
+        block) instead of keeping them: only the blocks' inputs are saved. Under fsdp it also
+        frees each block's gathered weights between its forward and backward pass.
+      shard_activations: constrain the residual stream's batch dim to the mesh axes of
+        `ACTIVATION_BATCH_AXES` ("fsdp") at every block boundary, where the mesh in context
+        has them as Auto axes (e.g. inside `train_diloco(..., mesh=)`'s round; an Explicit
+        axis already says where each array lives): FSDP proper, each of a
+        worker's devices runs its share of the batch. Without it XLA's partitioner may split
+        the activations' hidden dim instead. A no-op without such a mesh; a ValueError when
+        traced on a mesh that partitions a worker over any other axis too (a "tensor" axis:
+        XLA's partitioner aborts on the constraint there).
+      Neither changes what the model computes, only what a device holds (benchmarks/README.md,
+      mesh_memory.py).
     """
 
     vocab_size: int = 256
@@ -112,8 +125,15 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention: str = "auto"
     embedding: str = "auto"
+    remat: bool = False
+    shard_activations: bool = False
 
     def __post_init__(self):
+        for name in ("remat", "shard_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
         for name in ("vocab_size", "seq_len", "d_model", "num_layers", "num_heads", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -396,6 +416,49 @@ class Block(nnx.Module):
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
 
 
+@nnx.remat
+def _remat_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
+    return block(x_BxLxD)
+
+
+# The mesh axes the residual stream's batch dim is split over under
+# `ModelConfig.shard_activations`, those of the mesh in context, in order, while they divide B.
+ACTIVATION_BATCH_AXES: tuple[str, ...] = ("fsdp",)
+
+
+def _shard_batch(x_BxLxD: jax.Array) -> jax.Array:
+    """x constrained to its batch dim over `ACTIVATION_BATCH_AXES` (the ones the mesh in
+    context has at size > 1 and leaves to XLA's partitioner); x itself without any."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    others = [
+        name
+        for name in mesh.axis_names
+        if name not in ACTIVATION_BATCH_AXES
+        and sizes[name] > 1
+        and kinds[name] != jax.sharding.AxisType.Manual
+    ]
+    if others:
+        # jax 0.10.2's SPMD partitioner aborts the process (a failed check in
+        # ExpandDeviceGroups) on this constraint beside another partitioned axis.
+        raise ValueError(
+            f"ModelConfig.shard_activations needs a mesh whose partitioned axes are "
+            f"{ACTIVATION_BATCH_AXES} only; this one also partitions {tuple(others)}"
+        )
+    axes, product = [], 1
+    for axis in ACTIVATION_BATCH_AXES:
+        size = sizes.get(axis, 1)
+        auto = kinds.get(axis) == jax.sharding.AxisType.Auto
+        if size > 1 and auto and x_BxLxD.shape[0] % (product * size) == 0:
+            axes.append(axis)
+            product *= size
+    if not axes:
+        return x_BxLxD
+    spec = PartitionSpec(tuple(axes), *([None] * (x_BxLxD.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x_BxLxD, spec)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: int tokens [B, L] -> float32 logits [B, L, V]."""
 
@@ -431,7 +494,9 @@ class Transformer(nnx.Module):
         if c.positions == "learned":
             x_BxLxD = x_BxLxD + self.position_embed.embedding[:seq_len][None].astype(c.jnp_dtype)
         for block in self.blocks:
-            x_BxLxD = block(x_BxLxD)
+            x_BxLxD = _shard_batch(x_BxLxD) if c.shard_activations else x_BxLxD
+            x_BxLxD = _remat_block(block, x_BxLxD) if c.remat else block(x_BxLxD)
+        x_BxLxD = _shard_batch(x_BxLxD) if c.shard_activations else x_BxLxD
         h_BxLxD = self.final_norm(x_BxLxD)
         # Tied output projection in the compute dtype, accumulated and returned in float32.
         # The dot algorithm keeps its backward pass in the compute dtype too: the logits'
