@@ -231,6 +231,45 @@ def memory_stats(compiled: Any) -> dict[str, int]:
     return stats
 
 
+# What XLA's GPU compiler needs to know of an NVIDIA H200 to compile for one that is not here
+# (`se::GpuTargetConfigProto` as text; NVIDIA's published figures: 132 SMs, compute
+# capability 9.0, 143,771 MiB of HBM3e at 4.8 TB/s, 50 MiB of L2).
+H200_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H200"
+"""
+TARGETS = ("cpu", "h200")
+
+
+def target_devices(target: str, count: int) -> list:
+    """`count` devices to compile for: this process's CPU devices ("cpu"), or NVIDIA H200s of
+    one host that need not be present ("h200": XLA's GPU compiler run ahead of time, without
+    a GPU; it needs JAX's CUDA plugin, `pip install "jax[cuda12]==<jax's version>"`, and
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is imported). Programs are lowered and
+    compiled for them (`jit(...).lower(...).compile()`), never run."""
+    if target == "cpu":
+        return jax.devices()[:count]
+    if target != "h200":
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=H200_TARGET_CONFIG, topology=f"1x1x{count}"
+    )
+    return list(topology.devices)
+
+
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
 _WHILE_BODY = re.compile(r"\bwhile\(.*?\bbody=%([\w.\-]+)")
 _OP = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*)$")

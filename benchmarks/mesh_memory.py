@@ -28,15 +28,25 @@ the ZeRO-1 layouts, which refuse compression, are left out). `--no-exclusion` tu
 non-finite exclusion off: no round-start copy of the inner state is kept for a non-finite
 worker's restore (what that copy costs in temporaries).
 
-The figures are XLA CPU's: a GPU compile's arguments and outputs are the same bytes, its
-temporaries differ.
+`--target h200` compiles the same rounds for 8 NVIDIA H200s (one host) with XLA's GPU
+compiler, ahead of time and without a GPU (`common.target_devices`; it needs JAX's CUDA
+plugin installed). That compile drops the `pinned_host` memory kind, so its table leaves the
+host-memory layouts out; without a GPU present the model picks its CPU kernels (XLA
+attention, a gather embedding). The model options of `diloco_jax.lm.model.ModelConfig`
+apply to every layout: `--dtype bfloat16` (compute dtype; params, gradients and state stay
+float32), `--remat`, `--shard-activations`. The default target, `cpu`, gives XLA CPU's
+figures: the same arguments and outputs, other temporaries.
 
   python benchmarks/mesh_memory.py [--presets 150m,400m,1b] [--batch B] [--seq L] [--steps H]
-      [--compression int8] [--no-exclusion]
+      [--compression int8] [--no-exclusion] [--target cpu|h200] [--dtype bfloat16]
+      [--remat] [--shard-activations]
 """
 
 import os
 
+# For --target h200 without a GPU: the CUDA plugin's driver check would fail (and stop the
+# plugin loading); nothing runs on the device, XLA only compiles for it.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -76,15 +86,19 @@ def round_memory(
     steps: int,
     compression: str = "none",
     exclusion: bool = True,
+    target: str = "cpu",
+    **model_options,
 ) -> dict:
-    """memory_stats of the compiled round of `preset` under `layout` (with `compression`;
-    without the non-finite exclusion if not `exclusion`), its cross-worker wire bytes per
-    device (from the HLO), and the compile's wall seconds."""
-    config = model.get_config(preset)
+    """memory_stats of the compiled round of `preset` (with `model_options`, ModelConfig
+    fields) under `layout` (with `compression`; without the non-finite exclusion if not
+    `exclusion`) compiled for `target`'s devices, its cross-worker wire bytes per device
+    (from the HLO), and the compile's wall seconds."""
+    config = model.get_config(preset, **model_options)
     # One axis name for both layouts ("replicated" only leaves the params whole on it): the
     # model's logical axes (`model.LOGICAL_RULES`) name it.
     axis = "fsdp"
-    mesh = jax.make_mesh((M, 4), ("workers", axis), axis_types=(AxisType.Auto,) * 2)
+    devices = np.array(common.target_devices(target, M * 4)).reshape(M, 4)
+    mesh = jax.sharding.Mesh(devices, ("workers", axis), axis_types=(AxisType.Auto,) * 2)
     backend = dj.make_backend("auto", M, mesh=mesh)
     shapes = jax.eval_shape(model.init_params, config, jax.random.key(0))
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
@@ -127,8 +141,9 @@ def round_memory(
         for x in jax.tree.leaves(getattr(state, name))
     )  # fmt: skip
     stats["host_bytes"] = host
-    stats["argument_size_in_bytes"] -= host
-    stats["total"] -= host
+    if target == "cpu":  # one memory for both kinds: the host arguments counted as device's
+        stats["argument_size_in_bytes"] -= host
+        stats["total"] -= host
     stats["wire_bytes_per_device"] = hlo.cross_worker_wire_bytes(compiled, M, mesh.devices.size)
     stats["compile_s"] = time.perf_counter() - start
     stats["params"] = model.count_params(shapes)
@@ -149,8 +164,26 @@ def main() -> None:
         action="store_true",
         help="exclude_nonfinite=False: no round-start copy of the inner state to restore",
     )
+    parser.add_argument(
+        "--target",
+        choices=common.TARGETS,
+        default="cpu",
+        help="compile for 8 fake CPU devices or 8 H200s (without a GPU)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the model's compute dtype (params and state stay float32)",
+    )
+    parser.add_argument("--remat", action="store_true", help="ModelConfig.remat")
+    parser.add_argument("--shard-activations", action="store_true",
+                        help="ModelConfig.shard_activations")  # fmt: skip
     args = parser.parse_args()
+    model_options = {"dtype": args.dtype, "remat": args.remat,
+                     "shard_activations": args.shard_activations}  # fmt: skip
     print(common.header() + "\n")
+    print(f"target {args.target}, model options {model_options}\n")
     rows = []
     head = (
         f"{'preset':<7} {'layout':<30} {'args GB':>8} {'host GB':>8} {'temp GB':>8} {'total GB':>9}"
@@ -161,9 +194,13 @@ def main() -> None:
         for layout in LAYOUTS:
             if "ZeRO" in layout and args.compression != "none":
                 continue  # the split outer state runs without compression
+            if "pinned_host" in layout and args.target != "cpu":
+                # The deviceless GPU compile drops the memory kind (no S(5) buffer in its
+                # program, no host bytes in its analysis): these rows would be fsdp=4's.
+                continue
             s = round_memory(
                 preset, layout, args.batch, args.seq, args.steps, args.compression,
-                exclusion=not args.no_exclusion,
+                exclusion=not args.no_exclusion, target=args.target, **model_options,
             )  # fmt: skip
             replicated = replicated or s["total"]
             wire = wire or s["wire_bytes_per_device"]
@@ -176,12 +213,13 @@ def main() -> None:
                 f"{preset:<7} {layout:<30} {s['argument_size_in_bytes'] / 1e9:>8.2f} "
                 f"{s['host_bytes'] / 1e9:>8.2f} "
                 f"{s['temp_size_in_bytes'] / 1e9:>8.2f} {s['total'] / 1e9:>9.2f} "
-                f"{row['fraction_of_h200']:>8.2f} {row['vs_replicated']:>8.2f} "
+                f"{row['fraction_of_h200']:>8.2f} {row['vs_replicated']:>8.3f} "
                 f"{s['wire_bytes_per_device'] / 1e6:>11.2f} {row['wire_vs_replicated']:>8.2f}",
                 flush=True,
             )
     payload = {"batch": args.batch, "seq": args.seq, "inner_steps": args.steps,
                "compression": args.compression, "exclusion": not args.no_exclusion,
+               "target": args.target, "model_options": model_options,
                "rows": rows}  # fmt: skip
     print(f"\nwrote {common.write_results('mesh_memory', payload)}")
 
