@@ -43,10 +43,12 @@ figures: the same arguments and outputs, other temporaries.
 """
 
 import os
+import sys
 
-# For --target h200 without a GPU: the CUDA plugin's driver check would fail (and stop the
-# plugin loading); nothing runs on the device, XLA only compiles for it.
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+if "h200" in sys.argv:
+    # Without a GPU the CUDA plugin's driver check would fail (and stop the plugin loading);
+    # nothing runs on the device, XLA only compiles for it.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -221,7 +223,8 @@ def main() -> None:
                "compression": args.compression, "exclusion": not args.no_exclusion,
                "target": args.target, "model_options": model_options,
                "rows": rows}  # fmt: skip
-    print(f"\nwrote {common.write_results('mesh_memory', payload)}")
+    name = "mesh_memory" if args.target == "cpu" else f"mesh_memory_{args.target}"
+    print(f"\nwrote {common.write_results(name, payload)}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from diloco_jax.outer import outer_init, outer_update, worker_delta
 from diloco_jax.placement import resolve_param_specs
 from diloco_jax.sampler import Sampler
 from diloco_jax.train import _check_int, _check_params, _checkpoints, _optimizer
-from diloco_jax.workers import WORKER_AXIS, make_backend
+from diloco_jax.workers import WORKER_AXIS, in_mesh_context, make_backend
 
 Record = dict[str, Any]
 
@@ -323,7 +323,12 @@ def train_async(
         dynamic_steps=dynamic_steps,
     )
     job_data = _job_data(data, num_workers, inner_steps, schedule.events, where)
-    run_job, apply_delta = _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed)
+    # On a mesh, a job runs under plain jit on its worker's slice of it: traced with that
+    # slice's axes in context (the same axes for every worker) as a round's body is.
+    job_mesh = where.meshes[0].abstract_mesh if isinstance(where, OnMesh) else None
+    run_job, apply_delta = _programs(
+        loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh
+    )
     evaluate = jax.jit(eval_fn) if eval_fn is not None else None
 
     theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
@@ -501,18 +506,23 @@ def _apply(outer_optimizer, params, outer_state, delta):
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed):
+def _cached_programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh):
     run_job = jax.jit(
-        functools.partial(_job, loss_fn, inner_optimizer, has_aux, rng_seed),
+        in_mesh_context(
+            functools.partial(_job, loss_fn, inner_optimizer, has_aux, rng_seed), job_mesh
+        ),
         static_argnames=("num_steps",),
     )
     return run_job, jax.jit(functools.partial(_apply, outer_optimizer))
 
 
-def _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux=False, rng_seed=None):
-    """(jitted job: one program per job length, jitted outer update); cached per
-    (loss_fn, optimizers, loss options) so repeated runs reuse the compilations."""
-    args = (loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed)
+def _programs(
+    loss_fn, inner_optimizer, outer_optimizer, has_aux=False, rng_seed=None, job_mesh=None
+):
+    """(jitted job: one program per job length, traced with `job_mesh`'s axes in context,
+    jitted outer update); cached per (loss_fn, optimizers, loss options, job mesh) so
+    repeated runs reuse the compilations."""
+    args = (loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh)
     try:
         return _cached_programs(*args)
     except TypeError:  # unhashable loss_fn or optimizer: compile without the cache

@@ -123,7 +123,7 @@ class Backend:
             # A worker axis of size 1: nothing crosses it, and XLA refuses a collective over
             # a manual axis of size 1 beside auto axes. The one worker runs under plain jit
             # (its axes partitioned by XLA), its reducers' collectives vanishing as on vmap.
-            return functools.partial(_run_one_device, body)
+            return functools.partial(_run_one_device, in_mesh_context(body, self.mesh))
         if self.name == "shard_map":
             partial_manual = self.data_parallel > 1 or bool(self.mesh_axes)
             return _shard_map_workers(body, self.mesh, partial_manual)
@@ -519,6 +519,23 @@ def _one_device_reduce(fn: Callable[[Any], Any], local: Any) -> Any:
 _ONE_DEVICE = Collectives(_one_device_reduce, _identity)
 _MAPPED = Collectives(_bound_reduce, _identity)
 _SHARD_MAPPED = Collectives(_bound_reduce, lambda x: lax.pcast(x, WORKER_AXIS, to="varying"))
+
+
+def in_mesh_context(fn: Callable, mesh: Mesh | jax.sharding.AbstractMesh | None) -> Callable:
+    """`fn` traced with `mesh`'s axes in context, as a `shard_map` body sees them, for the
+    workers that run under plain jit on a mesh (one worker; `train_async`'s jobs): code that
+    asks `jax.sharding.get_abstract_mesh()` (a model's activation constraints,
+    `faults.all_finite`) then finds the axes XLA partitions. `fn` itself for None."""
+    if mesh is None:
+        return fn
+    abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+
+    @functools.wraps(fn)
+    def traced_in_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(abstract):
+            return fn(*args, **kwargs)
+
+    return traced_in_mesh
 
 
 def _run_one_device(body, shared, mine):

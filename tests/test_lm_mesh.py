@@ -294,6 +294,15 @@ def test_mesh_flag_parses_into_the_config():
             "--shard-activations splits the batch over fsdp only: --mesh "
             "workers=2,fsdp=2,tensor=2 also partitions each worker over tensor",
         ),
+        (
+            ["compare", "--shard-activations", "--mesh", "workers=2,fsdp=1,tensor=2"],
+            "also partitions each worker over tensor",
+        ),
+        (
+            ["train", "--shard-activations", "--mesh", "workers=2,fsdp=1"],
+            "--mesh workers=2,fsdp=1 has no fsdp axis of size > 1",
+        ),
+        (["train", "--shard-activations"], "--shard-activations splits the batch over a --mesh"),
     ],
 )
 def test_bad_mesh_is_one_line_exit_2_naming_mesh(argv, message, tmp_path, capsys):
@@ -402,8 +411,9 @@ def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
     """tiny (float32) with 2 workers, each over fsdp=2 x tensor=2 of the 8 devices: the same
     losses as the vmap / shard_map run, up to the partitioned matmuls' rounding. The warm
     start trains its one worker on the mesh workers=1,fsdp=4 (4 devices), then 2 workers on
-    workers=2,fsdp=4, recomputing each block and splitting the residual's batch over fsdp
-    (`--remat --shard-activations`: what a device holds, not what the model computes)."""
+    workers=2,fsdp=4, both recomputing each block and splitting the residual's batch over
+    fsdp (`--remat --shard-activations`: what a device holds, not what the model computes;
+    test_mesh checks that every path's loss sees the mesh's axes)."""
     flags = ["--pretrain-steps", pretrain_steps]
     plain, _ = _train(tmp_path, "plain", *flags, model_name="tiny")
     mesh = ["--mesh", "workers=2,fsdp=2,tensor=2"]

@@ -591,3 +591,27 @@ def test_train_async_mesh_options_are_checked():
         )
     with pytest.raises(ValueError, match="num_workers"):
         dj.train_async(mlp_loss, _params(), _rounds(), mesh=_mesh((4, 2), names), **common)
+
+
+def test_the_loss_sees_the_workers_own_axes_on_every_path():
+    """A loss traced in a round on a mesh finds the worker's own axes in context (Auto, for
+    XLA to partition; what a model's activation constraints and the finite check ask), on
+    each path that runs it: the workers' shard_map (M = 2), one worker under plain jit
+    (M = 1) and `train_async`'s jobs on each worker's slice."""
+    seen = []
+
+    def recording_loss(params, batch):
+        mesh = jax.sharding.get_abstract_mesh()
+        seen.append(dict(zip(mesh.axis_names, mesh.axis_types, strict=True)).get("fsdp"))
+        return mlp_loss(params, batch)
+
+    shape, names, specs = MESHES["fsdp4"]
+    placed = dict(mesh=_mesh(shape, names), param_sharding=specs)
+    dj.train_diloco(recording_loss, _params(), _rounds()[:1], num_rounds=1, num_workers=M,
+                    inner_steps=H, **placed)  # fmt: skip
+    one = {k: v[:1] for k, v in _rounds()[0].items()}
+    dj.train_diloco(recording_loss, _params(), [one], num_rounds=1, num_workers=1,
+                    inner_steps=H, mesh=_mesh((1, 4), names), param_sharding=specs)  # fmt: skip
+    dj.train_async(recording_loss, _params(), _rounds(), num_workers=M, inner_steps=H,
+                   num_updates=2, step_seconds=(1.0, 1.7), **placed)  # fmt: skip
+    assert len(seen) >= 3 and set(seen) == {AxisType.Auto}

@@ -320,6 +320,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     if cfg.mesh is not None:
         _validate_mesh(cfg)
+    elif cfg.shard_activations:
+        raise ConfigError(
+            "--shard-activations splits the batch over a --mesh's fsdp axis: give one"
+        )
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -388,14 +392,18 @@ def _validate_mesh(cfg: RunConfig) -> None:
         )
     from diloco_jax.lm.model import ACTIVATION_BATCH_AXES
 
-    others = [
-        n for n, size in cfg.mesh if n not in (WORKER_AXIS, *ACTIVATION_BATCH_AXES) and size > 1
-    ]
-    if cfg.shard_activations and others:
+    batch_axes = [n for n, size in cfg.mesh if n in ACTIVATION_BATCH_AXES and size > 1]
+    others = [n for n, size in cfg.mesh if n not in (WORKER_AXIS, *batch_axes) and size > 1]
+    if cfg.shard_activations and (others or not batch_axes):
+        why = (
+            f"also partitions each worker over {', '.join(others)} (not supported: XLA's "
+            "partitioner aborts beside a tensor axis)"
+            if others
+            else f"has no {'/'.join(ACTIVATION_BATCH_AXES)} axis of size > 1"
+        )
         raise ConfigError(
             f"--shard-activations splits the batch over {'/'.join(ACTIVATION_BATCH_AXES)} "
-            f"only: --mesh {shown} also partitions each worker over {', '.join(others)} "
-            "(XLA's partitioner aborts on that combination)"
+            f"only: --mesh {shown} {why}"
         )
 
 

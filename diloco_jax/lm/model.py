@@ -441,10 +441,11 @@ def _shard_batch(x_BxLxD: jax.Array) -> jax.Array:
     ]
     if others:
         # jax 0.10.2's SPMD partitioner aborts the process (a failed check in
-        # ExpandDeviceGroups) on this constraint beside another partitioned axis.
+        # ExpandDeviceGroups) on this constraint beside a tensor axis; other axes are untried.
         raise ValueError(
             f"ModelConfig.shard_activations needs a mesh whose partitioned axes are "
-            f"{ACTIVATION_BATCH_AXES} only; this one also partitions {tuple(others)}"
+            f"{ACTIVATION_BATCH_AXES} only; this one also partitions {tuple(others)} (not "
+            "supported: XLA's partitioner aborts beside a tensor axis)"
         )
     axes, product = [], 1
     for axis in ACTIVATION_BATCH_AXES:
