@@ -390,10 +390,10 @@ def _validate_mesh(cfg: RunConfig) -> None:
             f"--mesh places the workers on its devices itself: it needs --backend auto, "
             f"got {cfg.backend!r}"
         )
-    from diloco_jax.lm.model import ACTIVATION_BATCH_AXES
+    from diloco_jax.lm.model import ACTIVATION_BATCH_AXES, axes_beside_activation_batch
 
     batch_axes = [n for n, size in cfg.mesh if n in ACTIVATION_BATCH_AXES and size > 1]
-    others = [n for n, size in cfg.mesh if n not in (WORKER_AXIS, *batch_axes) and size > 1]
+    others = axes_beside_activation_batch({n: s for n, s in cfg.mesh if n != WORKER_AXIS})
     if cfg.shard_activations and (others or not batch_axes):
         why = (
             f"also partitions each worker over {', '.join(others)} (not supported: XLA's "

@@ -426,22 +426,23 @@ def _remat_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
 ACTIVATION_BATCH_AXES: tuple[str, ...] = ("fsdp",)
 
 
+def axes_beside_activation_batch(partitioned: Mapping[str, int]) -> list[str]:
+    """The axes of `partitioned` (a worker's partitioned mesh axes, name -> size) that
+    `shard_activations` can't run beside: those of size > 1 not in ACTIVATION_BATCH_AXES.
+    jax 0.10.2's SPMD partitioner aborts the process (a failed check in ExpandDeviceGroups)
+    on the batch constraint beside a tensor axis; other axes are untried."""
+    return [n for n, size in partitioned.items() if n not in ACTIVATION_BATCH_AXES and size > 1]
+
+
 def _shard_batch(x_BxLxD: jax.Array) -> jax.Array:
     """x constrained to its batch dim over `ACTIVATION_BATCH_AXES` (the ones the mesh in
     context has at size > 1 and leaves to XLA's partitioner); x itself without any."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    others = [
-        name
-        for name in mesh.axis_names
-        if name not in ACTIVATION_BATCH_AXES
-        and sizes[name] > 1
-        and kinds[name] != jax.sharding.AxisType.Manual
-    ]
+    partitioned = {n: s for n, s in sizes.items() if kinds[n] != jax.sharding.AxisType.Manual}
+    others = axes_beside_activation_batch(partitioned)
     if others:
-        # jax 0.10.2's SPMD partitioner aborts the process (a failed check in
-        # ExpandDeviceGroups) on this constraint beside a tensor axis; other axes are untried.
         raise ValueError(
             f"ModelConfig.shard_activations needs a mesh whose partitioned axes are "
             f"{ACTIVATION_BATCH_AXES} only; this one also partitions {tuple(others)} (not "
