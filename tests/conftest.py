@@ -16,7 +16,18 @@ processes this one starts (the xdist workers, the CLI and multi-process runs) pr
 XLA's CPU compiler, most of the suite's time, spent about a sixth of it in glibc's malloc and
 free (perf, on the golden replay); with mimalloc the suite took 8 min 20 s - 8 min 41 s
 against 9 min 26 s - 9 min 51 s without on the same 2 cores (it changes no result: an
-allocator decides addresses, not values). DILOCO_JAX_TEST_MALLOC=0 turns it off."""
+allocator decides addresses, not values). DILOCO_JAX_TEST_MALLOC=0 turns it off.
+
+The compiler's effort: XLA's CPU compiler spends most of a compile in LLVM, optimizing and
+emitting each kernel's machine code, after its HLO passes have fixed the program (fusions,
+collectives, buffers). The suite compiles its programs with `jax_disable_most_optimizations`
+(LLVM at -O0, set through JAX_DISABLE_MOST_OPTIMIZATIONS, so the CLI and multi-process runs
+the tests start do the same): the optimized HLO, which the byte and memory tests read, is the
+one a user's run compiles (tests/test_golden.py checks that), each compile takes about a third
+less, and the suite about 30% less. Machine code at -O0 may round differently, so the tests
+that hold today's programs to recorded bits (the golden replay, the format-1 checkpoints) use
+the `users_compiler` fixture: every program they run is compiled as a user's run compiles it.
+DILOCO_JAX_TEST_FULL_OPT=1 compiles the whole suite that way."""
 
 import atexit
 import os
@@ -38,6 +49,9 @@ if os.environ.get("DILOCO_JAX_TEST_CACHE", "1") != "0" and not os.environ.get(
     # Every program that takes a moment to compile (the default, 1 s, would skip most).
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
+if os.environ.get("DILOCO_JAX_TEST_FULL_OPT", "0") != "1":
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 
 MIMALLOC = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib" / "libmimalloc.so"
 if (
@@ -50,6 +64,7 @@ if (
         os.environ["LD_PRELOAD"] = ":".join([str(MIMALLOC), *preloaded])
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -59,3 +74,19 @@ def pytest_xdist_auto_num_workers(config):
     4 (each worker holds a few GB: JAX with 8 fake devices and its compiled programs)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(cpus or 1, 4))
+
+
+@pytest.fixture(scope="module")
+def users_compiler():
+    """Every program the module's tests run compiled as a user's run compiles it (XLA's full
+    optimization), none reused from the suite's -O0 compiles; the suite's setting after them.
+    Module-scoped: pytest sets it up before the first of the module's tests a process runs
+    and tears it down before that process runs another module's test."""
+    suite_setting = jax.config.read("jax_disable_most_optimizations")
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", suite_setting)
+        jax.clear_caches()

@@ -368,7 +368,7 @@ def test_checksums_are_per_shard_for_a_leaf_over_devices(tmp_path):
 
 
 KILLED_MID_SAVE = """
-import asyncio, os, sys
+import asyncio, os, pathlib, sys, time
 sys.path.insert(0, {tests!r})
 import numpy as np
 from reference import linear_loss, make_data
@@ -390,7 +390,12 @@ start = checkpoint.Saver.save
 
 def save(self, step, state, metadata):
     start(self, step, state, metadata)
-    if step == 3:  # step 3's files are being written in the background: die now
+    if step == 3:  # step 3's files are being written in the background: die once they're begun
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith("3.") for p in pathlib.Path(sys.argv[1]).iterdir()):
+            if time.monotonic() > deadline:
+                os._exit(4)
+            time.sleep(0.01)
         os._exit(3)
 
 checkpoint.Saver.save = save

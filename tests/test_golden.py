@@ -12,12 +12,20 @@ import json
 import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from golden_cases import INNER_STEPS, NUM_ROUNDS, cases, checked_cases, data, optimizers, params
+from jax.sharding import Mesh, NamedSharding
 from reference import linear_loss, precision
 
 import diloco_jax as dj
+from diloco_jax.lm import model
+
+# Recorded bits hold for the programs a user's run compiles, not the suite's -O0 ones
+# (tests/conftest.py): every test here compiles as a user's run does.
+pytestmark = pytest.mark.usefixtures("users_compiler")
 
 DATA = Path(__file__).parent / "data"
 ARRAYS, HISTORIES = DATA / "golden_rounds.npz", DATA / "golden_histories.json"
@@ -84,6 +92,7 @@ def test_golden_cases_are_recorded():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CHECKED))
 def test_golden_case_is_bit_identical(name):
+    assert not jax.config.read("jax_disable_most_optimizations")  # the users_compiler fixture
     if WRITE:
         pytest.skip("writing the goldens (test_golden_cases_are_recorded)")
     stored_arrays, stored_histories = _stored()
@@ -125,3 +134,57 @@ def _rounding_only(name, want, got, history, stored):
         ):
             failures.append(f"{name}: round {new['round']} history differs beyond rounding")
     return failures
+
+
+def _round_program(name):
+    """The jitted round of golden case `name`, lowered for its first round."""
+    case = dict(CASES)[name]
+    options = dict(case["options"])
+    m, backend = options.pop("num_workers"), options.pop("backend")
+    inner, outer = optimizers()
+    options |= dict(inner_optimizer=inner, outer_optimizer=outer)
+    method = dj.method_from_options(None, options, caller="test")
+    with precision(case["dtype"]):
+        state = dj.init_state(params(case["dtype"]), m, method, backend=backend)
+        batches = {k: jnp.asarray(v) for k, v in data(m, case["dtype"], case["nan"])[0].items()}
+        step = dj.jit_round(
+            linear_loss, method, num_workers=m, inner_steps=INNER_STEPS, backend=backend
+        )
+        return step.lower(state, batches)
+
+
+def _lm_grad_program():
+    """The micro transformer's loss and gradients, its params split over fsdp x tensor."""
+    config = model.get_config("micro")
+    mesh = Mesh(np.reshape(jax.devices()[:4], (2, 2)), ("fsdp", "tensor"))
+    params = model.init_params(config, jax.random.key(0))
+    specs = model.param_specs(config, params, mesh)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    tokens = jnp.zeros((4, config.seq_len + 1), jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return jax.jit(jax.value_and_grad(model.make_loss_fn(config))).lower(placed, batch)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        "vmap-float32-M4-int4,ef=1-none-stream",
+        "shard_map-float32-M4-exact-exclude-std",
+        "shard_map-float64-M4-int8,ef=1-steps-std",
+        "lm-grads-fsdp2xtensor2",
+    ],
+)
+def test_the_suites_compiles_fix_the_program_a_users_run_compiles(program):
+    """The rest of the suite compiles with `jax_disable_most_optimizations` (tests/conftest.py),
+    which must leave XLA's HLO passes alone: the optimized program (fusions, collectives,
+    buffers: what the byte and memory tests read) is the one a user's run compiles, only the
+    machine code differs."""
+    lowered = _lm_grad_program() if program.startswith("lm-") else _round_program(program)
+    texts = {}
+    for disabled in (False, True):
+        jax.config.update("jax_disable_most_optimizations", disabled)
+        jax.clear_caches()  # no executable of the other setting (options given: none kept)
+        compiled = lowered.compile(compiler_options={})
+        texts[disabled] = (compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes)
+    jax.config.update("jax_disable_most_optimizations", False)
+    assert texts[True] == texts[False]
