@@ -45,28 +45,30 @@ def checked_cases():
     """The cases tests/test_golden.py replays: a subset of `cases()`, each still checked bit
     for bit against its recording (the other recordings stay stored, unread).
 
-    The dtype changes no branch of the round, so float64 need not run the whole grid on every
-    backend: float32 keeps the full grid (every compression x fault x streaming option) on
-    each of vmap M = 1, vmap M = 4, shard_map and pmap; float64 keeps it on vmap M = 4, and
-    deals the 18 options round-robin over vmap M = 1, shard_map and pmap (6 each). Each of
-    those still sees float64 with every compression, every fault option and both streaming
-    modes, and every option runs in float64 on vmap M = 4 and on one other backend."""
+    The dtype changes no branch of the round, so neither dtype need run the whole grid on
+    every backend: vmap M = 4 keeps the full grid (every compression x fault x streaming
+    option) in float32 and in float64; vmap M = 1, shard_map and pmap each run every one of
+    the 18 options once, a third of them (dealt round-robin, a different third on each) in
+    float64 and the rest in float32. So every option runs on every backend, in both dtypes
+    on vmap M = 4, and each backend runs both dtypes with every compression, every fault
+    option and both streaming modes."""
     index = {}  # option key -> its place in a group's order of cases
     for name, _ in cases():
         index.setdefault(_option_key(name), len(index))
     out = []
     for name, case in cases():
         backend, dtype, m = name.split("-")[:3]
-        group = FLOAT64_DEALT.get((backend, m))
-        if dtype == "float64" and group is not None:
-            if index[_option_key(name)] % len(FLOAT64_DEALT) != group:
+        group = DEALT.get((backend, m))
+        if group is not None:
+            in_float64 = index[_option_key(name)] % len(DEALT) == group
+            if in_float64 != (dtype == "float64"):
                 continue
         out.append((name, case))
     return out
 
 
-# The groups that run a third of the float64 grid each (see `checked_cases`).
-FLOAT64_DEALT = {("vmap", "M1"): 0, ("shard_map", "M4"): 1, ("pmap", "M4"): 2}
+# The groups that run each option once, a third of them in float64 (see `checked_cases`).
+DEALT = {("vmap", "M1"): 0, ("shard_map", "M4"): 1, ("pmap", "M4"): 2}
 
 
 def _option_key(name):
