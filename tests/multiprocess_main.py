@@ -1,14 +1,15 @@
 """One process of the 2-process test run (see test_multiprocess.py); not a test module.
 
 Usage: python multiprocess_main.py COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR
-       [CKPT_DIR [diloco|mesh|background]]
+       [CKPT_DIR [diloco|mesh]]
 
 Joins the run, trains DiLoCo, the synchronous baseline and DiLoCo with int8 deltas (the
 two-stage exchange) on `run_config()`'s data (the same on every process) and saves the final
 params and histories to OUT_DIR/process-I.npz. With a last argument "diloco", only the DiLoCo
-run (the one that checkpoints: what a resumed launch checks). With "mesh": `train_on_mesh`, a
-(workers=2, fsdp=4) mesh over both processes' devices, each process's devices one worker.
-With "background": `save_in_background`.
+run (the one that checkpoints: what a resumed launch checks), then `save_in_background` in
+CKPT_DIR-background (its "step1" and "step2" beside the run's params: one launch of two
+processes for both). With "mesh": `train_on_mesh`, a (workers=2, fsdp=4) mesh over both
+processes' devices, each process's devices one worker.
 """
 
 import json
@@ -248,10 +249,10 @@ def main(argv: list[str]) -> None:
     assert jax.process_count() == int(num_processes), jax.process_count()
     if argv[5:] == ["mesh"]:
         result = train_on_mesh(jax.devices(), checkpoint_dir)
-    elif argv[5:] == ["background"]:
-        result = save_in_background(checkpoint_dir)
     else:
         result = train_both(checkpoint_dir, only_diloco)
+        if only_diloco:
+            result |= save_in_background(f"{checkpoint_dir}-background")
     np.savez(Path(out_dir) / f"process-{process_id}.npz", **result)
     jax.distributed.shutdown()
 
