@@ -176,11 +176,13 @@ def test_the_suites_compiles_fix_the_program_a_users_run_compiles(program):
     machine code differs."""
     lowered = _lm_grad_program() if program.startswith("lm-") else _round_program(program)
     texts = {}
-    for disabled in (False, True):
-        jax.config.update("jax_disable_most_optimizations", disabled)
-        jax.clear_caches()  # no executable of the other setting (options given: none kept)
-        compiled = lowered.compile(compiler_options={})
-        texts[disabled] = (compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes)
-    jax.config.update("jax_disable_most_optimizations", False)
-    jax.clear_caches()  # the module's other tests reuse no -O0 executable
+    try:
+        for disabled in (False, True):
+            jax.config.update("jax_disable_most_optimizations", disabled)
+            jax.clear_caches()  # no executable of the other setting (options given: none kept)
+            compiled = lowered.compile(compiler_options={})
+            texts[disabled] = (compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes)
+    finally:  # the module's other tests: a user's compiles, no -O0 executable kept
+        jax.config.update("jax_disable_most_optimizations", False)
+        jax.clear_caches()
     assert texts[True] == texts[False]
