@@ -130,14 +130,14 @@ def measure(reps: int, H: int) -> tuple[dict[str, list[float]], dict[str, list[f
         return run
 
     def library(backend, donate_all=False):
-        from diloco_jax.train import _place_state
+        from diloco_jax.loop import place_state
 
         program = dj.jit_round(mlp_loss, backend=backend)
         if donate_all:  # the restore's fields donated too: XLA copies them for the round
             program = jax.jit(
                 functools.partial(dj.diloco_round, mlp_loss, backend=backend), donate_argnums=0
             )
-        state = [_place_state(dj.init_state(params, M), backend)]
+        state = [place_state(dj.init_state(params, M), backend)]
 
         def run():
             state[0], metrics = program(state[0], backend.place_batches(host_batch, 2))

@@ -26,6 +26,7 @@ many follow).
 """
 
 import collections
+import dataclasses
 import functools
 import math
 import os
@@ -39,13 +40,14 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint
 from diloco_jax import sampler as sampler_lib
 from diloco_jax import trainable as trainable_lib
 from diloco_jax.async_placement import OneDevice, OnMesh
+from diloco_jax.checks import check_int, check_params, checked_optimizer
 from diloco_jax.comm import round_bytes
 from diloco_jax.distributed import is_multiprocess, to_host
 from diloco_jax.inner import LossFn, check_loss_options, inner_loop, worker_key
+from diloco_jax.loop import Loop, checkpoints
 from diloco_jax.method import (
     DiLoCo,
     default_inner_optimizer,
@@ -56,7 +58,6 @@ from diloco_jax.method import (
 from diloco_jax.outer import outer_init, outer_update, worker_delta
 from diloco_jax.placement import resolve_param_specs
 from diloco_jax.sampler import Sampler
-from diloco_jax.train import _check_int, _check_params, _checkpoints, _optimizer
 from diloco_jax.workers import WORKER_AXIS, in_mesh_context, make_backend
 
 Record = dict[str, Any]
@@ -133,7 +134,7 @@ def dynamic_local_steps(step_seconds: Sequence[float], inner_steps: int) -> tupl
     an integer counts as that integer (e.g. 3 x 0.1 / 0.3 is 3 steps, not 2).
     """
     seconds = _checked_step_seconds(step_seconds)
-    _check_int("inner_steps", inner_steps, 1)
+    check_int("inner_steps", inner_steps, 1)
     speeds = [1.0 / s for s in seconds]
     fastest = max(speeds)
     return tuple(max(1, math.floor(inner_steps * v / fastest + 1e-9)) for v in speeds)
@@ -160,8 +161,8 @@ def async_schedule(
       argument.
     """
     seconds = _checked_step_seconds(step_seconds)
-    _check_int("inner_steps", inner_steps, 1)
-    _check_int("num_updates", num_updates, 0)
+    check_int("inner_steps", inner_steps, 1)
+    check_int("num_updates", num_updates, 0)
     grace = _checked_grace(grace_seconds)
     num_workers = len(seconds)
     steps = (
@@ -283,26 +284,26 @@ def train_async(
       "wire_bytes_per_device" (the same, per device: each sends its shard of the delta).
       Same inputs give bit-identical results.
     """
-    _check_int("num_workers", num_workers, 1)
-    _check_int("inner_steps", inner_steps, 1)
-    _check_int("num_updates", num_updates, 0)
-    _check_int("eval_every", eval_every, 1)
+    check_int("num_workers", num_workers, 1)
+    check_int("inner_steps", inner_steps, 1)
+    check_int("num_updates", num_updates, 0)
+    check_int("eval_every", eval_every, 1)
     seconds = _checked_step_seconds(step_seconds, num_workers)
     if not isinstance(dynamic_steps, bool):
         raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
-    _check_params(params)
+    check_params(params)
     check_loss_options(has_aux, rng_seed)
     given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
-    given = {k: _optimizer(k, v, None) for k, v in given.items() if v is not None}
+    given = {k: checked_optimizer(k, v, None) for k, v in given.items() if v is not None}
     method = method_from_options(method, given, caller="train_async")
     only_optimizers(method, "train_async", "each arrival applies one worker's whole delta")
-    inner_optimizer = _optimizer("inner_optimizer", method.inner, default_inner_optimizer)
+    inner_optimizer = checked_optimizer("inner_optimizer", method.inner, default_inner_optimizer)
     frozen = trainable_lib.frozen_leaves(params, trainable)
     inner_optimizer = trainable_lib.masked_optimizer(inner_optimizer, params, frozen)
-    outer_optimizer = _optimizer("outer_optimizer", method.outer, default_outer_optimizer)
+    outer_optimizer = checked_optimizer("outer_optimizer", method.outer, default_outer_optimizer)
     where = _where(backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params,
                    num_workers)  # fmt: skip
-    ckpt = _checkpoints(
+    ckpt = checkpoints(
         checkpoint_dir,
         checkpoint_every,
         keep_checkpoints,
@@ -336,47 +337,127 @@ def train_async(
     outer_state = where.shared(outer_init(outer_optimizer, theta))
     inner_states = where.inner_states(inner_optimizer.init, theta, num_workers)
     events = schedule.events
-    history: list[Record] = []
-    done = 0
     if ckpt is not None:
         # A checkpoint saves the theta each job in flight started from: look ahead to them.
         events = _with_jobs_in_flight(
             seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
         )
-        like = _AsyncCheckpoint(
-            theta, outer_state, where.stack(inner_states), where.stack([theta] * num_workers)
-        )
-        restored = checkpoint.restore(ckpt.directory, like, ckpt.fingerprint)
-        if restored is not None:
-            saved, metadata, done = restored
-            checkpoint.discard_after(ckpt.directory, done)  # damaged newer ones were skipped
-            if done > num_updates:
-                raise ValueError(
-                    f"checkpoint_dir {ckpt.directory} holds {done} updates, more than the "
-                    f"num_updates = {num_updates} asked for"
-                )
-            theta, outer_state = saved.params, saved.outer_opt_state
-            inner_states = where.unstack(saved.inner_opt_state, num_workers)
-            history = list(metadata["history"])
-    # theta after k updates, kept while some job that started from it is still to run: the
-    # jobs running at update `done` started from their worker's saved start.
-    waiting = collections.Counter(e.start_update for e in events[done:])
-    starts = {0: theta} if not done else {}
-    if done:
-        job_starts = where.unstack(saved.job_starts, num_workers)
-        for e in events[done:]:
-            if e.start_update <= done:
-                starts[e.start_update] = job_starts[e.worker]
-    per_job = round_bytes(params)
     shards = where.shards(params)  # on a mesh: each device sends its shard of a delta
-    per_job_device = None if shards is None else round_bytes(shards)
-    sent = [0] * num_workers
-    for e in events[:done]:
-        sent[e.worker] += per_job
-    total_steps = sum(e.steps for e in events[:done])
-    pending = None
+    arrivals = _Arrivals(
+        events=events,
+        num_updates=num_updates,
+        num_workers=num_workers,
+        where=where,
+        run_job=run_job,
+        apply_delta=apply_delta,
+        job_data=job_data,
+        evaluate_fn=evaluate,
+        eval_every=eval_every,
+        per_job=round_bytes(params),
+        per_job_device=None if shards is None else round_bytes(shards),
+    )
+    loop = Loop(num_updates, ckpt, callback, unit="updates", total_name="num_updates")
+    running, history = loop.run(arrivals, _Running(theta, outer_state, inner_states, {0: theta}, 0))
+    state = AsyncState(
+        running.theta, running.outer_state, where.stack(running.inner_states), num_updates
+    )
+    theta, state = where.results((running.theta, state))
+    return AsyncResult(theta, state, history, schedule.elapsed_seconds, schedule.utilization)
 
-    def finish(entry: Record, means: Any, evals: Any) -> None:
+
+class _Running(NamedTuple):
+    """The loop's state: theta, the outer state, each worker's inner state (a list), the
+    theta after k updates for every k some job still to apply started from, and the updates
+    applied."""
+
+    theta: Any
+    outer_state: Any
+    inner_states: list
+    starts: dict[int, Any]
+    done: int
+
+
+@dataclasses.dataclass
+class _Arrivals:
+    """The loop's `Job` (`diloco_jax.loop`): one iteration applies one arrival (`AsyncEvent`):
+    the job of its worker, run from the theta that job started from, then the outer update.
+    A job is computed when the server applies it, so a worker's inner optimizer state
+    passes from job to job in order."""
+
+    events: tuple[AsyncEvent, ...]  # the schedule, looking past num_updates with checkpoints
+    num_updates: int
+    num_workers: int
+    where: Any
+    run_job: Callable
+    apply_delta: Callable
+    job_data: Callable
+    evaluate_fn: Callable | None
+    eval_every: int
+    per_job: int
+    per_job_device: int | None
+    # Bookkeeping from `items(start)` on: how many jobs still to apply started from the theta
+    # after k updates, bytes each worker sent, inner steps applied.
+    waiting: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    sent: list = dataclasses.field(default_factory=list)
+    total_steps: int = 0
+
+    def items(self, start: int) -> Sequence[AsyncEvent]:
+        self.waiting = collections.Counter(e.start_update for e in self.events[start:])
+        self.sent = [0] * self.num_workers
+        for e in self.events[:start]:
+            self.sent[e.worker] += self.per_job
+        self.total_steps = sum(e.steps for e in self.events[:start])
+        return self.events[start : self.num_updates]
+
+    def step(self, state: _Running, e: AsyncEvent) -> tuple[_Running, Any]:
+        starts, inner_states = dict(state.starts), list(state.inner_states)
+        start = starts[e.start_update]
+        self.waiting[e.start_update] -= 1
+        if not self.waiting[e.start_update]:
+            del starts[e.start_update]
+        delta, inner_states[e.worker], loss = self.run_job(
+            self.where.to_worker(start, e.worker),
+            inner_states[e.worker],
+            self.job_data(e),
+            jnp.int32(e.job),
+            jnp.int32(e.worker),
+            num_steps=e.steps,
+        )
+        theta, outer_state = self.apply_delta(
+            state.theta, state.outer_state, self.where.arrived(delta)
+        )
+        if self.waiting[e.update + 1]:
+            starts[e.update + 1] = theta
+        self.sent[e.worker] += self.per_job
+        self.total_steps += e.steps
+        done = e.update + 1
+        entry = {
+            "update": e.update,
+            "time": e.time,
+            "worker": e.worker,
+            "steps": e.steps,
+            "total_steps": self.total_steps,
+            "staleness": e.staleness,
+            "bytes_communicated": round(sum(self.sent) / self.num_workers),
+            "wire_bytes": round(sum(self.sent) / self.num_workers),
+            "worker_bytes": list(self.sent),
+        }
+        if self.per_job_device is not None:
+            entry["wire_bytes_per_device"] = round(done * self.per_job_device / self.num_workers)
+        return _Running(theta, outer_state, inner_states, starts, done), (entry, loss)
+
+    def evaluate(self, state: _Running, done: int) -> Any:
+        # Every `eval_every` inner steps per worker: when the applied steps of all workers
+        # first reach each multiple of M x eval_every.
+        if self.evaluate_fn is None:
+            return None
+        every = self.num_workers * self.eval_every
+        steps = self.events[done - 1].steps
+        crossed = self.total_steps // every > (self.total_steps - steps) // every
+        return self.evaluate_fn(state.theta) if crossed or done == self.num_updates else None
+
+    def record(self, i: int, e: AsyncEvent, metrics: Any, evals: Any) -> dict[str, Any]:
+        entry, means = metrics
         loss, aux = to_host(means)
         entry["loss"] = float(loss)
         for name, value in aux.items():
@@ -385,69 +466,27 @@ def train_async(
             entry[name] = float(value)
         if evals is not None:
             entry.update({k: float(v) for k, v in to_host(evals).items()})
-        history.append(entry)
-        if callback is not None:
-            callback(entry)
+        return entry
 
-    # Written in the background: the next jobs run while a checkpoint's files are written.
-    saver = None if ckpt is None else checkpoint.Saver(ckpt.directory, keep=ckpt.keep)
-    try:
-        for e in events[done:num_updates]:
-            start = starts[e.start_update]
-            waiting[e.start_update] -= 1
-            if not waiting[e.start_update]:
-                del starts[e.start_update]
-            delta, inner_states[e.worker], loss = run_job(
-                where.to_worker(start, e.worker),
-                inner_states[e.worker],
-                job_data(e),
-                jnp.int32(e.job),
-                jnp.int32(e.worker),
-                num_steps=e.steps,
-            )
-            theta, outer_state = apply_delta(theta, outer_state, where.arrived(delta))
-            if waiting[e.update + 1]:
-                starts[e.update + 1] = theta
-            sent[e.worker] += per_job
-            total_steps += e.steps
-            done = e.update + 1
-            # Every `eval_every` inner steps per worker: when the applied steps of all workers
-            # first reach each multiple of M x eval_every.
-            every = num_workers * eval_every
-            crossed = total_steps // every > (total_steps - e.steps) // every
-            due = evaluate is not None and (crossed or done == num_updates)
-            entry = {
-                "update": e.update,
-                "time": e.time,
-                "worker": e.worker,
-                "steps": e.steps,
-                "total_steps": total_steps,
-                "staleness": e.staleness,
-                "bytes_communicated": round(sum(sent) / num_workers),
-                "wire_bytes": round(sum(sent) / num_workers),
-                "worker_bytes": list(sent),
-            }
-            if per_job_device is not None:
-                entry["wire_bytes_per_device"] = round(done * per_job_device / num_workers)
-            # Pull the previous update's metrics only now, so the host never stalls the device.
-            if pending is not None:
-                finish(*pending)
-            pending = (entry, loss, evaluate(theta) if due else None)
-            if ckpt is not None and (done % ckpt.every == 0 or done == num_updates):
-                finish(*pending)
-                pending = None
-                job_starts = _job_starts(events, done, starts, theta, num_workers, where)
-                saved = _AsyncCheckpoint(theta, outer_state, where.stack(inner_states), job_starts)
-                metadata = {**ckpt.fingerprint, "data_position": done, "history": history}
-                saver.save(done, saved, metadata)
-    finally:
-        if saver is not None:
-            saver.close()
-    if pending is not None:
-        finish(*pending)
-    state = AsyncState(theta, outer_state, where.stack(inner_states), num_updates)
-    theta, state = where.results((theta, state))
-    return AsyncResult(theta, state, history, schedule.elapsed_seconds, schedule.utilization)
+    def savable(self, state: _Running) -> _AsyncCheckpoint:
+        job_starts = _job_starts(
+            self.events, state.done, state.starts, state.theta, self.num_workers, self.where
+        )
+        return _AsyncCheckpoint(
+            state.theta, state.outer_state, self.where.stack(state.inner_states), job_starts
+        )
+
+    def restored(self, saved: _AsyncCheckpoint, done: int) -> _Running:
+        """The loop's state after `done` updates: the jobs running then started from their
+        worker's saved start."""
+        job_starts = self.where.unstack(saved.job_starts, self.num_workers)
+        starts = {
+            e.start_update: job_starts[e.worker]
+            for e in self.events[done:]
+            if e.start_update <= done
+        }
+        inner_states = self.where.unstack(saved.inner_opt_state, self.num_workers)
+        return _Running(saved.params, saved.outer_opt_state, inner_states, starts, done)
 
 
 def _with_jobs_in_flight(

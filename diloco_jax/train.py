@@ -2,37 +2,32 @@
 baseline). They validate inputs at the boundary, place state on the backend's devices, run
 one compiled dispatch per round (or step), and record one history dict per round."""
 
-import dataclasses
 import functools
-import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import checkpoint, delay, donation, offload, outer_sharding
+from diloco_jax import delay, donation, offload, outer_sharding
 from diloco_jax import model_state as model_state_lib
 from diloco_jax import placement as placement_lib
-from diloco_jax import sampler as sampler_lib
 from diloco_jax import state_sync as state_sync_lib
 from diloco_jax import trainable as trainable_lib
+from diloco_jax.checks import check_bool, check_int, check_params, checked_optimizer
 from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
-from diloco_jax.distributed import is_multiprocess, place_global, to_host
+from diloco_jax.distributed import is_multiprocess
 from diloco_jax.inner import LossFn, StepInfo, check_loss_options
+from diloco_jax.loop import Loop, Record, Rounds, checkpoints, jitted, place_state, step_record
 from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
 from diloco_jax.placement import Placement
 from diloco_jax.round import diloco_round, init_state
-from diloco_jax.sampler import Sampler
 from diloco_jax.sync import init_sync_state, sync_step
 from diloco_jax.workers import Backend, make_backend
-
-Record = dict[str, Any]
 
 
 class TrainResult(NamedTuple):
@@ -323,11 +318,11 @@ def _train_diloco(
     `worker_state` = (state, params_of, with_params), a worker step)."""
     num_rounds, num_workers, inner_steps = (sizes[k] for k in sizes)
     check_loss_options(has_aux, run.rng_seed)
-    _check_int("num_rounds", num_rounds, 0)
-    _check_int("num_workers", num_workers, 1)
-    _check_int("inner_steps", inner_steps, 1)
-    _check_int("eval_every", run.eval_every, 1)
-    _check_params(params)
+    check_int("num_rounds", num_rounds, 0)
+    check_int("num_workers", num_workers, 1)
+    check_int("inner_steps", inner_steps, 1)
+    check_int("eval_every", run.eval_every, 1)
+    check_params(params)
     backend = _check_processes(_backend(run, num_workers))
     mask = trainable_lib.resolved(params, run.trainable)
     frozen = trainable_lib.frozen_leaves(params, mask)
@@ -349,10 +344,11 @@ def _train_diloco(
         state = init(params, model_state=model_state, worker_state=worker_state)
     else:  # built in place: no device ever holds more than its shards
         state = placement_lib.build_in_place(init, placed, params, model_state, worker_state)
-    step = _jitted(
+    step = jitted(
         diloco_round,
         fn,
         backend,
+        kept=donation.kept_fields(method, donation.platform_of(backend)),
         method=method,
         num_workers=num_workers,
         inner_steps=inner_steps,
@@ -397,7 +393,7 @@ def _train_diloco(
             device = {"wire_bytes_per_device": round((r + 1) * per_device[0] + device_synced)}
         return (
             {"round": r, "steps": (r + 1) * inner_steps}
-            | _step_record(metrics)
+            | step_record(metrics)
             | {
                 "outer_grad_norm": float(metrics["outer_grad_norm"]),
                 "bytes_communicated": (r + 1) * per_round,
@@ -417,8 +413,11 @@ def _train_diloco(
         fingerprint["model_state_merge"] = list(rules)
     if step_options.get("params_of") is not None:
         fingerprint["worker_step"] = True
-    loop = _Loop(
+    rounds = Rounds(
+        step=step,
+        record_metrics=record,
         backend=backend,
+        data=data,
         total=num_rounds,
         lead=(num_workers, inner_steps),
         what="[num_workers, inner_steps]",
@@ -428,23 +427,23 @@ def _train_diloco(
         steps_each=inner_steps,
         merge_rules=rules,
         placement=placed,
-        process_local_data=_check_bool("process_local_data", run.process_local_data),
-        callback=run.callback,
-        checkpoints=_checkpoints(
-            run.checkpoint_dir,
-            run.checkpoint_every,
-            run.keep_checkpoints,
-            params,
-            algorithm="diloco",
-            num_workers=num_workers,
-            inner_steps=inner_steps,
-            **method.fingerprint(),
-            **({} if run.rng_seed is None else {"rng_seed": run.rng_seed}),
-            **({} if mask is None else {"trainable": list(mask.flags)}),
-            **fingerprint,
-        ),
+        process_local_data=check_bool("process_local_data", run.process_local_data),
     )
-    state, history = loop.run(step, record, state, data)
+    ckpt = checkpoints(
+        run.checkpoint_dir,
+        run.checkpoint_every,
+        run.keep_checkpoints,
+        params,
+        algorithm="diloco",
+        num_workers=num_workers,
+        inner_steps=inner_steps,
+        **method.fingerprint(),
+        **({} if run.rng_seed is None else {"rng_seed": run.rng_seed}),
+        **({} if mask is None else {"trainable": list(mask.flags)}),
+        **fingerprint,
+    )
+    loop = Loop(total=num_rounds, checkpoints=ckpt, callback=run.callback)
+    state, history = loop.run(rounds, place_state(state, backend, placed))
     return _result(state, history, backend, rules)
 
 
@@ -476,7 +475,7 @@ def _placement(
     """The state's shardings on a user's mesh, or with the outer state split over the
     workers (None with neither)."""
     # What each can't run with (a backend among it) the round refuses, when first traced.
-    split = _check_bool("shard_outer_over_workers", run.shard_outer_over_workers)
+    split = check_bool("shard_outer_over_workers", run.shard_outer_over_workers)
     if split and backend.num_workers == 1:
         split = False  # one worker: nothing to split across
     host = offload.check_memory(run.outer_state_memory) == offload.HOST
@@ -552,10 +551,10 @@ def train_sync(
       metric and its "worker_" list.
     """
     check_loss_options(has_aux, rng_seed)
-    _check_int("num_steps", num_steps, 0)
-    _check_int("num_workers", num_workers, 1)
-    _check_int("eval_every", eval_every, 1)
-    _check_params(params)
+    check_int("num_steps", num_steps, 0)
+    check_int("num_workers", num_workers, 1)
+    check_int("eval_every", eval_every, 1)
+    check_params(params)
     if method is not None:
         if optimizer is not None:
             raise ValueError("train_sync: give either optimizer= or method=, not both")
@@ -566,7 +565,7 @@ def train_sync(
                 "train_sync takes DiLoCo.inner only (data parallelism has no outer step)"
             )
         optimizer = method.inner
-    optimizer = _optimizer("optimizer", optimizer, default_inner_optimizer)
+    optimizer = checked_optimizer("optimizer", optimizer, default_inner_optimizer)
     frozen = trainable_lib.frozen_leaves(params, trainable)
     optimizer = trainable_lib.masked_optimizer(optimizer, params, frozen)
     run = _RunOptions.of(locals())
@@ -575,7 +574,7 @@ def train_sync(
     rules = _model_state_rules(model_state, model_state_merge)
 
     state = init_sync_state(params, optimizer, model_state, num_workers)
-    step = _jitted(
+    step = jitted(
         sync_step,
         loss_fn,
         backend,
@@ -600,7 +599,7 @@ def train_sync(
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
         return (
             {"step": s, "steps": s + 1}
-            | _step_record(metrics)
+            | step_record(metrics)
             | {
                 "bytes_communicated": (s + 1) * per_step,
                 "wire_bytes": round((s + 1) * wire_per_step),
@@ -609,8 +608,11 @@ def train_sync(
             | ({} if rules is None else {"model_state_wire_bytes": round((s + 1) * merge_per_step)})
         )
 
-    loop = _Loop(
+    rounds = Rounds(
+        step=step,
+        record_metrics=record,
         backend=backend,
+        data=data,
         total=num_steps,
         lead=(num_workers,),
         what="[num_workers]",
@@ -619,20 +621,20 @@ def train_sync(
         eval_data=eval_data,
         merge_rules=rules,
         placement=placed,
-        process_local_data=_check_bool("process_local_data", process_local_data),
-        callback=callback,
-        checkpoints=_checkpoints(
-            checkpoint_dir,
-            checkpoint_every,
-            keep_checkpoints,
-            params,
-            algorithm="sync",
-            num_workers=num_workers,
-            **({} if rng_seed is None else {"rng_seed": rng_seed}),
-            **({} if rules is None else {"model_state_merge": list(rules)}),
-        ),
+        process_local_data=check_bool("process_local_data", process_local_data),
     )
-    state, history = loop.run(step, record, state, data)
+    ckpt = checkpoints(
+        checkpoint_dir,
+        checkpoint_every,
+        keep_checkpoints,
+        params,
+        algorithm="sync",
+        num_workers=num_workers,
+        **({} if rng_seed is None else {"rng_seed": rng_seed}),
+        **({} if rules is None else {"model_state_merge": list(rules)}),
+    )
+    loop = Loop(num_steps, ckpt, callback, unit="steps", total_name="num_steps")
+    state, history = loop.run(rounds, place_state(state, backend, placed))
     return _result(state, history, backend, rules)
 
 
@@ -675,315 +677,9 @@ def _check_processes(backend: Backend) -> Backend:
     return backend
 
 
-def _step_record(metrics: dict[str, np.ndarray]) -> Record:
-    """The per-step means of a round or step's metrics: "loss", "worker_loss" ([M]) and each
-    aux metric's pair, in the order the round returned them."""
-    out = {}
-    for name in metrics:
-        if "worker_" + name in metrics:
-            out[name] = float(metrics[name])
-            out["worker_" + name] = [float(x) for x in metrics["worker_" + name]]
-    return out
-
-
 def _fault_record(metrics: dict[str, np.ndarray]) -> Record:
     return {
         "excluded_workers": [int(m) for m in np.flatnonzero(metrics["excluded_workers"])],
         "dropped_workers": [int(m) for m in np.flatnonzero(metrics["dropped_workers"])],
         "skipped": bool(metrics["skipped"]),
     }
-
-
-def _place_state(state: Any, backend: Backend) -> Any:
-    """Puts a DiLoCoState / SyncState on the backend's devices (under eager updates, with no
-    global params, the outer states are per worker too)."""
-    per_worker = placement_lib.per_worker_fields(state)
-    return type(state)(
-        **{
-            name: place_global(
-                backend.place_workers if name in per_worker else backend.place_shared, value
-            )
-            for name, value in state._asdict().items()
-        }
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Checkpoints:
-    directory: str
-    every: int
-    keep: int
-    fingerprint: dict[str, Any]
-
-
-def _checkpoints(directory, every, keep, params, **fields) -> _Checkpoints | None:
-    _check_int("checkpoint_every", every, 1)
-    _check_int("keep_checkpoints", keep, 1)
-    if directory is None:
-        return None
-    if not isinstance(directory, str | os.PathLike):
-        raise ValueError(f"checkpoint_dir must be a path, got {directory!r}")
-    checkpoint.prepare(directory)
-    return _Checkpoints(os.fspath(directory), every, keep, checkpoint.fingerprint(params, **fields))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Loop:
-    """The host loop shared by both trainers."""
-
-    backend: Backend
-    total: int
-    lead: tuple[int, ...]
-    what: str
-    eval_fn: Callable | None
-    eval_every: int
-    callback: Callable[[Record], None] | None
-    checkpoints: _Checkpoints | None
-    eval_data: Any = None
-    steps_each: int = 1  # inner steps per worker in one iteration (H for a DiLoCo round)
-    merge_rules: tuple[str, ...] | None = None
-    placement: "Placement | None" = None  # the state's shardings on a user's mesh
-    process_local_data: bool = False  # each process's data holds only its own workers
-
-    def due(self, done: int) -> bool:
-        """Whether to evaluate after iteration `done` (1-based): the first iteration end at
-        or past each multiple of `eval_every` inner steps, and the last."""
-        step = self.steps_each
-        return (
-            done == self.total
-            or (done * step) // self.eval_every > ((done - 1) * step) // self.eval_every
-        )
-
-    def evaluator(self) -> Callable[[Any, Any], Any] | None:
-        """state, eval data -> eval_fn's dict, jitted: of θ (under eager updates, of the
-        workers' mean), with the merged model state and the eval data when they exist."""
-        if self.eval_fn is None:
-            return None
-        rules, with_data = self.merge_rules, self.eval_data is not None
-
-        def evaluate(state, eval_data):
-            params = delay.global_params(state) if hasattr(state, "round") else state.params
-            if self.placement is not None and self.placement.host:
-                params = offload.fetch(params)
-            args = [params]
-            if rules is not None:
-                args.append(model_state_lib.merged_view(state.model_state, rules))
-            if with_data:
-                args.append(eval_data)
-            return self.eval_fn(*args)
-
-        return jax.jit(evaluate)
-
-    def run(self, step, record, state, data) -> tuple[Any, list[Record]]:
-        """Resumes from the latest checkpoint if any, then dispatches iteration i + 1 before
-        pulling iteration i's metrics, so the host never stalls the device. The state is
-        donated to each dispatch (it is the library's own, never the caller's)."""
-        if self.placement is not None:
-            state = jax.device_put(state, self.placement.shardings(state))
-        else:
-            state = _place_state(state, self.backend)
-        state, history = self._resume(state)
-        evaluate = self.evaluator()
-        eval_data = None
-        if evaluate is not None and self.eval_data is not None:
-            eval_data = place_global(self.backend.place_shared, self.eval_data)
-        pending = None
-
-        def finish(i, metrics, evals):
-            entry = record(i, to_host(metrics))
-            if evals is not None:
-                entry.update({k: float(v) for k, v in to_host(evals).items()})
-            history.append(entry)
-            if self.callback is not None:
-                self.callback(entry)
-
-        batches = _placed(
-            data, self.total, self.lead, self.what, self.backend, len(history),
-            self.process_local_data,
-        )  # fmt: skip
-        ckpt = self.checkpoints
-        # Written in the background: the loop goes on while a checkpoint's files are written.
-        saver = None if ckpt is None else checkpoint.Saver(ckpt.directory, keep=ckpt.keep)
-        try:
-            for i, batch in enumerate(batches, start=len(history)):
-                state, metrics = step(state, batch)
-                done = i + 1
-                last = done == self.total
-                evals = evaluate(state, eval_data) if evaluate and self.due(done) else None
-                if pending is not None:
-                    finish(*pending)
-                pending = (i, metrics, evals)
-                if ckpt is not None and (done % ckpt.every == 0 or last):
-                    finish(*pending)
-                    pending = None
-                    saver.save(
-                        done,
-                        self._global(state),
-                        {**ckpt.fingerprint, "data_position": done, "history": history},
-                    )
-        finally:
-            if saver is not None:
-                saver.close()
-        if pending is not None:
-            finish(*pending)
-        return state, history
-
-    def _global(self, state: Any) -> Any:
-        """The state as Orbax can save it: a multi-process "vmap" run's per-process copies
-        (identical on every process) become global arrays replicated over all devices."""
-        if not (is_multiprocess() and self.backend.name == "vmap"):
-            return state
-        everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), P())
-        return jax.device_put(to_host(state), everywhere)
-
-    def _local(self, state: Any) -> Any:
-        """Inverse of `_global`: back onto this process's own device."""
-        if not (is_multiprocess() and self.backend.name == "vmap"):
-            return state
-        return jax.device_put(to_host(state), self.backend.devices[0])
-
-    def _resume(self, state) -> tuple[Any, list[Record]]:
-        ckpt = self.checkpoints
-        restored = (
-            None
-            if ckpt is None
-            else checkpoint.restore(ckpt.directory, self._global(state), ckpt.fingerprint)
-        )
-        if restored is None:
-            return state, []
-        state, metadata, step = restored
-        state = self._local(state)
-        checkpoint.discard_after(ckpt.directory, step)  # damaged newer ones restore skipped
-        if metadata["data_position"] > self.total:
-            raise ValueError(
-                f"checkpoint_dir {ckpt.directory} holds {metadata['data_position']} completed "
-                f"iterations, more than the {self.total} asked for"
-            )
-        return state, list(metadata["history"])
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_jit(fn, loss_fn, backend, options, placement=None):
-    step = functools.partial(fn, loss_fn, backend=backend, **dict(options))
-    kept = ()
-    if fn is diloco_round:
-        kept = donation.kept_fields(dict(options)["method"], donation.platform_of(backend))
-    if placement is not None and placement.host:
-        return _HostKept(step, placement, kept)
-    if placement is not None:
-        step = functools.partial(placement_lib.kept_in_place, step, placement)
-    return donation.jit_donating(step, kept)
-
-
-class _HostKept:
-    """`jax.jit(step)` with θ and the outer state returned to host memory: out_shardings at
-    the placement's (built at the first call, from the state's shapes). A constraint inside
-    the program keeps no memory kind, and a device_put there fuses apart and rounds the
-    update differently from the on-device run; out_shardings does neither."""
-
-    def __init__(self, step, placement: Placement, kept: tuple[str, ...]):
-        self.step, self.placement, self.kept, self.jitted = step, placement, kept, None
-
-    def __call__(self, state, batch):
-        if self.jitted is None:
-            new_state, _ = jax.eval_shape(self.step, state, batch)
-            out = (self.placement.shardings(new_state), None)
-            self.jitted = donation.jit_donating(self.step, self.kept, out_shardings=out)
-        return self.jitted(state, batch)
-
-
-def _jitted(fn, loss_fn, backend: Backend, placement: "Placement | None" = None, **options):
-    """The jitted step, donating its state; cached so repeated runs reuse the compilation."""
-    key = tuple(sorted(options.items()))
-    try:
-        return _cached_jit(fn, loss_fn, backend, key, placement)
-    except TypeError:  # an unhashable loss_fn or optimizer: compile without the cache
-        return _cached_jit.__wrapped__(fn, loss_fn, backend, key, placement)
-
-
-def _placed(
-    data: Any,
-    count: int,
-    lead: tuple[int, ...],
-    what: str,
-    backend: Backend,
-    skip: int = 0,
-    local: bool = False,
-):
-    """Inputs for iterations skip..count-1 on the backend's devices: a Sampler's arrays once
-    (`place_sampler`; it is keyed by the state's counter), or each host batch split along
-    workers (the first `skip` items, already trained on, are read and dropped). `local`:
-    each item (a Sampler's `worker_arrays`) holds this process's workers only
-    (`process_local_data`)."""
-    if isinstance(data, Sampler):
-        return itertools.repeat(sampler_lib.place_sampler(data, backend, local), count - skip)
-    if local:
-        lead = (backend.local_workers(), *lead[1:])
-        what = what.replace("[num_workers", "[this process's workers")
-    if callable(data):  # start -> the items from there on: nothing skipped is drawn
-        batches = _batches(data(skip), count - skip, lead, what)
-    else:
-        batches = itertools.islice(_batches(data, count, lead, what), skip, None)
-    if local:
-        return (backend.assemble_batches(b, len(lead)) for b in batches)
-    place = functools.partial(backend.place_batches, lead=len(lead))
-    return (place_global(place, b) for b in batches)
-
-
-def _batches(data: Iterable[Any], count: int, lead: tuple[int, ...], what: str) -> Iterator[Any]:
-    """Yields `count` items of `data`, each checked to have leaves with leading dims `lead`."""
-    if count == 0:
-        return
-    try:
-        items = iter(data)
-    except TypeError:
-        raise ValueError(
-            f"data must be an iterable of batches, got {type(data).__name__}"
-        ) from None
-    done = 0
-    for batch in itertools.islice(items, count):
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError(f"data item {done} has no arrays")
-        for leaf in leaves:
-            shape = tuple(np.shape(leaf))
-            if shape[: len(lead)] != lead:
-                raise ValueError(
-                    f"data item {done}: every leaf must have leading dims {what} = {lead}, "
-                    f"got shape {shape}"
-                )
-        yield batch
-        done += 1
-    if done < count:
-        raise ValueError(f"data ran out after {done} items; {count} were asked for")
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_params(params: Any) -> None:
-    leaves = jax.tree.leaves(params)
-    if not leaves:
-        raise ValueError("params must be a pytree with at least one array leaf")
-    for leaf in leaves:
-        dtype = np.dtype(jnp.result_type(leaf))
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"params leaves must be floating point, got a {dtype} leaf")
-
-
-def _optimizer(name: str, optimizer, default) -> optax.GradientTransformation:
-    if optimizer is None:
-        return default()
-    if not (
-        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
-    ):
-        raise ValueError(f"{name} must be an optax GradientTransformation, got {optimizer!r}")
-    return optimizer

@@ -69,6 +69,13 @@ class Backend:
     param_sharding: Any = None
 
     @property
+    def spans_processes(self) -> bool:
+        """Whether the workers' arrays span every process of a multi-process run (shard_map
+        over the global devices), rather than each process running all of them on its own
+        device (vmap)."""
+        return self.name != "vmap"
+
+    @property
     def workers_per_device(self) -> int:
         """Workers per device (per group of `data_parallel` devices)."""
         return self.num_workers * self.data_parallel // len(self.devices)

@@ -148,7 +148,7 @@ def test_checkpoint_of_another_configuration_is_refused(tmp_path):
         )
     with pytest.raises(ValueError, match="algorithm"):
         dj.train_sync(linear_loss, PARAMS, [], num_steps=0, num_workers=2, checkpoint_dir=tmp_path)
-    with pytest.raises(ValueError, match="more than the 0"):
+    with pytest.raises(ValueError, match="more than the num_rounds = 0"):
         dj.train_diloco(
             linear_loss,
             PARAMS,
