@@ -139,7 +139,7 @@ def round_memory(
     stats = common.memory_stats(compiled)
     host = sum(
         int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-        for name in placement_lib.HOST_FIELDS if placed.host
+        for name in type(state).HOST if placed.host
         for x in jax.tree.leaves(getattr(state, name))
     )  # fmt: skip
     stats["host_bytes"] = host

@@ -239,13 +239,16 @@ def restore(
                 failures.append(_skip(where, step, error))
                 continue
             check_metadata(metadata, expected_metadata, where=f"{where} (step {step})")
-            check_state_matches(saved_tree, like_state, where=f"{where} (step {step})")
+            like = _layout_of(saved_tree, like_state)
+            check_state_matches(saved_tree, like, where=f"{where} (step {step})")
             try:
-                state = _read_state(manager, step, like_state, saved_tree)
+                state = _read_state(manager, step, like, saved_tree)
                 _verify_checksums(state, checksums)
             except Exception as error:
                 failures.append(_skip(where, step, error))
                 continue
+            if like is not like_state:
+                state = type(like_state).from_legacy(state, like_state)
             return state, metadata, step
     raise ValueError(f"no valid checkpoint in checkpoint_dir {where}: " + "; ".join(failures))
 
@@ -367,8 +370,23 @@ def _read_json_items(manager: ocp.CheckpointManager, step: int) -> tuple[dict, d
     return metadata, checksums
 
 
+def _layout_of(saved_tree: Any, like_state: Any) -> Any:
+    """What to restore the checkpoint onto: `like_state`, or the flat layout it was saved in
+    before the state's parts held their own fields (a state type with `legacy_layout`, and a
+    checkpoint without its "parts"): that layout's fields, None-valued ones left out."""
+    legacy = getattr(like_state, "legacy_layout", None)
+    if legacy is None or not hasattr(saved_tree, "keys") or "parts" in saved_tree.keys():
+        return like_state
+    return {name: value for name, value in legacy().items() if value is not None}
+
+
 def _read_state(manager: ocp.CheckpointManager, step: int, like_state: Any, saved_tree: Any) -> Any:
     target = jax.tree.map(_restore_target, like_state)
+    if isinstance(like_state, dict):  # a flat layout (`_layout_of`): the saved fields by name
+        by_name = {name: value for name, value in target.items() if name in saved_tree.keys()}
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(by_name)})
+        restored = manager.restore(step, args=args)[STATE]
+        return {name: restored.get(name) for name in like_state}
     fields = getattr(like_state, "_fields", None)
     if fields is None or not hasattr(saved_tree, "keys"):
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})

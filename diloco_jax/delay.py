@@ -2,11 +2,11 @@
 the next round's inner steps (Kale, Douillard, Donchev 2025, arXiv 2502.12996).
 
 With `outer_delay` d >= 1 a round does not wait for its own exchange. Each worker's delta
-Δ_m^t of round t stays in flight (`DiLoCoState.pending_deltas`, with its weight); round t + 1
+Δ_m^t of round t stays in flight (`InFlight`, with its weight); round t + 1
 starts by exchanging it (a collective that depends only on the state, not on that round's
 inner steps, so XLA's asynchronous collectives can run it under the inner scan on GPU/TPU),
 and its mean Δ̄_t is applied d rounds after it was launched (the means in between wait in
-`delayed_means`). The first d rounds apply a zero mean.
+`InFlight.means`). The first d rounds apply a zero mean.
 
 - Delayed (naive): every worker holds the same θ; θ_t = OuterOpt(θ_{t-1}, Δ̄_{t-d}).
 - Eager: each worker m keeps its own θ_m and its own outer optimizer state, and applies
@@ -19,8 +19,8 @@ With Streaming DiLoCo's fragments (the paper's Table 3) each fragment p follows 
 over its own syncs: the deltas of its sync in round t are exchanged at the start of round
 t + 1 (every fragment's, one exchange each) and applied at its sync in round t + d, by the
 fragment's outer state (eager: each worker's own). Eager workers then keep two copies: their
-own global θ_m (`DiLoCoState.worker_params`, what their deltas are taken against and the
-outer step moves) and the params they keep training (`local_params`), merged at each sync as
+own global θ_m (`OwnTheta.theta`, what their deltas are taken against and the outer step
+moves) and the params they keep training (`schedule.WorkerParams`), merged at each sync as
 Streaming DiLoCo merges θ'. With one fragment, tau = 0 and alpha = 0 that is the unfragmented
 rule.
 
@@ -31,12 +31,15 @@ weighted shares or a left-out worker leave undefined).
 """
 
 import dataclasses
-from typing import Any, ClassVar
+import functools
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.outer import widen
+from diloco_jax.carry import Carry, Role, SyncRole, set_leaves
+from diloco_jax.outer import mean_norm, outer_update, widen, worker_delta
+from diloco_jax.schedule import leaf_indices, merged, part
 from diloco_jax.workers import stack_workers
 
 MAX_DELAY = 2
@@ -86,17 +89,46 @@ class Eager(Delayed):
             )
 
 
+class InFlight(NamedTuple):
+    """The delay part's state (`DiLoCoState.parts["delay"]`): what is in flight. deltas: each
+    worker's deltas of the last round (eager: of the last d rounds), a tuple of leaves
+    [M, ...] in the delta dtype, oldest first; weights: each worker's weight in last round's
+    mean (float32 [M]; with fragments [M, P]); means: the means launched in the last d - 1
+    rounds, a tuple of (mean delta, float32 weight sum: a scalar, with fragments [P]),
+    oldest first."""
+
+    deltas: Any
+    weights: Any
+    means: Any
+
+    PER_WORKER = ("deltas", "weights")
+
+
+class OwnTheta(NamedTuple):
+    """The eager part's state (`DiLoCoState.parts["eager"]`): each worker's own θ_m (leaves
+    [M, ...] in the params' dtypes; with fragments, each fragment as of that worker's last
+    outer step of it) and its own outer state (leaves [M, ...]; with fragments a tuple, one
+    per fragment). Under eager updates there is no global θ: `DiLoCoState.params` and
+    `outer_opt_state` are None."""
+
+    theta: Any
+    outer: Any
+
+    PER_WORKER = ("theta", "outer")
+
+
 def initial(
-    state: Any, num_workers: int, outer_delay: int, eager: bool, num_fragments: int | None
-) -> Any:
-    """`state` (a round-0 DiLoCoState) with zero deltas of weight 1 in flight, and under
-    eager updates each worker's own θ and outer state in place of the global ones.
+    params: Any, outer_state: Any, num_workers: int, outer_delay: int, eager: bool,
+    num_fragments: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The round-0 states of a delay: zero deltas of weight 1 in flight, and under eager
+    updates each worker's own θ and outer state (`outer_state`: the global one, copied).
     `num_fragments` is P under Streaming DiLoCo (weights then per fragment: [M, P] in flight,
     [P] for a mean's weight sum), None without fragments."""
-    like = jax.eval_shape(widen, state.params)
+    like = jax.eval_shape(widen, params)
     per_sync = () if num_fragments is None else (num_fragments,)
     # Separate buffers for every entry: the state is donated to each round.
-    pending = tuple(
+    deltas = tuple(
         jax.tree.map(lambda x: jnp.zeros((num_workers, *x.shape), x.dtype), like)
         for _ in range(outer_delay if eager else 1)
     )
@@ -107,18 +139,14 @@ def initial(
         )
         for _ in range(outer_delay - 1)
     )
-    state = state._replace(
-        pending_deltas=pending,
-        pending_weights=jnp.ones((num_workers, *per_sync), jnp.float32),
-        delayed_means=means or None,
-    )
-    if not eager:
-        return state
-    outer_M, params_M = stack_workers((state.outer_opt_state, state.params), num_workers)
-    state = state._replace(params=None, outer_opt_state=outer_M)
-    if num_fragments is None:  # every worker restarts each round from its θ_m
-        return state._replace(local_params=params_M)
-    return state._replace(worker_params=params_M)
+    weights = jnp.ones((num_workers, *per_sync), jnp.float32)
+    states = {DELAY: InFlight(deltas, weights, means)}
+    if eager:
+        states[EAGER] = OwnTheta(*stack_workers((params, outer_state), num_workers))
+    return states
+
+
+DELAY, EAGER = "delay", "eager"  # their states' names in `DiLoCoState.parts`
 
 
 def global_params(state: Any) -> Any:
@@ -126,7 +154,7 @@ def global_params(state: Any) -> Any:
     of the workers' θ_m (in float32 or wider, cast back to each leaf's dtype)."""
     if state.params is not None:
         return state.params
-    own = state.local_params if state.worker_params is None else state.worker_params
+    own = state.parts[EAGER].theta
     return jax.tree.map(lambda x: jnp.mean(widen(x), axis=0).astype(x.dtype), own)
 
 
@@ -135,3 +163,150 @@ def eager_delta(mean: Any, fresh_k: Any, stale_k: Any, num_workers: int) -> Any:
     return jax.tree.map(
         lambda m, fresh, stale: m[None] + (fresh - stale) / num_workers, mean, fresh_k, stale_k
     )
+
+
+class DelayedExchange(Role):
+    """The delay part's exchange point: at the round's start it exchanges last round's deltas
+    (in flight in `InFlight`, through the compression part's exchange), and at each sync it
+    puts this round's delta in flight and hands the sync the mean launched d rounds earlier
+    (`Delayed`; `Eager` keeps the last d rounds' deltas, each worker's stale share)."""
+
+    name = DELAY
+
+    def __init__(self, exchange: Role, weights: Role, fragmented: bool, eager: bool):
+        self.now, self.weights = exchange, weights  # the exchange that runs at once
+        self.fragmented, self.eager = fragmented, eager
+
+    def begin(self, c: Carry, ctx: Any) -> Carry:
+        # Last round's deltas first: this exchange reads only the state, so it can run while
+        # the workers take this round's inner steps.
+        flight = ctx.local[self.name]
+        launched, c = self.now.launch(c, ctx, flight.deltas[-1], flight.weights, self.weights)
+        means = ctx.shared[self.name].means
+        (applied, applied_weights), waiting = (
+            (launched, ()) if not means else (means[0], (*means[1:], launched))
+        )
+        treedef = ctx.treedef
+        own = _Flight(
+            applied=tuple(treedef.flatten_up_to(applied)),
+            applied_weights=applied_weights,
+            stale=tuple(treedef.flatten_up_to(flight.deltas[0])),
+            # Each synced leaf's slot is filled at its sync; a frozen leaf (in no sync) keeps
+            # the zero delta it started with.
+            fresh=tuple(treedef.flatten_up_to(flight.deltas[-1])),
+            in_flight=(),
+            tie=jax.tree.leaves(launched[0])[0].ravel()[0],
+            waiting=waiting,
+            older=flight.deltas[1:] if self.eager else (),
+        )
+        return c.with_own(self.name, own)
+
+    def exchange(self, c: Carry, ctx: Any, sync: Any, delta_k: Any, weighed: Any) -> tuple:
+        """(the mean launched d rounds ago of the sync's leaves, its weight sum or None, the
+        carry with `delta_k` in flight)."""
+        own = c.own[self.name]
+        # The round's mean loss is all-reduced after the inner loop. Made to read the
+        # launched mean (adding 0 x one of its values: exact, and not folded for floats),
+        # XLA can't combine the two all-reduces into one that waits for the loop
+        # (optimization barriers don't survive XLA's CPU pipeline).
+        c = c._replace(losses=(*c.losses[:-1], c.losses[-1] + 0.0 * own.tie))
+        own = own._replace(
+            in_flight=(*own.in_flight, self.weights.in_flight(weighed, ctx.num_local)),
+            fresh=tuple(set_leaves(own.fresh, leaf_indices(sync, len(own.fresh)), delta_k)),
+        )
+        mean = part(sync, own.applied, ctx.treedef)
+        weight_sum = self.weights.applied_sum(own.applied_weights, sync, self.fragmented)
+        return mean, weight_sum, c.with_own(self.name, own)
+
+    def stale(self, c: Carry, ctx: Any, sync: Any) -> Any:
+        """Each worker's delta of d rounds ago, the sync's leaves (the eager rule's stale
+        share)."""
+        return part(sync, c.own[self.name].stale, ctx.treedef)
+
+    def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
+        own = c.own[self.name]
+        fresh_k = jax.tree.unflatten(ctx.treedef, own.fresh)
+        in_flight = own.in_flight[0]
+        if self.fragmented:
+            in_flight = jnp.stack(own.in_flight, axis=1)
+        return InFlight(None, None, own.waiting), InFlight((*own.older, fresh_k), in_flight, None)
+
+
+class _Flight(NamedTuple):
+    """What `DelayedExchange` keeps through a round: the applied mean's leaves and weight
+    sum, the stale and fresh delta leaves [k, ...], each sync's in-flight weights [k], one
+    value of the launched mean (`tie`), the means still waiting, and (eager) the deltas of
+    the rounds between."""
+
+    applied: tuple
+    applied_weights: Any
+    stale: tuple
+    fresh: tuple
+    in_flight: tuple
+    tie: Any
+    waiting: tuple
+    older: tuple
+
+
+class EagerSync(SyncRole):
+    """Eager updates at a sync: each worker's delta against its own θ_m, and its own outer
+    step on Δ̃_m = Δ̄_{t-d} + (Δ_m^t - Δ_m^{t-d}) / M (`eager_delta`; the stale mean from
+    `DelayedExchange`). Without fragments the worker then continues from its new θ_m; with
+    them its params merge θ_m' as Streaming DiLoCo merges θ'."""
+
+    name = EAGER
+
+    def __init__(self, outer_optimizer, delayed: DelayedExchange, alpha: float, fragmented: bool):
+        self.apply_outer = jax.vmap(functools.partial(outer_update, outer_optimizer))
+        self.delayed, self.alpha, self.fragmented = delayed, alpha, fragmented
+
+    def begin(self, c: Carry, ctx: Any) -> Carry:
+        own = ctx.local[self.name]
+        theta = tuple(ctx.treedef.flatten_up_to(own.theta))
+        outer = tuple(own.outer) if self.fragmented else (own.outer,)
+        c = c.with_own(self.name, _Own(theta, outer, ()))
+        if self.fragmented:  # the params it trains are the schedule's own
+            return c
+        # Without fragments a worker restarts each round from its θ_m.
+        return c._replace(workers=c.workers._replace(params=own.theta))
+
+    def delta(self, c: Carry, ctx: Any, sync: Any, snapshot_k: Any) -> tuple[Any, Carry]:
+        old_k = part(sync, c.own[self.name].theta, ctx.treedef)
+        return jax.vmap(worker_delta)(old_k, snapshot_k), c
+
+    def apply(self, c: Carry, ctx: Any, sync: Any, delta_k: Any, weighed: Any) -> Carry:
+        local_leaves = ctx.treedef.flatten_up_to(c.workers.params)
+        mean, _, c = self.delayed.exchange(c, ctx, sync, delta_k, weighed)
+        own = c.own[self.name]
+        tilde_k = eager_delta(mean, delta_k, self.delayed.stale(c, ctx, sync), ctx.num_workers)
+        old_k = part(sync, own.theta, ctx.treedef)
+        new_k, new_outer_k = self.apply_outer(old_k, own.outer[sync.index], tilde_k)
+        indices = leaf_indices(sync, len(own.theta))
+        theta = tuple(set_leaves(own.theta, indices, new_k))
+        outer = (*own.outer[: sync.index], new_outer_k, *own.outer[sync.index + 1 :])
+        c = c.with_own(self.name, _Own(theta, outer, (*own.means, mean)))
+        if not self.fragmented:  # the whole tree (frozen leaves as they were)
+            params_k = jax.tree.unflatten(ctx.treedef, theta)
+        else:
+            params_k = merged(
+                local_leaves, theta, indices, self.alpha, None, None, ctx.treedef,
+                ctx.collectives.vary, per_worker=True,
+            )  # fmt: skip
+        return c._replace(workers=c.workers._replace(params=params_k))
+
+    def grad_norm(self, c: Carry) -> jax.Array:
+        return mean_norm(c.own[self.name].means)
+
+    def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
+        own = c.own[self.name]
+        outer = own.outer if self.fragmented else own.outer[0]
+        return None, OwnTheta(jax.tree.unflatten(ctx.treedef, own.theta), outer)
+
+
+class _Own(NamedTuple):
+    """What `EagerSync` keeps through a round: each worker's θ_m leaves [k, ...], its outer
+    state per sync, and each sync's stale mean (for "outer_grad_norm")."""
+
+    theta: tuple
+    outer: tuple
+    means: tuple

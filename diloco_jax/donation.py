@@ -28,17 +28,15 @@ import jax
 
 from diloco_jax import placement as placement_lib
 from diloco_jax.method import SHORTHAND, DiLoCo, method_from_options
-from diloco_jax.round import diloco_round
+from diloco_jax.round import DiLoCoState, diloco_round
 from diloco_jax.workers import Backend
-
-RESTORED = ("inner_opt_state", "model_state")
 
 
 def restored_fields(method: DiLoCo | None) -> tuple[str, ...]:
     """The `DiLoCoState` fields `diloco_round(..., method)` reads again after the inner steps
     (a left-out worker's restore): () when its weight rule never leaves a worker out."""
     weights = (method or DiLoCo()).weights
-    return RESTORED if weights.active and weights.leaves_out else ()
+    return DiLoCoState.RESTORED if weights.active and weights.leaves_out else ()
 
 
 def kept_fields(method: DiLoCo | None, platform: str) -> tuple[str, ...]:

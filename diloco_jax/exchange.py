@@ -52,6 +52,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from diloco_jax.carry import Carry, Role, Weighed, set_leaves
 from diloco_jax.compression import (
     Compression,
     block_row_bytes,
@@ -64,7 +65,9 @@ from diloco_jax.compression import (
     tree_payload_bytes,
 )
 from diloco_jax.hlo import ring_wire_bytes
-from diloco_jax.workers import WORKER_AXIS, all_gather_workers, exact_mean
+from diloco_jax.outer import delta_dtype, widen
+from diloco_jax.schedule import leaf_indices, part
+from diloco_jax.workers import WORKER_AXIS, all_gather_workers, exact_mean, shard_shape
 
 
 class Exchange(NamedTuple):
@@ -325,3 +328,169 @@ def _unpack_rows(packed: jax.Array, codes_like: jax.Array, scales_like: jax.Arra
         return codes, None
     scales = lax.bitcast_convert_type(packed[..., width:], jnp.float32)
     return codes, scales
+
+
+class Residuals(NamedTuple):
+    """The compression part's state (`DiLoCoState.parts["compression"]`) under error
+    feedback: what each worker's compression dropped so far, float32 leaves [M, ...] like
+    the params, added to its next delta."""
+
+    residual: Any
+
+    PER_WORKER = ("residual",)
+
+
+class ExchangeRole(Role):
+    """The compression part in a round: one exchange per sync (`make_exchange`), run on each
+    device's shards where a compressed exchange meets leaves split over the worker's own
+    axes (`groups`), with each worker's error-feedback residual (`Residuals`) when the codec
+    feeds its error back."""
+
+    name = "compression"
+
+    def __init__(self, exchanges: tuple, groups: tuple | None, syncs: tuple, fragmented: bool):
+        self.exchanges, self.groups = exchanges, groups
+        self.syncs, self.fragmented = syncs, fragmented
+
+    def begin(self, c: Carry, ctx: Any) -> Carry:
+        state = ctx.local.get(self.name)
+        leaves = None if state is None else ctx.treedef.flatten_up_to(state.residual)
+        return c.with_own(self.name, leaves)
+
+    def exchange(self, c: Carry, ctx: Any, sync: Any, delta_k: Any, weighed: Any) -> tuple:
+        """(the sync's mean delta, float32 weight sum or None, the carry with the new
+        residuals)."""
+        res_leaves = c.own[self.name]
+        res_k = None if res_leaves is None else part(sync, res_leaves, ctx.treedef)
+        mean, weight_sum, res_k = exchanged(
+            self.exchanges[sync.index], ctx.collectives, self._groups(sync), delta_k, res_k,
+            weighed.included_k, weighed.weight_k,
+        )  # fmt: skip
+        if res_leaves is not None:
+            indices = leaf_indices(sync, len(res_leaves))
+            c = c.with_own(self.name, set_leaves(res_leaves, indices, res_k))
+        return mean, weight_sum, c
+
+    def send(self, sync: Any, delta_k: Any, weighed: Any) -> Any:
+        """Each worker's contribution to the sync's reduction (no residual), leaves [k, ...]."""
+        send = jax.vmap(self.exchanges[sync.index].send)
+        return send(delta_k, None, weighed.included_k, weighed.weight_k)[0]
+
+    def launch(self, c: Carry, ctx: Any, deltas_k: Any, weights_k: Any, weights: Role) -> tuple:
+        """Exchanges the deltas in flight (leaves [k, ...], one exchange per sync, each
+        sync's weights from `weights_k`: [k], or [k, P] with fragments): ((mean tree,
+        float32 weight sum: a scalar, or [P] with fragments), the carry)."""
+        delta_leaves_k = ctx.treedef.flatten_up_to(deltas_k)
+        # A frozen leaf (in no sync) has a zero mean.
+        mean_leaves = [jnp.zeros(x.shape[1:], x.dtype) for x in delta_leaves_k]
+        weight_sums = []
+        for sync in self.syncs:
+            sync_weights_k = weights_k[:, sync.index] if self.fragmented else weights_k
+            included_k, weight_k = weights.launched(sync_weights_k)
+            synced_k = part(sync, delta_leaves_k, ctx.treedef)
+            mean, weight_sum, c = self.exchange(
+                c, ctx, sync, synced_k, Weighed(included_k=included_k, weight_k=weight_k)
+            )
+            weight_sums.append(jnp.float32(ctx.num_workers) if weight_sum is None else weight_sum)
+            mean_leaves = set_leaves(mean_leaves, leaf_indices(sync, len(mean_leaves)), mean)
+        weight_sum = jnp.stack(weight_sums) if self.fragmented else weight_sums[0]
+        return (jax.tree.unflatten(ctx.treedef, mean_leaves), weight_sum), c
+
+    def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
+        leaves = c.own[self.name]
+        return None, None if leaves is None else Residuals(jax.tree.unflatten(ctx.treedef, leaves))
+
+    def _groups(self, sync: Any) -> Any:
+        return None if self.groups is None else self.groups[sync.index]
+
+
+def exchanged(exchange, collectives, groups, delta_k, residual_k, included_k, weight_k):
+    """One sync's exchange of this device's workers' deltas (leaves [k, ...]): (the mean,
+    float32 weight sum or None, the new residuals). `groups` (`sharded_groups`', for this
+    sync): one exchange per group of leaves split over the same axes, run manual over those
+    axes, so each device encodes and exchanges its own shards: XLA's partitioner would
+    otherwise gather a sharded leaf to cut it into the codec's blocks, and every device would
+    send the whole payload. (One exchange over leaves split differently would mix values that
+    vary over an axis into leaves that don't.)"""
+
+    def run(exchange, delta_k, residual_k, included_k, weight_k):
+        to_reduce_k, residual_k = jax.vmap(exchange.send)(delta_k, residual_k, included_k, weight_k)
+        mean, weight_sum = collectives.reduce(exchange.reduce, to_reduce_k)
+        return mean, weight_sum, residual_k
+
+    if groups is None:
+        return run(exchange, delta_k, residual_k, included_k, weight_k)
+    delta_leaves, treedef = jax.tree.flatten(delta_k)
+    res_leaves = None if residual_k is None else treedef.flatten_up_to(residual_k)
+    means, residuals = [None] * len(delta_leaves), [None] * len(delta_leaves)
+    for positions, specs, axes, group_exchange in groups:
+        deltas = [delta_leaves[i] for i in positions]
+        res = None if res_leaves is None else [res_leaves[i] for i in positions]
+        fn = functools.partial(run, group_exchange)
+        if axes:
+            specs_k = [PartitionSpec(None, *s) for s in specs]
+            fn = jax.shard_map(
+                fn,
+                in_specs=(
+                    specs_k,
+                    None if res is None else specs_k,
+                    PartitionSpec(),
+                    PartitionSpec(),
+                ),
+                out_specs=(list(specs), PartitionSpec(), None if res is None else specs_k),
+                axis_names=set(axes),
+            )
+        mean, weight_sum, res = fn(deltas, res, included_k, weight_k)
+        for j, i in enumerate(positions):
+            means[i] = mean[j]
+            if res is not None:
+                residuals[i] = res[j]
+    residual_k = None if res_leaves is None else treedef.unflatten(residuals)
+    # Every group sends the same weights, so any group's weight sum is the sync's.
+    return treedef.unflatten(means), weight_sum, residual_k
+
+
+def sharded_groups(compression, specs, mesh, schedule, leaves: list, num_workers, weighted):
+    """Per sync, the groups a compressed exchange runs in on a mesh when some leaf is split
+    over the worker's own axes: (positions in the sync's leaves, their specs, the axes they
+    are split over, the exchange of their shards), by `shard_groups`. None when the exchange
+    runs whole (no compression, no mesh, or every leaf whole on each worker's devices)."""
+    split = specs is not None and any(e is not None for spec in specs for e in spec)
+    if compression.kind == "none" or mesh is None or not split:
+        return None
+    out = []
+    for sync in schedule.syncs:
+        indices = leaf_indices(sync, len(leaves))
+        sync_specs = [specs[i] for i in indices]
+        groups = []
+        for axes, positions in shard_groups(sync_specs):
+            shards = [
+                jax.ShapeDtypeStruct(
+                    shard_shape(leaves[indices[j]].shape, sync_specs[j], mesh),
+                    delta_dtype(leaves[indices[j]].dtype),
+                )
+                for j in positions
+            ]
+            exchange = make_exchange(compression, shards, num_workers, weighted)
+            groups.append((positions, [sync_specs[j] for j in positions], axes, exchange))
+        out.append(tuple(groups))
+    return tuple(out)
+
+
+def exchange_role(method, schedule, leaves, treedef, num_workers, mesh, param_specs) -> Role:
+    """The round's exchange role: one exchange per sync of `schedule` for `method`'s
+    compression (weighted when its weights part weighs), over the params' `leaves`."""
+    weighted = method.weights.active
+    exchanges = tuple(
+        make_exchange(
+            method.compression,
+            jax.eval_shape(widen, part(sync, leaves, treedef)),
+            num_workers,
+            weighted,
+        )
+        for sync in schedule.syncs
+    )
+    groups = sharded_groups(
+        method.compression, param_specs, mesh, schedule, leaves, num_workers, weighted
+    )
+    return ExchangeRole(exchanges, groups, schedule.syncs, schedule.fragmented)

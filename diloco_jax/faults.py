@@ -27,13 +27,16 @@ where no worker is included leaves its leaves and their outer state unchanged.
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from diloco_jax.carry import Carry, Role, Weighed
 from diloco_jax.hlo import ring_wire_bytes
+from diloco_jax.workers import WORKER_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +47,7 @@ class AnomalySkip:
     the worker out like a non-finite one. Norms that are scored as outliers (or non-finite)
     don't update the statistics; the others do: μ <- (1 - a) μ + a x,
     v <- (1 - a) (v + a (x - μ)^2), with a = `alpha` (the first kept norm sets μ = x,
-    v = 0). The statistics live in `DiLoCoState.norm_stats`."""
+    v = 0). The statistics live in `DiLoCoState.parts["weights"]` (`Anomalies`)."""
 
     threshold: float = 3.0
     alpha: float = 0.02
@@ -197,13 +200,10 @@ def softmax_weights(norms_k: jax.Array, smallest: jax.Array, temperature: float)
     return jnp.where(finite, jnp.exp(-(safe - smallest) / temperature), 0.0).astype(jnp.float32)
 
 
-NormStats = tuple[jax.Array, jax.Array, jax.Array]  # EWMA mean, variance, norms seen
-
-
-def initial_stats(num_workers: int, num_syncs: int) -> tuple[NormStats, ...]:
+def initial_stats(num_workers: int, num_syncs: int) -> tuple["NormStats", ...]:
     """Empty statistics: per sync, float32 mean and variance [M] and int32 count [M]."""
     return tuple(
-        (
+        NormStats(
             jnp.zeros((num_workers,), jnp.float32),
             jnp.zeros((num_workers,), jnp.float32),
             jnp.zeros((num_workers,), jnp.int32),
@@ -213,7 +213,7 @@ def initial_stats(num_workers: int, num_syncs: int) -> tuple[NormStats, ...]:
 
 
 def anomalous(
-    norms_k: jax.Array, stats_k: NormStats, round_: jax.Array, rule: AnomalySkip
+    norms_k: jax.Array, stats_k: "NormStats", round_: jax.Array, rule: AnomalySkip
 ) -> jax.Array:
     """bool [k]: the workers whose norm's z-score against their statistics exceeds the
     threshold, once `rule.warmup_rounds` rounds have passed."""
@@ -223,8 +223,8 @@ def anomalous(
 
 
 def updated_stats(
-    norms_k: jax.Array, stats_k: NormStats, keep_k: jax.Array, rule: AnomalySkip
-) -> NormStats:
+    norms_k: jax.Array, stats_k: "NormStats", keep_k: jax.Array, rule: AnomalySkip
+) -> "NormStats":
     """The EWMA statistics after this sync: updated by the norms where `keep_k` (finite, not
     an outlier; the first kept norm sets them), unchanged elsewhere."""
     mean_k, var_k, seen_k = stats_k
@@ -346,3 +346,228 @@ def select_workers(mask_M: jax.Array, on_true_M: Any, on_false: Any) -> Any:
         return jnp.where(m, a, jnp.asarray(b)[None].astype(a.dtype))
 
     return jax.tree.map(pick, on_true_M, on_false)
+
+
+class NormStats(NamedTuple):
+    """EDiT's anomaly statistics of one sync: each worker's EWMA mean and variance of its
+    delta norms (float32 [M]) and how many norms it has kept (int32 [M])."""
+
+    mean: Any
+    variance: Any
+    count: Any
+
+
+class Anomalies(NamedTuple):
+    """The weights part's state (`DiLoCoState.parts["weights"]`) under an anomaly skip: one
+    `NormStats` per sync."""
+
+    stats: tuple
+
+    PER_WORKER = ("stats",)
+
+
+class RoundInputs(NamedTuple):
+    """The weights part's per-worker inputs of one round, drawn before the workers run:
+    steps (int32 [M], each worker's inner steps) and dropped (bool [M, P], its drop at each
+    sync); None where the rule has none."""
+
+    steps: Any = None
+    dropped: Any = None
+
+
+class UniformWeights(Role):
+    """Every worker weighs 1 at every sync and none is ever left out: the exchange takes the
+    plain mean, and nothing is kept or restored."""
+
+    name = "weights"
+
+    def round_inputs(self, round_: jax.Array, num_workers: int) -> RoundInputs:
+        return RoundInputs()
+
+    def steps_taken(self, inputs: RoundInputs) -> None:
+        return None
+
+    def weigh(self, c: Carry, ctx: Any, sync: Any, delta_k: Any) -> tuple[Weighed, Carry]:
+        return Weighed(), c
+
+    def unless_empty(self, c: Carry, ctx: Any, update, old, outer, mean, weight_sum) -> tuple:
+        return *update(old, outer, mean), c
+
+    def keep_if_empty(self, weight_sum: Any, before: Any, after: Any) -> Any:
+        return after
+
+    def skip(self, c: Carry, weight_sum: Any) -> Carry:
+        return c
+
+    def split_sent(self, sent_k: Any, collectives: Any) -> tuple[Any, None]:
+        return sent_k, None
+
+    def in_flight(self, weighed: Weighed, num_local: int) -> jax.Array:
+        return jnp.ones((num_local,), jnp.float32)
+
+    def launched(self, weights_k: jax.Array) -> tuple[None, None]:
+        return None, None
+
+    def applied_sum(self, weights: jax.Array, sync: Any, fragmented: bool) -> None:
+        return None
+
+    def after_sync(self, c: Carry, ctx: Any, weighed: Weighed) -> Carry:
+        return c
+
+    def metrics(self, c: Carry, ctx: Any) -> tuple[dict, dict]:
+        return {}, {}
+
+
+class WeighedRule(Role):
+    """A `Weights` rule with some option on: each worker's weight and whether it is
+    included at each sync, a sync that includes no worker left as it was, a left-out worker
+    restored to the round's start. With one worker per device the skip and the restore are
+    loops of zero or one trip (`unless`, `restore_workers`): the usual round passes the values
+    on in place, where a select reads two copies, writes a third and makes XLA keep the old
+    ones alive; with several workers on a device (vmap) they stay selects: XLA fuses the
+    workers' sum into the outer update (a loop would change its rounding), and with the whole
+    state donated it copies the inner state twice more around a restore loop."""
+
+    name = "weights"
+
+    def __init__(self, rule: Weights, inner_steps: int, num_syncs: int):
+        self.rule, self.inner_steps, self.num_syncs = rule, inner_steps, num_syncs
+
+    def round_inputs(self, round_: jax.Array, num_workers: int) -> RoundInputs:
+        rule = self.rule
+        steps = jnp.asarray(rule.worker_steps or (self.inner_steps,) * num_workers, jnp.int32)
+        dropped = None
+        if rule.drop_probability is not None:
+            dropped = drop_masks(
+                rule.drop_seed, round_, num_workers, rule.drop_probability, self.num_syncs
+            ).T
+        return RoundInputs(steps, dropped)
+
+    def steps_taken(self, inputs: RoundInputs) -> Any:
+        return None if self.rule.worker_steps is None else inputs.steps
+
+    def begin(self, c: Carry, ctx: Any) -> Carry:
+        false_k = jnp.zeros((ctx.num_local,), bool)
+        stats = ctx.local.get(self.name)
+        stats_k = None if stats is None else list(stats.stats)
+        return c.with_own(self.name, _Verdicts(stats_k, false_k, false_k, jnp.bool_(False)))
+
+    def weigh(self, c: Carry, ctx: Any, sync: Any, delta_k: Any) -> tuple[Weighed, Carry]:
+        own = c.own[self.name]
+        stats_k = None if own.stats is None else list(own.stats)
+        finite_k, weight_k = self._weights(ctx, delta_k, stats_k, sync.index)
+        dropped_k = ctx.inputs_k.dropped
+        dropped_k = jnp.zeros_like(finite_k) if dropped_k is None else dropped_k[:, sync.index]
+        weighed = Weighed(finite_k, weight_k, finite_k & ~dropped_k, dropped_k)
+        return weighed, c.with_own(self.name, own._replace(stats=stats_k))
+
+    def _weights(self, ctx, delta_k, stats_k, index):
+        """(finite_k: bool [k], False for a worker left out as non-finite or an outlier;
+        weight_k: float32 [k], or None for weight 1). Updates `stats_k[index]` (the anomaly
+        statistics) in place."""
+        rule, steps_k = self.rule, ctx.inputs_k.steps
+        finite_k = jnp.ones((steps_k.shape[0],), bool)
+        if rule.exclude_nonfinite:
+            finite_k = jax.vmap(all_finite)(delta_k)
+        norms_k = None
+        if rule.scheme == "norm_softmax" or rule.anomaly is not None:
+            norms_k = jax.vmap(lambda d: optax.tree.norm(d).astype(jnp.float32))(delta_k)
+        if rule.anomaly is not None:
+            stats = NormStats(*stats_k[index])
+            outlier_k = anomalous(norms_k, stats, ctx.round, rule.anomaly)
+            keep_k = jnp.isfinite(norms_k) & ~outlier_k
+            stats_k[index] = NormStats(*updated_stats(norms_k, stats, keep_k, rule.anomaly))
+            finite_k = finite_k & ~outlier_k
+        weight_k = None
+        if rule.scheme == "steps":
+            weight_k = steps_k.astype(jnp.float32)
+        elif rule.scheme == "norm_softmax":
+            finite_norms = jnp.where(jnp.isfinite(norms_k), norms_k, jnp.inf)
+            smallest = ctx.collectives.reduce(_smallest, finite_norms)
+            weight_k = softmax_weights(norms_k, smallest, rule.temperature)
+        return finite_k, weight_k
+
+    def unless_empty(self, c: Carry, ctx: Any, update, old, outer, mean, weight_sum) -> tuple:
+        """`update(old, outer, mean)`, or (old, outer) when the sync included no worker."""
+        none_included = weight_sum <= 0
+        if ctx.num_local == 1:
+            new, new_outer = unless(none_included, update, (old, outer), mean)
+        else:
+            new, new_outer = update(old, outer, mean)
+            new = select_tree(none_included, old, new)
+            new_outer = select_tree(none_included, outer, new_outer)
+        return new, new_outer, self.skip(c, weight_sum)
+
+    def keep_if_empty(self, weight_sum: Any, before: Any, after: Any) -> Any:
+        return select_tree(weight_sum <= 0, before, after)
+
+    def skip(self, c: Carry, weight_sum: Any) -> Carry:
+        own = c.own[self.name]
+        return c.with_own(self.name, own._replace(skipped=own.skipped | (weight_sum <= 0)))
+
+    def split_sent(self, sent_k: Any, collectives: Any) -> tuple[Any, jax.Array]:
+        sent_k, weights_k = sent_k
+        return sent_k, collectives.reduce(_total, weights_k)
+
+    def in_flight(self, weighed: Weighed, num_local: int) -> jax.Array:
+        ones = jnp.ones((num_local,), jnp.float32)
+        weight_k = ones if weighed.weight_k is None else weighed.weight_k
+        return jnp.where(weighed.included_k, weight_k, 0.0)
+
+    def launched(self, weights_k: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        return weights_k > 0, None if self.rule.scheme == "uniform" else weights_k
+
+    def applied_sum(self, weights: jax.Array, sync: Any, fragmented: bool) -> jax.Array:
+        return weights[sync.index] if fragmented else weights
+
+    def after_sync(self, c: Carry, ctx: Any, weighed: Weighed) -> Carry:
+        own = c.own[self.name]
+        c = c.with_own(
+            self.name,
+            own._replace(
+                excluded=own.excluded | ~weighed.finite_k,
+                dropped=own.dropped | weighed.dropped_k,
+            ),
+        )
+        if not self.rule.leaves_out:
+            return c
+        # A non-finite worker's new inner state may hold NaNs: back to the round's start.
+        restore = restore_workers if ctx.num_local == 1 else jax.vmap(select_tree)
+        start = (ctx.start.opt, ctx.start.model)
+        opt_k, model_k = restore(weighed.finite_k, (c.workers.opt, c.workers.model), start)
+        return c._replace(workers=c.workers._replace(opt=opt_k, model=model_k))
+
+    def metrics(self, c: Carry, ctx: Any) -> tuple[dict, dict]:
+        own = c.own[self.name]
+        local = {"excluded_workers": own.excluded, "dropped_workers": own.dropped}
+        return {"skipped": own.skipped}, local
+
+    def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
+        stats = c.own[self.name].stats
+        return None, None if stats is None else Anomalies(tuple(stats))
+
+
+class _Verdicts(NamedTuple):
+    """What `WeighedRule` keeps through a round: the anomaly statistics per sync (a list, or
+    None), which workers were left out or dropped at some sync (bool [k]) and whether some
+    sync included no worker (bool)."""
+
+    stats: Any
+    excluded: Any
+    dropped: Any
+    skipped: Any
+
+
+def _smallest(local: jax.Array) -> jax.Array:
+    """Reducer: the smallest value over every worker (one all-reduce of a float32)."""
+    return jax.lax.pmin(jnp.min(local), WORKER_AXIS)
+
+
+def _total(local: jax.Array) -> jax.Array:
+    """Reducer: the sum over every worker (one all-reduce of a float32)."""
+    return jax.lax.psum(jnp.sum(local), WORKER_AXIS)
+
+
+def weights_role(rule: Weights, inner_steps: int, num_syncs: int) -> Role:
+    """The round's weights role for `rule`."""
+    return WeighedRule(rule, inner_steps, num_syncs) if rule.active else UniformWeights()

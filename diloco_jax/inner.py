@@ -1,5 +1,6 @@
 """The inner loop: H optax steps of one worker, as one `lax.scan`."""
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from diloco_jax.carry import Role
+from diloco_jax.sampler import Sampler, worker_batches
 from diloco_jax.workers import match_varying
 
 LossFn = Callable[..., Any]
@@ -381,3 +384,64 @@ def run_steps(
 
     carry, (losses_H, aux_H) = lax.scan(body, (params, opt_state, model_state), xs)
     return *carry, losses_H, aux_H
+
+
+class PlainSteps(Role):
+    """A segment of inner steps: each worker's `run_steps` from its start params, mapped over
+    the device's workers by the backend (`Backend.worker_map`). With per-worker step counts
+    (`masked`), worker m's steps past its h_m leave it as it was; with an `rng_seed`, step h
+    of worker m in round r draws `step_key(worker_key(rng_seed, r, m), h)`."""
+
+    name = "steps"
+
+    def __init__(self, step: Step, batches: Any, num_steps: int, masked: bool,
+                 rng_seed: int | None, worker_map: Callable):  # fmt: skip
+        self.step, self.batches, self.num_steps = step, batches, num_steps
+        self.masked, self.rng_seed, self.worker_map = masked, rng_seed, worker_map
+
+    def begin(self, c: Any, ctx: Any) -> Any:
+        keys_k = None  # each worker's base key of this round's steps (`worker_key`)
+        if self.rng_seed is not None:
+            keys_k = jax.vmap(lambda w: worker_key(self.rng_seed, ctx.round, w))(ctx.ids_k)
+        return c.with_own(self.name, keys_k)
+
+    def run(self, c: Any, ctx: Any, params: Any, axis: Any, start: int, stop: int) -> Any:
+        keys_k = c.own[self.name]
+        run = functools.partial(self._segment, ctx, start, stop)
+        key_axis = None if keys_k is None else 0
+        id_axis = None if ctx.ids_k is None else 0
+        w = c.workers
+        params_k, opt_k, model_k, loss_kxS, aux_kxS = self.worker_map(
+            run, (axis, 0, 0, 0, 0, key_axis, id_axis)
+        )(params, w.opt, w.model, ctx.inputs_k.steps, ctx.data_k, keys_k, ctx.ids_k)
+        return c._replace(
+            workers=w._replace(params=params_k, opt=opt_k, model=model_k),
+            losses=(*c.losses, loss_kxS),
+            auxes=(*c.auxes, aux_kxS),
+        )
+
+    def _segment(self, ctx, start, stop, params, opt_state, model_state, steps, my_data, key,
+                 worker):  # fmt: skip
+        data = worker_batches(self.batches, ctx.data, my_data)
+        if isinstance(self.batches, Sampler):
+            data = data if start == 0 else functools.partial(_offset, data, start)
+        elif (start, stop) != (0, self.num_steps):
+            data = jax.tree.map(lambda x: x[start:stop], data)
+        active = steps - start if self.masked else None
+        return run_steps(
+            self.step,
+            params,
+            opt_state,
+            model_state,
+            data,
+            num_steps=stop - start,
+            active_steps=active,
+            key=key,
+            first_step=start,
+            round_=None if worker is None else ctx.round,
+            worker=worker,
+        )
+
+
+def _offset(batch_of, start, h):
+    return batch_of(h + start)

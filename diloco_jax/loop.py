@@ -241,15 +241,11 @@ def place_state(state: Any, backend: Backend, placement: "Placement | None" = No
     user's mesh, else each per-worker field split over the workers and the rest shared."""
     if placement is not None:
         return jax.device_put(state, placement.shardings(state))
-    per_worker = placement_lib.per_worker_fields(state)
-    return type(state)(
-        **{
-            name: place_global(
-                backend.place_workers if name in per_worker else backend.place_shared, value
-            )
-            for name, value in state._asdict().items()
-        }
-    )
+
+    def place(owner, name, value, per_worker):
+        return place_global(backend.place_workers if per_worker else backend.place_shared, value)
+
+    return placement_lib.map_fields(state, place)
 
 
 def placed_items(

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax.carry import Role
 from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.trees import per_leaf
 from diloco_jax.workers import all_gather_workers, exact_mean
@@ -123,3 +124,26 @@ def wire_bytes(model_state: Any, rules: Rules, num_workers: int) -> float:
 
 def _is_float(x: Any) -> bool:
     return bool(jnp.issubdtype(jnp.result_type(x), jnp.floating))
+
+
+class KeepModelState(Role):
+    """No model state, or none merged: the workers' model states pass through the round."""
+
+    name = "model"
+
+    def merge(self, c: Any, ctx: Any) -> Any:
+        return c
+
+
+class MergeModelState(Role):
+    """After the round's last sync, each model state leaf merged over the workers by its
+    rule (`merge`)."""
+
+    name = "model"
+
+    def __init__(self, rules: Rules):
+        self.rules = rules
+
+    def merge(self, c: Any, ctx: Any) -> Any:
+        model_k = merge(c.workers.model, self.rules, ctx.collectives, ctx.num_workers)
+        return c._replace(workers=c.workers._replace(model=model_k))

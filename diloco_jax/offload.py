@@ -22,6 +22,9 @@ from typing import Any
 import jax
 from jax import lax
 
+from diloco_jax.carry import Carry, Role
+from diloco_jax.schedule import leaf_indices
+
 MEMORIES = ("device", "pinned_host")
 HOST = "pinned_host"
 
@@ -52,3 +55,62 @@ def in_device_memory(tree: Any) -> Any:
         return jax.device_put(x, sharding.with_memory_kind("device"))
 
     return jax.tree.map(one, tree)
+
+
+class DeviceMemory(Role):
+    """θ and the outer state live in device memory: every fetch is the value itself."""
+
+    name = "memory"
+
+    def fetch(self, tree: Any) -> Any:
+        return tree
+
+    def delta_base(self, old: Any, snapshot_k: Any, collectives: Any) -> Any:
+        return old
+
+    def for_update(self, c: Carry, sync: Any, old: Any, outer: Any, mean: Any) -> tuple:
+        return old, outer, c
+
+    def for_split_update(self, c: Carry, sync: Any, old, shared, local, sums) -> tuple:
+        return old, shared, local, c
+
+    def merge_source(self, c: Carry, theta: tuple, mean: Any) -> list:
+        return list(theta)
+
+
+class HostMemory(Role):
+    """θ and the outer state arrive in pinned host memory (`outer_state_memory=
+    "pinned_host"`): each point that reads them copies what it reads to the device, after
+    the value it waits for (see the module docstring). Keeps the indices of θ's leaves
+    already copied for the outer update, so the merge copies only the rest."""
+
+    name = "memory"
+
+    def begin(self, c: Carry, ctx: Any) -> Carry:
+        return c.with_own(self.name, frozenset())
+
+    def fetch(self, tree: Any) -> Any:
+        return fetch(tree)
+
+    def delta_base(self, old: Any, snapshot_k: Any, collectives: Any) -> Any:
+        # θ's leaves from host memory, once the workers' steps are done
+        return fetch(collectives.vary(old), after=snapshot_k)
+
+    def for_update(self, c: Carry, sync: Any, old: Any, outer: Any, mean: Any) -> tuple:
+        old, outer = fetch((old, outer), after=mean)
+        return old, outer, self._on_device(c, sync)
+
+    def for_split_update(self, c: Carry, sync: Any, old, shared, local, sums) -> tuple:
+        # θ's leaves and this device's outer-state pieces (θ and the shared pieces are the
+        # same on every worker: tied to no per-worker value, they stay so)
+        old, shared = fetch((old, shared))
+        return old, shared, fetch(local, after=sums), self._on_device(c, sync)
+
+    def merge_source(self, c: Carry, theta: tuple, mean: Any) -> list:
+        # A left-out worker restarts from all of θ: the leaves not updated here from host memory.
+        on_device = c.own[self.name]
+        return [g if i in on_device else fetch(g, after=mean) for i, g in enumerate(theta)]
+
+    def _on_device(self, c: Carry, sync: Any) -> Carry:
+        indices = leaf_indices(sync, len(c.theta))
+        return c.with_own(self.name, c.own[self.name] | set(indices))

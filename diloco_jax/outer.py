@@ -49,6 +49,11 @@ def outer_update(
     return new_params, outer_opt_state
 
 
+def mean_norm(means: tuple) -> jax.Array:
+    """float32 global L2 norm of a round's mean deltas (one tree per sync)."""
+    return optax.tree.norm(means[0] if len(means) == 1 else list(means)).astype(jnp.float32)
+
+
 def outer_step(
     outer_optimizer: optax.GradientTransformation,
     params: Any,

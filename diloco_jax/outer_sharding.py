@@ -33,8 +33,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax.carry import Carry, Role, SyncRole
 from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.outer import outer_update
+from diloco_jax.schedule import leaf_indices, part
 from diloco_jax.workers import WORKER_AXIS, Backend
 
 
@@ -67,8 +69,11 @@ def outer_shards(params: Any, backend: Backend, param_sharding: Any = None) -> O
     `train_diloco(..., shard_outer_over_workers=True)` does)."""
     from diloco_jax.placement import resolve_param_specs  # placement builds on this module
 
-    if not isinstance(backend, Backend) or backend.name != "shard_map":
-        raise ValueError(f"outer_shards needs a shard_map Backend, got {backend!r}")
+    if not isinstance(backend, Backend) or backend.zero_refusal is not None:
+        raise ValueError(
+            f"outer_shards needs a shard_map Backend with one worker per device group, got "
+            f"{backend!r}"
+        )
     mesh = backend.mesh
     specs = resolve_param_specs(params, mesh, param_sharding)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
@@ -348,3 +353,58 @@ def _names(entry: Any) -> tuple[str, ...]:
 
 def _masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
+
+
+class SplitOuterSync(SyncRole):
+    """The sync with the outer state split over the workers (see the module docstring): each
+    device reduce-scatters its worker's contribution, updates its slice of θ with its slice
+    of the outer state and all-gathers the result (`sync_step`). A sync that includes no
+    worker leaves θ and both halves of its outer state as they were. Keeps each sync's
+    squared mean-delta norm for "outer_grad_norm"."""
+
+    name = "zero"
+
+    def __init__(self, shards, outer_optimizer, exchange: Role, memory: Role, weights: Role,
+                 merge: Role):  # fmt: skip
+        self.shards, self.outer_optimizer = shards, outer_optimizer
+        self.exchange, self.memory, self.weights, self.merge = exchange, memory, weights, merge
+
+    def outer_in(self, outer: tuple) -> tuple[tuple, tuple]:
+        """Each sync's outer state in storage as (the replicated leaves, every worker's split
+        leaves [M, ...])."""
+        halves = [s.split(o) for s, o in zip(self.shards, outer, strict=True)]
+        return tuple(h[0] for h in halves), tuple(h[1] for h in halves)
+
+    def outer_out(self, shared: tuple, local: tuple) -> tuple:
+        return tuple(s.joined(a, b) for s, a, b in zip(self.shards, shared, local, strict=True))
+
+    def local_outer(self, c: Carry) -> tuple:
+        return c.own[self.name][0]
+
+    def begin(self, c: Carry, ctx: Any) -> Carry:
+        return c.with_own(self.name, (ctx.outer_k, ()))
+
+    def apply(self, c: Carry, ctx: Any, sync: Any, delta_k: Any, weighed: Any) -> Carry:
+        local, squares = c.own[self.name]
+        sent_k = self.exchange.send(sync, delta_k, weighed)
+        sent_k, weight_sum = self.weights.split_sent(sent_k, ctx.collectives)
+        sums = jax.tree.map(lambda x: jnp.sum(x, 0), sent_k)
+        old = part(sync, c.theta, ctx.treedef)
+        old, shared, mine, c = self.memory.for_split_update(
+            c, sync, old, c.outer[sync.index], local[sync.index], sums
+        )
+        new, new_shared, new_mine, squared = sync_step(
+            self.shards[sync.index], self.outer_optimizer, old, shared, mine, sums, weight_sum
+        )
+        new_shared = self.weights.keep_if_empty(weight_sum, shared, new_shared)
+        new_mine = self.weights.keep_if_empty(weight_sum, mine, new_mine)
+        new = self.weights.keep_if_empty(weight_sum, old, new)
+        c = self.weights.skip(c, weight_sum)
+        local = (*local[: sync.index], new_mine, *local[sync.index + 1 :])
+        c = c.with_own(self.name, (local, (*squares, squared)))
+        c = c.with_outer(sync.index, new_shared)
+        c = c.with_theta(leaf_indices(sync, len(c.theta)), jax.tree.leaves(new))
+        return self.merge.merge(c, ctx, sync, weighed, None)
+
+    def grad_norm(self, c: Carry) -> jax.Array:
+        return jnp.sqrt(sum(c.own[self.name][1]))

@@ -10,6 +10,7 @@ included), or the list of one Streaming fragment's leaves, gets the params' spec
 any other leaf (counts, weights, statistics) is replicated inside its worker.
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -23,24 +24,23 @@ from diloco_jax.outer_sharding import OuterShards, split_shapes
 from diloco_jax.schedule import synced_indices
 from diloco_jax.trainable import frozen_leaves
 from diloco_jax.trees import per_leaf
-from diloco_jax.workers import WORKER_AXIS, Backend
-
-# DiLoCoState fields that live in host memory under `outer_state_memory="pinned_host"`.
-HOST_FIELDS = frozenset({"params", "outer_opt_state"})
-
-# DiLoCoState / SyncState fields with one entry per worker (leading dim M).
-PER_WORKER_FIELDS = frozenset(
-    {"inner_opt_state", "residual", "local_params", "pending_deltas", "pending_weights",
-     "worker_params", "model_state"}
-)  # fmt: skip
+from diloco_jax.workers import WORKER_AXIS, Backend, shard_shape
 
 
-def per_worker_fields(state: Any) -> frozenset[str]:
-    """The fields of `state` with one entry per worker: `PER_WORKER_FIELDS`, and under eager
-    updates (no global params) the outer state too."""
-    if getattr(state, "params", True) is None:
-        return PER_WORKER_FIELDS | {"outer_opt_state"}
-    return PER_WORKER_FIELDS
+def map_fields(state: Any, fn: Callable[[type, str, Any, bool], Any]) -> Any:
+    """`state` (a DiLoCoState or SyncState, of arrays or shapes) with each field replaced by
+    `fn(owner, name, value, per_worker)`: `owner` the NamedTuple type the field belongs to
+    (the state's, or a part state's in `DiLoCoState.parts`), `per_worker` whether its
+    leaves hold one entry per worker, as the owner's `PER_WORKER` declares. The state's
+    schema is read here and nowhere else."""
+    per_worker = set(type(state).PER_WORKER)
+    out = {}
+    for name, value in state._asdict().items():
+        if name == "parts":  # each part's own state, declaring its own fields
+            out[name] = {key: map_fields(part, fn) for key, part in value.items()}
+        else:
+            out[name] = fn(type(state), name, value, name in per_worker)
+    return type(state)(**out)
 
 
 def resolve_param_specs(
@@ -120,20 +120,14 @@ class Placement(NamedTuple):
 
     def shardings(self, state: Any) -> Any:
         """A pytree of `NamedSharding`s like `state` (a DiLoCoState / SyncState of arrays or
-        shapes; under eager updates the outer state is per worker too)."""
-        per_worker = per_worker_fields(state)
-        host = HOST_FIELDS if self.host else frozenset()
-        return type(state)(
-            **{
-                name: self.tree(
-                    value,
-                    name in per_worker,
-                    split=name == "outer_opt_state",
-                    host=name in host and name not in per_worker,
-                )  # fmt: skip
-                for name, value in state._asdict().items()
-            }
-        )
+        shapes): each field where its owner's schema puts it (`map_fields`), the fields its
+        `HOST` names in host memory when the placement says so."""
+
+        def place(owner, name, value, per_worker):
+            host = self.host and name in getattr(owner, "HOST", ())
+            return self.tree(value, per_worker, split=name == "outer_opt_state", host=host)
+
+        return map_fields(state, place)
 
     def tree(self, tree: Any, per_worker: bool, split: bool = False, host: bool = False) -> Any:
         """Shardings for one field (`per_worker`: leading dim M over the worker axis;
@@ -270,16 +264,6 @@ def shard_shapes(params: Any, placed: Placement) -> Any:
             for x, s in zip(leaves, placed.specs, strict=True)
         ],
     )
-
-
-def shard_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
-    """The shape of one device's shard of a leaf of `shape` at `spec` on `mesh`."""
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    out = list(shape)
-    for dim, entry in enumerate(spec):
-        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        out[dim] //= int(np.prod([sizes[n] for n in names], dtype=np.int64))
-    return tuple(out)
 
 
 def _own_spec(leaf: Any, inner_axes: set[str]) -> P:

@@ -169,12 +169,12 @@ def place_sampler(sampler: Sampler, backend: Backend, process_local_data: bool =
     else:
         check_workers(sampler, backend.num_workers)
     targets = shardings(sampler, backend.mesh)
-    if backend.name == "vmap":  # the checks above hold; everything is on the one device
+    if backend.on_one_device:  # the checks above hold; everything is on the one device
         one = SingleDeviceSharding(backend.devices[0])
         targets = jax.tree.map(lambda _: one, targets)
     put = lambda s, x: place_global(lambda t: jax.device_put(t, s), x)  # noqa: E731
     put_mine = put
-    if process_local_data and backend.name != "vmap":
+    if process_local_data and backend.spans_processes:
         put_mine = lambda s, x: jax.make_array_from_process_local_data(s, to_host(x))  # noqa: E731
     return dataclasses.replace(
         sampler,

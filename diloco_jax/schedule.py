@@ -18,6 +18,9 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+from diloco_jax.carry import Carry, Role, Segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Schedule(NamedTuple):
     """A round's syncs (in order) and how synced values merge into each worker's params.
 
     fragmented: whether the run uses Streaming DiLoCo's fragments (every worker's params then
-      persist across rounds in `DiLoCoState.local_params`, and the outer state is a tuple of
+      persist across rounds in `WorkerParams`, and the outer state is a tuple of
       one state per fragment).
     merge_alpha: alpha in [0, 1]; 0 sets a synced fragment to the new global values.
     """
@@ -219,3 +222,105 @@ def part(schedule_sync: Sync, leaves: list, treedef: Any) -> Any:
 def leaf_indices(schedule_sync: Sync, num_leaves: int) -> tuple[int, ...]:
     """The leaf indices `schedule_sync` covers."""
     return tuple(range(num_leaves)) if schedule_sync.leaves is None else schedule_sync.leaves
+
+
+class WorkerParams(NamedTuple):
+    """The schedule's state (`DiLoCoState.parts["workers"]`) when workers carry their own
+    params from sync to sync (Streaming DiLoCo, drops): each worker's params, leaves
+    [M, ...] in the params' dtypes."""
+
+    params: Any
+
+    PER_WORKER = ("params",)
+
+
+def segments(schedule: Schedule, inner_steps: int) -> tuple:
+    """The round's segments of inner steps (`body.Segment`), from the schedule's boundaries:
+    each with the syncs that snapshot and that happen at its end."""
+    bounds = schedule.boundaries(inner_steps)
+    return tuple(
+        Segment(
+            start,
+            stop,
+            tuple(s for s in schedule.syncs if s.snapshot == stop),
+            tuple(s for s in schedule.syncs if s.at == stop),
+        )
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True)
+    )
+
+
+class RestartFromTheta(Role):
+    """Standard DiLoCo: after the sync every worker restarts the next round from θ, so
+    nothing merges back into its params."""
+
+    name = "merge"
+
+    def merge(self, c: Carry, ctx: Any, sync: Sync, weighed: Any, mean: Any) -> Carry:
+        return c
+
+
+class MergeIntoOwn(Role):
+    """Workers carry their own params (`WorkerParams`): after a sync its leaves become
+    θ' + alpha (θ_m - θ') (θ' for alpha 0), except that a dropped worker keeps its own and a
+    worker left out as non-finite restarts every leaf from θ (the weights part's verdict)."""
+
+    name = "workers"  # its state: `WorkerParams`, `DiLoCoState.parts["workers"]`
+
+    def __init__(self, alpha: float, memory: Role):
+        self.alpha, self.memory = alpha, memory
+
+    def begin(self, c: Carry, ctx: Any) -> Carry:
+        params = ctx.local[self.name].params
+        return c._replace(workers=c.workers._replace(params=params))
+
+    def merge(self, c: Carry, ctx: Any, sync: Sync, weighed: Any, mean: Any) -> Carry:
+        local_leaves = ctx.treedef.flatten_up_to(c.workers.params)
+        merge_from = self.memory.merge_source(c, c.theta, mean)
+        params_k = merged(
+            local_leaves, merge_from, leaf_indices(sync, len(local_leaves)), self.alpha,
+            weighed.finite_k, weighed.dropped_k, ctx.treedef, ctx.collectives.vary,
+        )  # fmt: skip
+        return c._replace(workers=c.workers._replace(params=params_k))
+
+    def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
+        return None, WorkerParams(c.workers.params)
+
+
+WORKER_PARAMS = MergeIntoOwn.name
+
+
+def merged(
+    local_leaves, global_leaves, indices, alpha, finite_k, dropped_k, treedef, vary,
+    per_worker=False,
+):  # fmt: skip
+    """Each worker's params after a sync of the leaves `indices`: the synced leaves become
+    θ' + alpha (θ_m - θ') (θ' for alpha 0), except that a dropped worker keeps its own; a
+    non-finite worker (finite_k False) restarts every leaf from the current global values.
+    finite_k / dropped_k are None without fault options. `vary` types θ' copies as
+    per-worker: inner steps from a value typed shared would sum their gradients over workers.
+    `per_worker`: the global leaves are each worker's own θ' ([k, ...], eager updates)."""
+    leaves = list(local_leaves)
+    for i in indices:
+        at_sync = leaves[i]
+        new = global_leaves[i] if per_worker else global_leaves[i][None]
+        if alpha:
+            value = (new + alpha * (at_sync - new)).astype(at_sync.dtype)
+        elif per_worker:
+            value = new.astype(at_sync.dtype)
+        else:
+            value = vary(jnp.broadcast_to(new.astype(at_sync.dtype), at_sync.shape))
+        if dropped_k is not None:
+            value = where_k(dropped_k, at_sync, value)
+        leaves[i] = value
+    if finite_k is not None:
+        leaves = [
+            where_k(finite_k, x, g[None].astype(x.dtype))
+            for x, g in zip(leaves, global_leaves, strict=True)
+        ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def where_k(mask_k, on_true_k, on_false):
+    """Per worker: `on_true_k` ([k, ...]) where mask_k ([k]) holds, else `on_false`."""
+    mask = mask_k.reshape(mask_k.shape + (1,) * (on_true_k.ndim - 1))
+    return jnp.where(mask, on_true_k, on_false)

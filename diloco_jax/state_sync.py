@@ -12,6 +12,7 @@ field is due, all-reduces it (inside `lax.cond`, so the collective runs only at 
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,9 @@ from jax import lax
 
 from diloco_jax.comm import payload_bytes
 from diloco_jax.hlo import ring_wire_bytes
+from diloco_jax.inner import PlainSteps, StepInfo, masked_step, step_key
+from diloco_jax.sampler import Sampler, worker_batches
+from diloco_jax.workers import exact_mean
 
 Syncs = tuple[tuple[str, int], ...]  # (field name, every K steps), sorted by name
 
@@ -117,3 +121,73 @@ def synced_scan(
     start = jnp.asarray(first_step, jnp.int32)
     (params_k, opt_k, _), out_Sxk = lax.scan(body, (params_k, opt_k, start), xs_S)
     return params_k, opt_k, jax.tree.map(lambda x: x.T, out_Sxk)
+
+
+class SyncedSteps(PlainSteps):
+    """DES-LOC's inner steps: every worker steps under one scan (`synced_scan`), the inner
+    state's fields averaged over all M workers when due."""
+
+    def __init__(self, step, batches, num_steps, masked, rng_seed, worker_map, syncs: Syncs):
+        super().__init__(step, batches, num_steps, masked, rng_seed, worker_map)
+        self.syncs = syncs
+
+    def run(self, c: Any, ctx: Any, params: Any, axis: Any, start: int, stop: int) -> Any:
+        keys_k, w = c.own[self.name], c.workers
+        if axis is None:
+            params = jax.tree.map(lambda x: jnp.broadcast_to(x, (ctx.num_local, *x.shape)), params)
+        hs = jnp.arange(start, stop, dtype=jnp.int32)
+        sampled = isinstance(self.batches, Sampler)
+        if sampled:
+            xs, x_axis = hs, None
+        else:
+            data_Sxk = jax.tree.map(lambda x: jnp.moveaxis(x[:, start:stop], 1, 0), ctx.data_k)
+            xs, x_axis = (hs, data_Sxk), (None, 0)
+        key_axis = None if keys_k is None else 0
+        id_axis = None if ctx.ids_k is None else 0
+        one_step = functools.partial(self._one_step, ctx, sampled)
+        step_k = self.worker_map(one_step, (0, 0, 0, 0, key_axis, id_axis, x_axis))
+        steps_k = ctx.inputs_k.steps
+
+        def average(field_k):
+            mean = ctx.collectives.reduce(
+                functools.partial(_mean_to_every_worker, num_workers=ctx.num_workers), field_k
+            )
+            return ctx.collectives.vary(mean)
+
+        (params_k, model_k), opt_k, (loss_kxS, aux_kxS) = synced_scan(
+            lambda p, o, x: step_k(p, o, steps_k, ctx.data_k, keys_k, ctx.ids_k, x),
+            (params, w.model),
+            w.opt,
+            xs,
+            ctx.round * self.num_steps + start,
+            self.syncs,
+            average,
+        )
+        return c._replace(
+            workers=w._replace(params=params_k, opt=opt_k, model=model_k),
+            losses=(*c.losses, loss_kxS),
+            auxes=(*c.auxes, aux_kxS),
+        )
+
+    def _one_step(self, ctx, sampled, carried, opt_state, steps, my_data, key, worker, x):
+        # One worker's inner step h (masked after its h_m steps), for the synced scan; the
+        # model state rides with the params (`synced_scan` averages optimizer fields only).
+        h, batch = (x, worker_batches(self.batches, ctx.data, my_data)(x)) if sampled else x
+        active = h < steps if self.masked else None
+        info = StepInfo(
+            None if worker is None else ctx.round,
+            worker,
+            h,
+            None if key is None else step_key(key, h),
+        )
+        params, model_state = carried
+        params, opt_state, model_state, loss, aux = masked_step(
+            self.step, params, opt_state, model_state, batch, info, active
+        )
+        return (params, model_state), opt_state, (loss, aux)
+
+
+def _mean_to_every_worker(local: Any, num_workers: int) -> Any:
+    """Reducer: the mean over all M workers of leaves [k, ...], given to each of the k."""
+    mean = exact_mean(local, num_workers)
+    return jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape), mean, local)

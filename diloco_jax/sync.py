@@ -23,6 +23,8 @@ class SyncState(NamedTuple):
     step: jax.Array
     model_state: Any = None
 
+    PER_WORKER = ("model_state",)  # the schema (`placement.map_fields`)
+
 
 def init_sync_state(
     params: Any,

@@ -654,27 +654,8 @@ def _result(state: Any, history: list[Record], backend: Backend, rules=None) -> 
 
 
 def _check_processes(backend: Backend) -> Backend:
-    """In a multi-process run: "shard_map" over devices of every process, or "vmap" run whole
-    on each process's own device; "pmap" is refused."""
-    if not is_multiprocess():
-        return backend
-    if backend.name == "vmap":
-        # Nothing to split over processes: every process runs all M workers, redundantly and
-        # identically, on its own first device (e.g. the CLI's 1-worker warm start).
-        return Backend("vmap", backend.num_workers, tuple(jax.local_devices()[:1]))
-    if backend.name != "shard_map":
-        raise ValueError(
-            f"a run over {jax.process_count()} processes needs backend='shard_map' (workers "
-            f"over the global device mesh), got {backend.name!r}"
-        )
-    spanned = {d.process_index for d in backend.devices}
-    if spanned != set(range(jax.process_count())):
-        raise ValueError(
-            f"num_workers={backend.num_workers} uses devices of processes {sorted(spanned)} "
-            f"only; every one of the {jax.process_count()} processes needs at least one: use "
-            f"at least {len(jax.devices())} workers (a multiple of it)"
-        )
-    return backend
+    """The backend as a multi-process run runs it (`Backend.for_processes`)."""
+    return backend.for_processes() if is_multiprocess() else backend
 
 
 def _fault_record(metrics: dict[str, np.ndarray]) -> Record:

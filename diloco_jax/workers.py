@@ -28,7 +28,7 @@ must not use collectives over `WORKER_AXIS`: it names the devices, not the worke
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,10 @@ BACKENDS = ("auto", "vmap", "shard_map", "pmap")
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """A resolved backend: its name, M, and the devices it runs on (hashable, jit-static).
+    """A resolved backend: M workers and the devices they run on (hashable, jit-static). One
+    class per way of running them (`VmapBackend`, `ShardMapBackend`, `PmapBackend`); their
+    properties answer what the round and the trainers ask of a backend, and `name` is the
+    name `make_backend` takes.
 
     With `data_parallel` = N > 1 (shard_map only) each worker spans N devices: the mesh is
     [devices / N, N] over (WORKER_AXIS, DATA_AXIS), batches are split over DATA_AXIS, and
@@ -52,7 +55,6 @@ class Backend:
     an automatic axis inside the shard_map, which is manual over workers only).
     """
 
-    name: str
     num_workers: int
     devices: tuple[jax.Device, ...]
     data_parallel: int = 1
@@ -68,12 +70,74 @@ class Backend:
     worker_axis: str = WORKER_AXIS
     param_sharding: Any = None
 
+    name: ClassVar[str] = ""
+
+    @property
+    def one_per_device(self) -> bool:
+        """Whether each device (group of `data_parallel` devices) holds exactly one worker, in
+        its own program instance: its steps then run without a batch dimension of one."""
+        return self.workers_per_device == 1
+
+    @property
+    def on_one_device(self) -> bool:
+        """Whether every worker runs on the one device `devices[0]`."""
+        return False
+
+    @property
+    def host_memory_refusal(self) -> str | None:
+        """Why θ and the outer state can't live in host memory on this backend, or None."""
+        return None
+
+    @property
+    def zero_refusal(self) -> str | None:
+        """Why the outer state can't be split over the workers (ZeRO-1) here, or None."""
+        if self.one_per_device:
+            return None
+        return "workers other than one per device group of a shard_map backend"
+
+    def for_processes(self) -> "Backend":
+        """This backend in a multi-process run (`jax.process_count()` > 1), or ValueError
+        saying what it needs there."""
+        spanned = {d.process_index for d in self.devices}
+        if spanned != set(range(jax.process_count())):
+            raise ValueError(
+                f"num_workers={self.num_workers} uses devices of processes {sorted(spanned)} "
+                f"only; every one of the {jax.process_count()} processes needs at least one: "
+                f"use at least {len(jax.devices())} workers (a multiple of it)"
+            )
+        return self
+
+    def map_workers(self, body: Callable[..., tuple[Any, Any]], nested: bool = False) -> Callable:
+        """Lifts a per-device `body(shared, local, collectives) -> (same_everywhere, local_out)`.
+
+        `local` holds this device's k workers' slices of a [M, ...]-stacked pytree, stacked
+        [k, ...] (k = M on "vmap"); `shared` is the same on every device. `body` reaches the
+        other devices only through `collectives` (a `Collectives`): `collectives.reduce(fn,
+        local)` runs a reducer (see the module docstring) and `collectives.vary(x)` types a
+        shared value as per-worker before workers start scans from it. Its first output must
+        be the same on every device. Returns `run(shared, mine_M) -> (same_everywhere,
+        local_out_M)` with leaves [M, ...]. `nested` (vmap only) runs the whole body under a
+        size-1 named device axis instead of binding it around the reducers alone: the same
+        values, a slower program with other rounding, kept for the rounds that ran so before.
+        """
+        raise NotImplementedError
+
+    def worker_map(self, fn: Callable, in_axes: tuple) -> Callable:
+        """`jax.vmap(fn, in_axes)` over a device's k workers (in_axes: 0 or None per
+        argument); with one worker a device, `fn` runs without the batch dimension (XLA's CPU
+        dots lose half their speed to a unit batch dimension)."""
+        if self.one_per_device:
+            return _unbatched(fn, in_axes)
+        return jax.vmap(fn, in_axes=in_axes)
+
+    def _new_sharding(self, spec: P) -> jax.sharding.Sharding:
+        return NamedSharding(self.mesh, spec)
+
     @property
     def spans_processes(self) -> bool:
-        """Whether the workers' arrays span every process of a multi-process run (shard_map
-        over the global devices), rather than each process running all of them on its own
-        device (vmap)."""
-        return self.name != "vmap"
+        """Whether the workers' arrays span every process of a multi-process run (over the
+        global devices), rather than each process running all of them on its own device."""
+        return not self.on_one_device
 
     @property
     def workers_per_device(self) -> int:
@@ -110,31 +174,6 @@ class Backend:
             return jax.make_array_from_single_device_arrays(x.shape, target, shards)
 
         return jax.tree.map(move, tree)
-
-    def map_workers(self, body: Callable[..., tuple[Any, Any]], nested: bool = False) -> Callable:
-        """Lifts a per-device `body(shared, local, collectives) -> (same_everywhere, local_out)`.
-
-        `local` holds this device's k workers' slices of a [M, ...]-stacked pytree, stacked
-        [k, ...] (k = M on "vmap"); `shared` is the same on every device. `body` reaches the
-        other devices only through `collectives` (a `Collectives`): `collectives.reduce(fn,
-        local)` runs a reducer (see the module docstring) and `collectives.vary(x)` types a
-        shared value as per-worker before workers start scans from it. Its first output must
-        be the same on every device. Returns `run(shared, mine_M) -> (same_everywhere,
-        local_out_M)` with leaves [M, ...]. `nested` (vmap only) runs the whole body under a
-        size-1 named device axis instead of binding it around the reducers alone: the same
-        values, a slower program with other rounding, kept for the rounds that ran so before.
-        """
-        if self.name == "vmap":
-            return functools.partial(_run_nested if nested else _run_one_device, body)
-        if self.mesh_axes and self.num_workers == 1:
-            # A worker axis of size 1: nothing crosses it, and XLA refuses a collective over
-            # a manual axis of size 1 beside auto axes. The one worker runs under plain jit
-            # (its axes partitioned by XLA), its reducers' collectives vanishing as on vmap.
-            return functools.partial(_run_one_device, in_mesh_context(body, self.mesh))
-        if self.name == "shard_map":
-            partial_manual = self.data_parallel > 1 or bool(self.mesh_axes)
-            return _shard_map_workers(body, self.mesh, partial_manual)
-        return _pmap_workers(body, self.devices, self.num_workers)
 
     def map_reduce(
         self, fn: Callable[[Any, Any], tuple[Any, Any]], reduce: Callable[[Any], Any]
@@ -177,7 +216,7 @@ class Backend:
         """Global batches from this process's part of them (leaves [M_local, ...]: its
         workers, and where a worker spans processes, its part of that worker's batch), at
         the shardings `place_batches` uses (`jax.make_array_from_process_local_data`)."""
-        if self.name == "vmap":  # each process runs every worker on its own device
+        if not self.spans_processes:  # each process runs every worker on its own device
             return self.place_batches(tree, lead)
         shardings = self.batch_shardings(tree, lead, check=False)
         return jax.tree.map(
@@ -277,9 +316,77 @@ class ParamSharding(NamedTuple):
 @functools.lru_cache(maxsize=256)
 def _sharding(backend: Backend, spec: P) -> jax.sharding.Sharding:
     # Cached: building a Mesh and a NamedSharding per batch costs more than the dispatch.
-    if backend.name == "vmap":
-        return SingleDeviceSharding(backend.devices[0])
-    return NamedSharding(backend.mesh, spec)
+    return backend._new_sharding(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class VmapBackend(Backend):
+    """Every worker on one device, `jax.vmap`ped: `devices` holds that device."""
+
+    name: ClassVar[str] = "vmap"
+
+    @property
+    def one_per_device(self) -> bool:
+        return False  # the workers share the one program instance, batched
+
+    @property
+    def on_one_device(self) -> bool:
+        return True
+
+    def for_processes(self) -> Backend:
+        # Nothing to split over processes: every process runs all M workers, redundantly and
+        # identically, on its own first device (e.g. the CLI's 1-worker warm start).
+        return VmapBackend(self.num_workers, tuple(jax.local_devices()[:1]))
+
+    def map_workers(self, body, nested: bool = False) -> Callable:
+        return functools.partial(_run_nested if nested else _run_one_device, body)
+
+    def _new_sharding(self, spec: P) -> jax.sharding.Sharding:
+        return SingleDeviceSharding(self.devices[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMapBackend(Backend):
+    """Workers over a mesh axis of devices (`jax.shard_map`), M / D a device group; on a
+    user's mesh its other axes partition each worker."""
+
+    name: ClassVar[str] = "shard_map"
+
+    def map_workers(self, body, nested: bool = False) -> Callable:
+        if self.mesh_axes and self.num_workers == 1:
+            # A worker axis of size 1: nothing crosses it, and XLA refuses a collective over
+            # a manual axis of size 1 beside auto axes. The one worker runs under plain jit
+            # (its axes partitioned by XLA), its reducers' collectives vanishing as on vmap.
+            return functools.partial(_run_one_device, in_mesh_context(body, self.mesh))
+        partial_manual = self.data_parallel > 1 or bool(self.mesh_axes)
+        return _shard_map_workers(body, self.mesh, partial_manual)
+
+
+@dataclasses.dataclass(frozen=True)
+class PmapBackend(Backend):
+    """Workers over devices through `jax.pmap` (the shard_map layout)."""
+
+    name: ClassVar[str] = "pmap"
+
+    @property
+    def host_memory_refusal(self) -> str | None:
+        return "the pmap backend"
+
+    @property
+    def zero_refusal(self) -> str | None:
+        return "workers other than one per device group of a shard_map backend"
+
+    def for_processes(self) -> Backend:
+        raise ValueError(
+            f"a run over {jax.process_count()} processes needs backend='shard_map' (workers "
+            f"over the global device mesh), got {self.name!r}"
+        )
+
+    def map_workers(self, body, nested: bool = False) -> Callable:
+        return _pmap_workers(body, self.devices, self.num_workers)
+
+
+_BACKENDS = {cls.name: cls for cls in (VmapBackend, ShardMapBackend, PmapBackend)}
 
 
 def _put(tree: Any, sharding: Any) -> Any:
@@ -358,16 +465,16 @@ def make_backend(
         placeable = num_workers <= len(devices) or num_workers % len(devices) == 0
         backend = "shard_map" if len(devices) > 1 and num_workers > 1 and placeable else "vmap"
     if backend == "vmap":
-        return Backend("vmap", num_workers, devices[:1])
+        return VmapBackend(num_workers, devices[:1])
     if num_workers <= len(devices):
-        return Backend(backend, num_workers, devices[:num_workers])
+        return _BACKENDS[backend](num_workers, devices[:num_workers])
     if num_workers % len(devices):
         raise ValueError(
             f"num_workers={num_workers} can't be placed on {len(devices)} devices with "
             f"backend={backend!r}: use at most {len(devices)} workers, a multiple of "
             f"{len(devices)}, or backend='vmap'"
         )
-    return Backend(backend, num_workers, devices)
+    return _BACKENDS[backend](num_workers, devices)
 
 
 def _mesh_backend(
@@ -421,9 +528,9 @@ def _mesh_backend(
                 )
     axes = tuple((WORKER_AXIS if n == worker_axis else n, sizes[n]) for n in names)
     per_worker = int(np.prod([sizes[n] for n in inner], dtype=np.int64))
-    return Backend(
-        "shard_map", num_workers, tuple(mesh.devices.flat), per_worker, axes, batch_sharding,
-        mesh, worker_axis, ParamSharding.of(param_sharding),
+    return ShardMapBackend(
+        num_workers, tuple(mesh.devices.flat), per_worker, axes, batch_sharding, mesh,
+        worker_axis, ParamSharding.of(param_sharding),
     )  # fmt: skip
 
 
@@ -439,7 +546,7 @@ def _data_parallel_backend(backend, num_workers, devices, data_parallel) -> Back
         )
     resolved = make_backend("shard_map", num_workers, devices[::data_parallel])
     groups = len(resolved.devices)
-    return Backend("shard_map", num_workers, devices[: groups * data_parallel], data_parallel)
+    return ShardMapBackend(num_workers, devices[: groups * data_parallel], data_parallel)
 
 
 def exact_mean(local: Any, num_workers: int) -> Any:
@@ -590,6 +697,32 @@ def _pmap_workers(body, devices: tuple[jax.Device, ...], num_workers: int):
         return same, jax.tree.map(merge, local)
 
     return run
+
+
+def _unbatched(fn, in_axes):
+    """`jax.vmap(fn, in_axes)` for a batch of one (in_axes: 0 or None per argument), without
+    the batch dimension inside `fn`."""
+
+    def squeeze(a, axis):
+        if isinstance(axis, tuple):  # a prefix of the argument's tree
+            return tuple(squeeze(x, ax) for x, ax in zip(a, axis, strict=True))
+        return a if axis is None else jax.tree.map(lambda x: x[0], a)
+
+    def one(*args):
+        args = [squeeze(a, axis) for a, axis in zip(args, in_axes, strict=True)]
+        return jax.tree.map(lambda x: x[None], fn(*args))
+
+    return one
+
+
+def shard_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
+    """The shape of one device's shard of a leaf of `shape` at `spec` on `mesh`."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        out[dim] //= int(np.prod([sizes[n] for n in names], dtype=np.int64))
+    return tuple(out)
 
 
 def stack_workers(tree: Any, num_workers: int) -> Any:

@@ -82,7 +82,7 @@ def train_both(
     )
     out.update({f"sync_{k}": np.asarray(v) for k, v in sync_params.items()})
     out.update({f"int8_{k}": np.asarray(v) for k, v in int8_params.items()})
-    out["int8_residual_w"] = np.asarray(int8_state.residual["w"])
+    out["int8_residual_w"] = np.asarray(int8_state.parts["compression"].residual["w"])
     out["history"] = np.asarray(json.dumps([diloco.history, sync.history, quantized.history]))
     return out
 

@@ -88,7 +88,7 @@ def _placed(state, backend, num_workers):
         b.place_shared(state.outer_opt_state),
         b.place_workers(state.inner_opt_state),
         b.place_shared(state.round),
-        b.place_workers(state.residual),
+        parts={name: b.place_workers(part) for name, part in state.parts.items()},
     )
 
 
@@ -134,7 +134,7 @@ def _roundtrip(x, compression):
 def test_none_is_the_exact_round_bit_for_bit(backend):
     exact_state, exact_metrics = _run(backend, None, num_rounds=2)
     state, metrics = _run(backend, "none,ef=1", num_rounds=2)
-    assert state.residual is None  # "none" loses nothing: no residual to carry
+    assert "compression" not in state.parts  # "none" loses nothing: no residual to carry
     _bits_equal((state, metrics), (exact_state, exact_metrics))
     # Not just equal numbers: the same program (one all-reduce of the deltas).
     args = (dj.init_state(_params(), M, inner_optimizer=INNER, outer_optimizer=OUTER), _batch())
@@ -172,11 +172,11 @@ def test_int8_round_is_the_mean_of_numpy_quantized_deltas(spec, block_size):
 def test_backends_agree_under_compression(num_workers):
     runs = {be: _run(be, "int4,ef=1", 2, num_workers) for be in BACKENDS}
     ref_state, ref_metrics = runs["vmap"]
-    assert jax.tree.leaves(ref_state.residual)[0].shape[0] == num_workers
+    assert jax.tree.leaves(ref_state.parts["compression"])[0].shape[0] == num_workers
     for state, metrics in runs.values():
         # Backends sum in different orders, so deltas differ by float32 rounding; int4 codes
         # then agree, and residuals (delta minus its decoded code) differ by that rounding.
-        for got, want in [(state.params, ref_state.params), (state.residual, ref_state.residual)]:
+        for got, want in [(state.params, ref_state.params), (state.parts, ref_state.parts)]:
             for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(metrics["worker_loss"], ref_metrics["worker_loss"], rtol=1e-6)
@@ -190,7 +190,8 @@ def test_error_feedback_residual_and_its_use_in_round_2():
     state0 = dj.init_state(
         _params(), M, inner_optimizer=INNER, outer_optimizer=OUTER, compression=as_gathered(spec)
     )
-    for leaf, p in zip(jax.tree.leaves(state0.residual), jax.tree.leaves(_params()), strict=True):
+    residual0 = state0.parts["compression"].residual
+    for leaf, p in zip(jax.tree.leaves(residual0), jax.tree.leaves(_params()), strict=True):
         assert leaf.shape == (M,) + p.shape and leaf.dtype == jnp.float32
         assert not np.any(np.asarray(leaf))
     round_fn = _round_fn("vmap", M, spec)
@@ -205,7 +206,8 @@ def test_error_feedback_residual_and_its_use_in_round_2():
         residual1[name] = d - decoded
         # XLA may fuse Δ - q * s into one fma: the residual is then exact, not rounded twice.
         tol = 2**-22 * np.abs(d).max()
-        np.testing.assert_allclose(state1.residual[name], residual1[name], rtol=0, atol=tol)
+        residual = state1.parts["compression"].residual[name]
+        np.testing.assert_allclose(residual, residual1[name], rtol=0, atol=tol)
         np.testing.assert_allclose(-np.asarray(state1.params[name]), decoded.mean(0), atol=1e-8)
     assert np.abs(residual1["w"]).max() > 1e-4  # int4 drops a lot: the check below has teeth
 
@@ -219,7 +221,8 @@ def test_error_feedback_residual_and_its_use_in_round_2():
         tol = 1e-6 * np.abs(np.asarray(state1.params[name])).max()  # rounding of θ_1 - Δ̄
         np.testing.assert_allclose(sent, decoded.mean(0), rtol=0, atol=tol)
         res_tol = 2**-22 * np.abs(value).max()
-        np.testing.assert_allclose(state2.residual[name], value - decoded, rtol=0, atol=res_tol)
+        residual = state2.parts["compression"].residual[name]
+        np.testing.assert_allclose(residual, value - decoded, rtol=0, atol=res_tol)
         if name == "w":
             without = np.stack([_roundtrip(np.asarray(d)[m], spec) for m in range(M)]).mean(0)
             assert np.abs(sent - without).max() > 100 * tol
@@ -229,8 +232,8 @@ def test_a_state_must_hold_what_the_compression_needs():
     state = dj.init_state(
         _params(), M, inner_optimizer=INNER, outer_optimizer=OUTER
     )  # built without compression
-    assert state.residual is None
-    with pytest.raises(ValueError, match=r"another method.*\['residual'\]"):
+    assert "compression" not in state.parts
+    with pytest.raises(ValueError, match=r"another method.*\[\"parts\['compression'\]\"\]"):
         _round_fn("vmap", M, "int8,ef=1")(state, _batch())
     # Residuals a round without feedback would never read: another method's state too.
     ef_state = dj.init_state(
@@ -240,7 +243,7 @@ def test_a_state_must_hold_what_the_compression_needs():
         outer_optimizer=OUTER,
         compression=as_gathered("int8,ef=1"),
     )
-    with pytest.raises(ValueError, match=r"another method.*\['residual'\]"):
+    with pytest.raises(ValueError, match=r"another method.*\[\"parts\['compression'\]\"\]"):
         _round_fn("vmap", M, "int8")(ef_state, _batch())
     # Without error feedback an exact and an int8 round hold the same state: both run it.
     _round_fn("vmap", M, "int8")(state, _batch())
@@ -267,7 +270,7 @@ def test_invalid_compression_raises():
 def test_state_stays_positionally_constructible():
     state = dj.init_state(_params(), M, inner_optimizer=INNER, outer_optimizer=OUTER)
     rebuilt = dj.DiLoCoState(state.params, state.outer_opt_state, state.inner_opt_state, 0)
-    assert rebuilt.residual is None
+    assert rebuilt.model_state is None and rebuilt.parts == {}
 
 
 # ----------------------------------------------------------------------------- compiled bytes
@@ -380,8 +383,9 @@ def test_train_diloco_with_compression_reports_payload_bytes_and_carries_residua
     int4 = dj.train_diloco(linear_loss, params, rounds, compression=as_gathered("int4,ef=1"), **kw)
     assert [h["bytes_communicated"] for h in int4.history] == [2580, 5160, 7740]
     assert exact.history[0]["bytes_communicated"] == (4096 + 1) * 4
-    assert int4.state.residual["w"].shape == (4, 4096)
-    assert float(jnp.max(jnp.abs(int4.state.residual["w"]))) > 0
+    residual = int4.state.parts["compression"].residual
+    assert residual["w"].shape == (4, 4096)
+    assert float(jnp.max(jnp.abs(residual["w"]))) > 0
     # 4-bit deltas still train: the result stays close to the exact run's.
     np.testing.assert_allclose(int4.params["w"], exact.params["w"], atol=0.05)
     with pytest.raises(ValueError, match="compression"):
@@ -431,7 +435,7 @@ def test_nonfinite_worker_is_left_out_of_the_compressed_mean(backend):
             got, decoded.mean(axis=0), rtol=0, atol=1e-6 * np.abs(d[kept]).max()
         )
         # Included workers keep what int8 dropped; the excluded one sent nothing: residual 0.
-        residual = np.asarray(state.residual[name], np.float64)
+        residual = np.asarray(state.parts["compression"].residual[name], np.float64)
         assert not np.any(residual[2])
         np.testing.assert_allclose(
             residual[kept], d[kept] - decoded, rtol=0, atol=2**-22 * np.abs(d[kept]).max()

@@ -132,9 +132,13 @@ def test_delayed_and_eager_match_numpy(delay, eager, backend):
     for entry, want in zip(result.history, losses, strict=True):
         np.testing.assert_allclose(entry["worker_loss"], want, rtol=2e-5)
     if eager:
-        assert result.state.params is None and result.state.local_params["w"].shape == (M, 3)
+        assert result.state.params is None and result.state.parts["eager"].theta["w"].shape == (
+            M,
+            3,
+        )
         # each worker's own θ_m differs from the others' (its own fresh delta)
-        assert not np.allclose(result.state.local_params["w"][0], result.state.local_params["w"][1])
+        theta = result.state.parts["eager"].theta
+        assert not np.allclose(theta["w"][0], theta["w"][1])
 
 
 STREAMING = dict(fragments=2, overlap_steps=1, merge_alpha=0.5)
@@ -162,8 +166,9 @@ def test_delayed_and_eager_with_fragments_match_numpy(delay, eager, backend):
         np.testing.assert_allclose(entry["worker_loss"], want_losses, rtol=2e-5)
     if eager:  # each worker's own θ_m beside the params it trains
         state = result.state
-        assert state.worker_params["w"].shape == (M, 3) and len(state.outer_opt_state) == 2
-        assert not np.allclose(state.worker_params["w"][0], state.local_params["w"][0])
+        own = state.parts["eager"]
+        assert own.theta["w"].shape == (M, 3) and len(own.outer) == 2
+        assert not np.allclose(own.theta["w"][0], state.parts["workers"].params["w"][0])
 
 
 @pytest.mark.parametrize("backend", ["vmap", "shard_map"])
@@ -180,7 +185,7 @@ def test_delay_with_fragments_and_step_weighting_matches_numpy(backend):
         np.testing.assert_allclose(result.params[name], want[name], rtol=2e-5, atol=1e-6)
     for entry, want_losses in zip(result.history, losses, strict=True):
         np.testing.assert_allclose(entry["worker_loss"], want_losses, rtol=2e-5)
-    assert result.state.pending_weights.tolist() == [[4, 4], [3, 3], [2, 2], [1, 1]]
+    assert result.state.parts["delay"].weights.tolist() == [[4, 4], [3, 3], [2, 2], [1, 1]]
 
 
 @pytest.mark.parametrize("delay", [1, 2])
@@ -190,8 +195,8 @@ def test_eager_with_fragments_and_one_worker_is_streaming_diloco(delay):
     eager = _train(rounds, outer_delay=delay, eager=True, **STREAMING)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-        (eager.params, eager.state.local_params),
-        (plain.params, plain.state.local_params),
+        (eager.params, eager.state.parts["workers"].params),
+        (plain.params, plain.state.parts["workers"].params),
     )
 
 
@@ -242,7 +247,7 @@ def test_delay_with_faults_and_compression():
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(result.params))
     # Round 1's deltas are in flight at the end of a 2-round run: worker 2's with weight 0.
     two = _train(rounds[:2], outer_delay=1, exclude_nonfinite=True, compression="int8,ef=1")
-    assert two.state.pending_weights.tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert two.state.parts["delay"].weights.tolist() == [1.0, 1.0, 0.0, 1.0]
     # With fragments a weight per worker and fragment: worker 2 is NaN at fragment 0's sync
     # (step 2) and restarts from θ there, so it is finite again at fragment 1's (step 4).
     rounds = make_data(np.random.default_rng(4), 2, M, 4)
@@ -250,7 +255,7 @@ def test_delay_with_faults_and_compression():
     two = _train(
         rounds, outer_delay=1, exclude_nonfinite=True, compression="int8,ef=1", fragments=2
     )
-    assert two.state.pending_weights.tolist() == [[1, 1], [1, 1], [0, 1], [1, 1]]
+    assert two.state.parts["delay"].weights.tolist() == [[1, 1], [1, 1], [0, 1], [1, 1]]
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(two.params))
 
 
@@ -295,7 +300,7 @@ def test_resume_carries_what_is_in_flight(eager, streaming, tmp_path):
     resumed = _train(rounds, checkpoint_dir=tmp_path, **options)
     jax.tree.map(np.testing.assert_array_equal, resumed.params, full.params)
     jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
-    with pytest.raises(ValueError, match="pending_deltas"):  # another delay: another run
+    with pytest.raises(ValueError, match="parts.delay.deltas"):  # another delay: another run
         _train(rounds, checkpoint_dir=tmp_path, exclude_nonfinite=False, **streaming)
 
 
@@ -321,9 +326,9 @@ def test_bad_delay_options(options, match):
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(outer_delay=1, eager=True), r"another method.*'worker_params'\]"),
+        (dict(outer_delay=1, eager=True), r"another method.*\"parts\['workers'\]\"\]"),
         (dict(outer_delay=1, fragments=2), r"another method.*\['params', 'outer_opt_state'"),
-        (dict(outer_delay=2, eager=True, fragments=2), r"another method.*'pending_deltas'"),
+        (dict(outer_delay=2, eager=True, fragments=2), r"another method.*parts\['delay'\]"),
     ],
 )
 def test_a_state_built_for_eager_updates_over_fragments_runs_only_so(options, match):

@@ -50,11 +50,24 @@ def run_case(case):
             **options,
         )
         arrays = {f"params/{k}": np.asarray(v) for k, v in result.params.items()}
-        for field in ("residual", "local_params"):
-            tree = getattr(result.state, field)
+        for field, tree in _recorded_fields(result.state.parts).items():
             if tree is not None:
                 arrays |= {f"{field}/{k}": np.asarray(v) for k, v in tree.items()}
     return arrays, result.history
+
+
+def _recorded_fields(parts: dict) -> dict:
+    """The state fields the recording holds, by the names they were recorded under: the
+    error-feedback residuals, and each worker's own params (Streaming DiLoCo's and the drops'
+    params it continues from; without fragments, eager updates' θ_m, which it continues
+    from)."""
+    residual = parts["compression"].residual if "compression" in parts else None
+    own = None
+    if "workers" in parts:
+        own = parts["workers"].params
+    elif "eager" in parts:
+        own = parts["eager"].theta
+    return {"residual": residual, "local_params": own}
 
 
 @functools.cache

@@ -153,7 +153,7 @@ def test_every_state_leaf_holds_the_shard_its_spec_says():
     # Per-worker fields: [M, ...] split over workers and the spec.
     mu = state.inner_opt_state[0].mu
     assert shard_shape(mu["w1"]) == (1, 4, 8) and shard_shape(mu["w2"]) == (1, 8, 2)
-    assert shard_shape(state.pending_deltas[0]["w1"]) == (1, 4, 8)
+    assert shard_shape(state.parts["delay"].deltas[0]["w1"]) == (1, 4, 8)
     # Per device, the matrices' leaves hold 1/4 of what the replicated layout puts there
     # (each of a worker's 4 devices a whole copy of its worker's slice).
     matrices = [
@@ -501,7 +501,8 @@ def test_the_state_is_built_in_place_on_the_mesh():
     eager = dj.init_state(_params(), M, outer_delay=1)
     for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(result.state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert result.state.pending_deltas[0]["w1"].sharding.spec == P("workers", "fsdp", "tensor")
+    deltas = result.state.parts["delay"].deltas
+    assert deltas[0]["w1"].sharding.spec == P("workers", "fsdp", "tensor")
     assert result.state.outer_opt_state[0].trace["w2"].sharding.spec == P("tensor", "fsdp")
 
 

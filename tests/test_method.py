@@ -195,7 +195,9 @@ def test_a_checkpoint_follows_the_spec(tmp_path):
 def test_a_state_is_checked_against_its_method():
     state = dj.init_state(PARAMS, M, dj.DiLoCo(compression="int8,ef=1"))
     batch = make_data(np.random.default_rng(4), 1, M, H)[0]
-    with pytest.raises(ValueError, match=r"state was built for another method.*\['residual'\]"):
+    with pytest.raises(
+        ValueError, match=r"state was built for another method.*\[\"parts\['compression'\]\"\]"
+    ):
         dj.diloco_round(linear_loss, state, batch, dj.DiLoCo())
     with pytest.raises(ValueError, match=r"another number of workers \(3\)"):
         dj.diloco_round(linear_loss, state, make_data(np.random.default_rng(4), 1, 3, H)[0],

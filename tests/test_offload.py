@@ -56,8 +56,7 @@ def test_host_memory_between_rounds_and_the_same_bits(layout, options):
     outer = jax.tree.leaves(state.outer_opt_state)
     assert {_memory(x) for x in jax.tree.leaves(state.params) + outer} == {"pinned_host"}
     others = jax.tree.leaves(state.inner_opt_state) + [state.round]
-    if state.local_params is not None:
-        others += jax.tree.leaves(state.local_params)
+    others += jax.tree.leaves(state.parts)
     assert {_memory(x) for x in others} == {"device"}
     # The caller's params come back in device memory, with their shardings.
     assert {_memory(x) for x in jax.tree.leaves(got.params)} == {"device"}

@@ -158,7 +158,9 @@ def test_a_sharded_compressed_run_is_the_run_of_its_shards_as_leaves(case):
         _params(), options["compression"], M, fragments=options.get("fragments")
     ) * R  # fmt: skip
     if "ef=1" in options["compression"]:
-        assert got.state.residual["w"].sharding.spec == P("workers", *specs["w"])
+        assert got.state.parts["compression"].residual["w"].sharding.spec == P(
+            "workers", *specs["w"]
+        )
 
 
 @pytest.mark.parametrize(

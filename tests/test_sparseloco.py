@@ -348,8 +348,10 @@ def test_error_feedback_with_decay_over_four_rounds(spec, alpha):
         np.testing.assert_allclose(result.params[name], want[name], rtol=0, atol=tol)
         assert np.abs(other[name] - want[name]).max() > 100 * tol
         res_tol = 1e-5 * np.abs(residual[name]).max()
-        np.testing.assert_allclose(result.state.residual[name], residual[name], atol=res_tol)
-    density = np.mean(np.asarray(result.state.residual["w"]) != 0)
+        np.testing.assert_allclose(
+            result.state.parts["compression"].residual[name], residual[name], atol=res_tol
+        )
+    density = np.mean(np.asarray(result.state.parts["compression"].residual["w"]) != 0)
     assert density > 0.9  # a residual almost everywhere: only a few % is sent each round
 
 
@@ -405,7 +407,8 @@ def test_full_density_without_quantization_is_diloco_with_sgd():
         sparse = _train(spec, rounds, alpha=0.8)
         for name in ("w", "b"):
             np.testing.assert_array_equal(sparse.params[name], exact.params[name])
-            np.testing.assert_array_equal(sparse.state.residual[name], 0.0)  # nothing dropped
+            residual = sparse.state.parts["compression"].residual
+            np.testing.assert_array_equal(residual[name], 0.0)  # nothing dropped
         assert [h["loss"] for h in sparse.history] == [h["loss"] for h in exact.history]
 
 

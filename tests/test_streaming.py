@@ -85,7 +85,7 @@ def test_two_leaf_schedule_matches_numpy(tau, alpha, backend):
     np.testing.assert_allclose(result.params["b"], glob["b"], rtol=1e-5)
     for leaf in ("a", "b"):  # worker params persist across rounds (no reset at the boundary)
         np.testing.assert_allclose(
-            result.state.local_params[leaf], [w[leaf] for w in local], rtol=1e-5
+            result.state.parts["workers"].params[leaf], [w[leaf] for w in local], rtol=1e-5
         )
     # each fragment's own outer state advanced at its 3 syncs only
     counts = [jax.tree.leaves(s) for s in result.state.outer_opt_state]
