@@ -14,9 +14,8 @@ boundaries, then at each sync that falls there
 and after the last sync the model state's merge. Which role fills each point is decided
 when the plan is built; the body has no branch on a method option.
 
-The round's own standard roles live here: workers starting each segment from θ
-(`FromTheta`) or from their own params (`OwnParams`), deltas against θ (`DeltaFromTheta`)
-and the immediate sync (`SyncNow`).
+The round's own standard roles live here: deltas against θ (`DeltaFromTheta`) and the
+immediate sync (`SyncNow`).
 """
 
 import functools
@@ -144,29 +143,6 @@ def _outputs(plan: Plan, c: Carry, ctx: Context) -> tuple[SharedOut, LocalOut]:
         local_metrics, local_parts,
     )  # fmt: skip
     return same, mine
-
-
-class FromTheta(Role):
-    """Every worker starts the round's one segment from θ (standard DiLoCo), fetched by the
-    memory role where θ lives (`diloco_jax.offload`)."""
-
-    name = "starts"
-
-    def __init__(self, memory: Role):
-        self.memory = memory
-
-    def start(self, c: Carry, ctx: Context, theta: Any) -> tuple[Any, Any]:
-        return ctx.collectives.vary(self.memory.fetch(theta)), None
-
-
-class OwnParams(Role):
-    """Every worker starts each segment from its own params (they persist across syncs:
-    Streaming DiLoCo, drops, eager updates)."""
-
-    name = "starts"
-
-    def start(self, c: Carry, ctx: Context, theta: Any) -> tuple[Any, Any]:
-        return c.workers.params, 0
 
 
 class DeltaFromTheta(Role):

@@ -110,6 +110,30 @@ class Weighed(NamedTuple):
     dropped_k: Any = None
 
 
+class Part:
+    """A part of a `DiLoCo` spec (a mixin of its frozen dataclass). The defaults do nothing;
+    a part overrides what it owns:
+
+    - check_with(method): its rules with the other parts of `method` (a ValueError saying
+      why a combination can't run), called once when the spec is built;
+    - initial(params, outer_state, num_workers, method): its state at round 0, a dict
+      {name: NamedTuple} merged into `DiLoCoState.parts` (`params`: θ; `outer_state`: the
+      global outer state, one per fragment under Streaming DiLoCo);
+    - plan(build, roles): the roles it puts at the round's points (`diloco_jax.plan`):
+      `roles` maps each point's name to its role, and its "kept" list holds the roles a part
+      wraps (they still begin and end with the round).
+    """
+
+    def check_with(self, method: Any) -> None:
+        """No rule with the other parts."""
+
+    def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
+        return {}
+
+    def plan(self, build: Any, roles: dict) -> None:
+        """No role of its own: the round's standard ones."""
+
+
 class Role:
     """One part's behaviour in a round (see the module docstring). The defaults do nothing:
     a role overrides the points it acts at."""

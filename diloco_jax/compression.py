@@ -91,12 +91,15 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from diloco_jax.carry import Part
+from diloco_jax.workers import stack_workers
 
 KINDS = ("none", "bf16", "fp8", "int8", "int4", "e3m0", "sign_prune", "topk", "sparseloco")
 FRACTION_KINDS = ("sign_prune", "topk")  # the kinds that keep a keep_fraction of each leaf
@@ -126,8 +129,18 @@ _SL_BINS = 4  # 2-bit codes
 _SL_SIGMAS = 6.0  # the quantizer's range, in standard deviations of the centered values
 
 
+class Residuals(NamedTuple):
+    """The compression part's state (`DiLoCoState.parts["compression"]`) under error
+    feedback: what each worker's compression dropped so far, float32 leaves [M, ...] like
+    the params, added to its next delta."""
+
+    residual: Any
+
+    PER_WORKER = ("residual",)
+
+
 @dataclasses.dataclass(frozen=True)
-class Compression:
+class Compression(Part):
     """How an outer-gradient leaf is compressed before it is exchanged (see module docstring)."""
 
     kind: str = "none"
@@ -155,6 +168,12 @@ class Compression:
         ]
         body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown + extra)
         return f"{type(self).__name__}({body})"
+
+    def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
+        """Under error feedback, zero float32 residuals for every worker (`Residuals`)."""
+        if self.kind == "none" or not self.error_feedback:
+            return {}
+        return {"compression": Residuals(stack_workers(init_residual(params), num_workers))}
 
     @property
     def feedback_decay(self) -> float:

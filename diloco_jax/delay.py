@@ -37,16 +37,16 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.carry import Carry, Role, SyncRole, set_leaves
+from diloco_jax.carry import Carry, Part, Role, SyncRole, set_leaves
 from diloco_jax.outer import mean_norm, outer_update, widen, worker_delta
-from diloco_jax.schedule import leaf_indices, merged, part
+from diloco_jax.schedule import OwnParams, leaf_indices, merged, part
 from diloco_jax.workers import stack_workers
 
 MAX_DELAY = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Delayed:
+class Delayed(Part):
     """The delay part of a `DiLoCo` spec: each round's mean is applied `rounds` (d = 1 or 2)
     rounds after it was launched, by every worker alike (the naive delay)."""
 
@@ -69,6 +69,20 @@ class Delayed:
     def check_with(self, method: Any) -> None:
         """The naive delay combines with every other part (a weight travels with its delta)."""
 
+    def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
+        """Zero deltas in flight (`InFlight`; eager updates: each worker's own θ and outer
+        state too, `OwnTheta`)."""
+        fragments = method.num_syncs(params) if method.fragmented else None
+        return initial(params, outer_state, num_workers, self.rounds, self.eager, fragments)
+
+    def plan(self, build: Any, roles: dict) -> None:
+        """The sync applies the mean launched d rounds earlier (`DelayedExchange` in place of
+        the exchange, which it runs at the round's start)."""
+        roles["kept"].append(roles["exchange"])
+        roles["exchange"] = DelayedExchange(
+            roles["exchange"], roles["weights"], build.schedule.fragmented, eager=False
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Eager(Delayed):
@@ -87,6 +101,17 @@ class Eager(Delayed):
                 "swaps each worker's own 1/M share of the stale mean for its fresh delta, "
                 "which has no defined form once shares are weighted or a worker is left out"
             )
+
+    def plan(self, build: Any, roles: dict) -> None:
+        """Each worker's own outer step at each sync (`EagerSync`: the deltas and the sync),
+        on the stale mean of `DelayedExchange`; workers continue from their own params."""
+        schedule = build.schedule
+        delayed = DelayedExchange(roles["exchange"], roles["weights"], schedule.fragmented, True)
+        roles["kept"] += [roles["exchange"], delayed]
+        roles["sync"] = roles["delta"] = EagerSync(
+            build.method.outer_optimizer, delayed, schedule.merge_alpha, schedule.fragmented
+        )
+        roles["starts"] = OwnParams()
 
 
 class InFlight(NamedTuple):

@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec
 from diloco_jax.carry import Carry, Role, Weighed, set_leaves
 from diloco_jax.compression import (
     Compression,
+    Residuals,
     block_row_bytes,
     decode_blocks,
     decode_mean,
@@ -328,16 +329,6 @@ def _unpack_rows(packed: jax.Array, codes_like: jax.Array, scales_like: jax.Arra
         return codes, None
     scales = lax.bitcast_convert_type(packed[..., width:], jnp.float32)
     return codes, scales
-
-
-class Residuals(NamedTuple):
-    """The compression part's state (`DiLoCoState.parts["compression"]`) under error
-    feedback: what each worker's compression dropped so far, float32 leaves [M, ...] like
-    the params, added to its next delta."""
-
-    residual: Any
-
-    PER_WORKER = ("residual",)
 
 
 class ExchangeRole(Role):

@@ -34,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from diloco_jax.carry import Carry, Role, Weighed
+from diloco_jax.carry import Carry, Part, Role, Weighed
 from diloco_jax.hlo import ring_wire_bytes
-from diloco_jax.workers import WORKER_AXIS
+from diloco_jax.schedule import WORKER_PARAMS, MergeIntoOwn, OwnParams, WorkerParams
+from diloco_jax.workers import WORKER_AXIS, stack_workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,7 @@ class NormSoftmax:
 
 
 @dataclasses.dataclass(frozen=True)
-class Weights:
+class Weights(Part):
     """The weights part of a `DiLoCo` spec: each worker's weight at each sync.
 
     exclude_nonfinite: leave a worker with a NaN / Inf delta out of the mean (it restarts
@@ -167,6 +168,25 @@ class Weights:
     def active(self) -> bool:
         """Whether the round carries weights (any option on; the seed alone is not one)."""
         return self.uneven or self.worker_steps is not None
+
+    def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
+        """Under drops every worker's own params (`schedule.WorkerParams`); under an anomaly
+        skip empty norm statistics (`Anomalies`)."""
+        parts = {}
+        if self.drop_probability is not None:
+            parts[WORKER_PARAMS] = WorkerParams(stack_workers(params, num_workers))
+        if self.anomaly is not None:
+            parts["weights"] = Anomalies(initial_stats(num_workers, method.num_syncs(params)))
+        return parts
+
+    def plan(self, build: Any, roles: dict) -> None:
+        """Its rule weighs the workers (`WeighedRule`) when some option is on; under drops a
+        dropped worker carries on from its own params."""
+        if self.active:
+            roles["weights"] = WeighedRule(self, build.num_steps, len(build.schedule.syncs))
+        if self.drop_probability is not None:
+            roles["merge"] = MergeIntoOwn(build.schedule.merge_alpha, roles["memory"])
+            roles["starts"] = OwnParams()
 
     def check_run(self, num_workers: int, inner_steps: int) -> None:
         """Raises ValueError naming `Weights.worker_steps` unless it fits M workers and H."""
@@ -566,8 +586,3 @@ def _smallest(local: jax.Array) -> jax.Array:
 def _total(local: jax.Array) -> jax.Array:
     """Reducer: the sum over every worker (one all-reduce of a float32)."""
     return jax.lax.psum(jnp.sum(local), WORKER_AXIS)
-
-
-def weights_role(rule: Weights, inner_steps: int, num_syncs: int) -> Role:
-    """The round's weights role for `rule`."""
-    return WeighedRule(rule, inner_steps, num_syncs) if rule.active else UniformWeights()

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import optax
 
+from diloco_jax.carry import Part
 from diloco_jax.comm import round_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
@@ -91,10 +92,8 @@ class DiLoCo:
                 self, "weights", dataclasses.replace(self.weights, exclude_nonfinite=auto)
             )
         # Each part owns its rules with the others (`check_with`), checked once, here.
-        for part in (self.schedule, self.compression, self.weights, self.delay, self.state_sync):
-            check_with = getattr(part, "check_with", None)
-            if check_with is not None:
-                check_with(self)
+        for part in self.parts:
+            part.check_with(self)
 
     def __repr__(self) -> str:
         """The parts that differ from DiLoCo's defaults; optimizers as `<optax>` (they have
@@ -113,6 +112,13 @@ class DiLoCo:
         """Weights() as resolved for this spec's compression and delay."""
         exact = self.compression.kind == "none" and not self.eager
         return Weights(exclude_nonfinite=exact)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """The spec's parts that are set, in field order (each owns its rules, its state and
+        its roles in a round: `carry.Part`)."""
+        values = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return tuple(v for v in values if isinstance(v, Part))
 
     @property
     def inner_optimizer(self) -> optax.GradientTransformation:

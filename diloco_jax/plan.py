@@ -1,24 +1,33 @@
 """Which role fills each point of a round (`diloco_jax.body`): the method's parts and the
-run's options assembled once, when the round is built, into a `Plan`. This is where a part
-is registered: its role goes into the plan here, and the body runs whatever the plan holds.
+run's options assembled once, when the round is built, into a `Plan`; the body runs whatever
+the plan holds.
 
-- where a segment starts: `body.FromTheta` or `body.OwnParams` (schedule, drops, eager);
-- the inner steps: `inner.PlainSteps` or `state_sync.SyncedSteps` (the state-sync part);
-- the deltas: `body.DeltaFromTheta` or `delay.EagerSync` (the delay part, eager);
-- the weights: `faults.UniformWeights` or `faults.WeighedRule` (the weights part);
-- the exchange: `exchange.ExchangeRole` (compression), inside `delay.DelayedExchange`;
-- the sync: `body.SyncNow`, `delay.EagerSync` or `outer_sharding.SplitOuterSync` (ZeRO-1);
-- the merge into the workers: `schedule.RestartFromTheta` or `schedule.MergeIntoOwn`;
-- θ's memory: `offload.DeviceMemory` or `offload.HostMemory` (outer_state_memory);
-- the model state: `model_state.KeepModelState` or `model_state.MergeModelState`.
+The round's standard roles fill every point first; then each part of the spec, in the order
+of `DiLoCo`'s fields, puts its own (`carry.Part.plan`): a part is registered by being a field
+of `DiLoCo`. The points and who may fill them:
+
+- starts (where a segment's workers start): `schedule.FromTheta`, or `schedule.OwnParams`
+  (Streaming, drops, eager updates);
+- steps: `inner.PlainSteps`, or `state_sync.SyncedSteps` (DES-LOC);
+- delta: `body.DeltaFromTheta`, or `delay.EagerSync`;
+- weights: `faults.UniformWeights`, or `faults.WeighedRule` (the weights part);
+- exchange: `exchange.ExchangeRole` (the compression part), or `delay.DelayedExchange`
+  around it;
+- merge (into the workers after a sync): `schedule.RestartFromTheta`, or
+  `schedule.MergeIntoOwn` (Streaming, drops);
+- sync: `body.SyncNow` on the points above, `delay.EagerSync`, or, with the outer state split
+  over the workers (a run option), `outer_sharding.SplitOuterSync`;
+- memory (where θ and the outer state live, a run option): `offload.DeviceMemory` or
+  `offload.HostMemory`;
+- model (a run option): `model_state.KeepModelState` or `model_state.MergeModelState`.
 """
 
 from typing import Any, NamedTuple
 
-from diloco_jax import delay, faults, inner, model_state, offload, outer_sharding, state_sync
-from diloco_jax.body import DeltaFromTheta, FromTheta, OwnParams, Plan, SyncNow
+from diloco_jax import faults, inner, model_state, offload, outer_sharding
+from diloco_jax.body import DeltaFromTheta, Plan, SyncNow
 from diloco_jax.exchange import exchange_role
-from diloco_jax.schedule import MergeIntoOwn, RestartFromTheta, Schedule, segments
+from diloco_jax.schedule import FromTheta, RestartFromTheta, Schedule, segments
 
 
 class Build(NamedTuple):
@@ -45,48 +54,48 @@ class Build(NamedTuple):
 
 def build_plan(b: Build) -> Plan:
     """The round's `Plan` (see the module docstring)."""
-    method, schedule = b.method, b.schedule
+    method = b.method
     memory = offload.HostMemory() if b.host else offload.DeviceMemory()
-    weights = faults.weights_role(method.weights, b.num_steps, len(schedule.syncs))
     mesh = b.backend.mesh if b.backend.mesh_axes else None
-    exchange = exchange_role(
-        method, schedule, b.leaves, b.treedef, b.num_workers, mesh, b.param_specs
-    )
-    own_params = method.carries_params
-    merge = MergeIntoOwn(schedule.merge_alpha, memory) if own_params else RestartFromTheta()
-    step_args = (b.step, b.batches, b.num_steps, method.weights.worker_steps is not None,
-                 b.rng_seed, b.backend.worker_map)  # fmt: skip
-    steps = (
-        inner.PlainSteps(*step_args)
-        if not b.state_syncs
-        else state_sync.SyncedSteps(*step_args, b.state_syncs)
-    )
-    delta = DeltaFromTheta(memory)
-    roles = [memory, weights, exchange, merge]
-    if method.delay is not None:
-        delayed = delay.DelayedExchange(exchange, weights, schedule.fragmented, method.eager)
-        roles.append(delayed)
-        if method.eager:
-            sync = delta = delay.EagerSync(
-                method.outer_optimizer, delayed, schedule.merge_alpha, schedule.fragmented
-            )
-        else:
-            sync = SyncNow(method.outer_optimizer, delayed, memory, weights, merge)
-    elif b.outer_shards is not None:
-        sync = outer_sharding.SplitOuterSync(
-            b.outer_shards, method.outer_optimizer, exchange, memory, weights, merge
+    roles = {
+        "memory": memory,
+        "weights": faults.UniformWeights(),
+        "exchange": exchange_role(
+            method, b.schedule, b.leaves, b.treedef, b.num_workers, mesh, b.param_specs
+        ),
+        "merge": RestartFromTheta(),
+        "starts": FromTheta(memory),
+        "steps": inner.PlainSteps(
+            b.step,
+            b.batches,
+            b.num_steps,
+            method.weights.worker_steps is not None,
+            b.rng_seed,
+            b.backend.worker_map,
+        ),  # fmt: skip
+        "delta": DeltaFromTheta(memory),
+        "model": model_state.KeepModelState(),
+        "kept": [],
+    }
+    for part in method.parts:
+        part.plan(b, roles)
+    if b.model_rules is not None:
+        roles["model"] = model_state.MergeModelState(b.model_rules)
+    if b.outer_shards is not None:
+        roles["sync"] = outer_sharding.SplitOuterSync(
+            b.outer_shards, method.outer_optimizer, roles["exchange"], memory, roles["weights"],
+            roles["merge"],
+        )  # fmt: skip
+    if "sync" not in roles:
+        roles["sync"] = SyncNow(
+            method.outer_optimizer, roles["exchange"], memory, roles["weights"], roles["merge"]
         )
-    else:
-        sync = SyncNow(method.outer_optimizer, exchange, memory, weights, merge)
-    model = (
-        model_state.KeepModelState()
-        if b.model_rules is None
-        else model_state.MergeModelState(b.model_rules)
-    )
-    starts = OwnParams() if own_params or method.eager else FromTheta(memory)
-    roles += [sync, steps, model, starts, delta]
-    unique = tuple({id(r): r for r in roles}.values())
+    # Every role once, in the order their `begin` runs: a wrapped role before its wrapper,
+    # the workers' own params loaded before a sync that reads them.
+    order = [memory, roles["weights"], *roles["kept"], roles["exchange"], roles["merge"]]
+    order += [roles[p] for p in ("sync", "steps", "model", "starts", "delta")]
+    unique = tuple({id(r): r for r in order}.values())
     return Plan(
-        segments(schedule, b.num_steps), starts, steps, delta, weights, sync, model, unique,
-        schedule.fragmented,
+        segments(b.schedule, b.num_steps), roles["starts"], roles["steps"], roles["delta"],
+        roles["weights"], roles["sync"], roles["model"], unique, b.schedule.fragmented,
     )  # fmt: skip

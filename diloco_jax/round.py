@@ -36,8 +36,7 @@ from diloco_jax import model_state as model_states
 from diloco_jax import outer_sharding as outer_shards_lib
 from diloco_jax import placement as placement_lib
 from diloco_jax.body import Local, Shared, round_body
-from diloco_jax.compression import init_residual
-from diloco_jax.exchange import Residuals
+from diloco_jax.compression import Residuals
 from diloco_jax.inner import LossFn, check_loss_options, loss_step, step_means, train_step
 from diloco_jax.method import DiLoCo, method_from_options
 from diloco_jax.model_state import check_model_state
@@ -121,7 +120,7 @@ class DiLoCoState(NamedTuple):
     def from_legacy(cls, fields: dict[str, Any], like: "DiLoCoState") -> "DiLoCoState":
         """A state like `like` from a checkpoint's flat layout (`legacy_layout`)."""
         parts = {}
-        for name, part in like.parts.items():
+        for name in like.parts:
             if name == WORKER_PARAMS:
                 parts[name] = WorkerParams(fields["local_params"])
             elif name == "compression":
@@ -205,18 +204,8 @@ def init_state(
 def _initial_parts(params: Any, outer_opt_state: Any, num_workers: int, method: DiLoCo) -> dict:
     """Each part's round-0 state, by name (`DiLoCoState.parts`)."""
     parts = {}
-    if method.carries_params:
-        parts[WORKER_PARAMS] = WorkerParams(stack_workers(params, num_workers))
-    if method.carries_residual:
-        parts["compression"] = Residuals(stack_workers(init_residual(params), num_workers))
-    if method.weights.anomaly is not None:
-        stats = faults.initial_stats(num_workers, method.num_syncs(params))
-        parts["weights"] = faults.Anomalies(stats)
-    if method.delay is not None:
-        num_fragments = method.num_syncs(params) if method.fragmented else None
-        parts |= delay.initial(
-            params, outer_opt_state, num_workers, method.outer_delay, method.eager, num_fragments
-        )
+    for spec_part in method.parts:
+        parts |= spec_part.initial(params, outer_opt_state, num_workers, method)
     return parts
 
 

@@ -20,11 +20,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.carry import Carry, Role, Segment
+from diloco_jax.carry import Carry, Context, Part, Role, Segment
+from diloco_jax.workers import stack_workers
 
 
 @dataclasses.dataclass(frozen=True)
-class Streaming:
+class Streaming(Part):
     """The schedule part of a `DiLoCo` spec: Streaming DiLoCo's P fragments, each delta taken
     `overlap_steps` (tau, 0 <= tau < H / P) before its sync and merged with `merge_alpha`
     (alpha in [0, 1]). `fragments` is an int P >= 1 (leaf i -> fragment i % P) or a pytree of
@@ -65,6 +66,15 @@ class Streaming:
         if math.isnan(alpha) or not 0 <= alpha <= 1:
             raise ValueError(f"Streaming.merge_alpha must be in [0, 1], got {alpha!r}")
         object.__setattr__(self, "merge_alpha", float(alpha))
+
+    def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
+        """Every worker's own params (`WorkerParams`): θ to start with."""
+        return {WORKER_PARAMS: WorkerParams(stack_workers(params, num_workers))}
+
+    def plan(self, build: Any, roles: dict) -> None:
+        """Workers continue from their own params, each sync merging into them."""
+        roles["merge"] = MergeIntoOwn(build.schedule.merge_alpha, roles["memory"])
+        roles["starts"] = OwnParams()
 
     @property
     def assignment(self) -> Any:
@@ -249,6 +259,29 @@ def segments(schedule: Schedule, inner_steps: int) -> tuple:
     )
 
 
+class FromTheta(Role):
+    """Every worker starts the round's one segment from θ (standard DiLoCo), fetched by the
+    memory role where θ lives (`diloco_jax.offload`)."""
+
+    name = "starts"
+
+    def __init__(self, memory: Role):
+        self.memory = memory
+
+    def start(self, c: Carry, ctx: Context, theta: Any) -> tuple[Any, Any]:
+        return ctx.collectives.vary(self.memory.fetch(theta)), None
+
+
+class OwnParams(Role):
+    """Every worker starts each segment from its own params (they persist across syncs:
+    Streaming DiLoCo, drops, eager updates)."""
+
+    name = "starts"
+
+    def start(self, c: Carry, ctx: Context, theta: Any) -> tuple[Any, Any]:
+        return c.workers.params, 0
+
+
 class RestartFromTheta(Role):
     """Standard DiLoCo: after the sync every worker restarts the next round from θ, so
     nothing merges back into its params."""
@@ -286,7 +319,7 @@ class MergeIntoOwn(Role):
         return None, WorkerParams(c.workers.params)
 
 
-WORKER_PARAMS = MergeIntoOwn.name
+WORKER_PARAMS = "workers"  # `MergeIntoOwn`'s state in `DiLoCoState.parts`
 
 
 def merged(

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from diloco_jax.carry import Part
 from diloco_jax.comm import payload_bytes
 from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.inner import PlainSteps, StepInfo, masked_step, step_key
@@ -32,7 +33,7 @@ Syncs = tuple[tuple[str, int], ...]  # (field name, every K steps), sorted by na
 
 
 @dataclasses.dataclass(frozen=True, init=False)
-class StateSync:
+class StateSync(Part):
     """The state-sync part of a `DiLoCo` spec: `StateSync(mu=K_u, nu=K_v)` averages each
     named field of the inner optimizer state over the workers after every K-th inner step
     (K an integer >= 1). `every` holds the (field, K) pairs sorted by name. Whether each field
@@ -58,6 +59,10 @@ class StateSync:
 
     def __repr__(self) -> str:
         return "StateSync(" + ", ".join(f"{n}={k}" for n, k in self.every) + ")"
+
+    def plan(self, build: Any, roles: dict) -> None:
+        """The inner steps run under one scan that averages the fields when due."""
+        roles["steps"] = SyncedSteps.of(roles["steps"], build.state_syncs)
 
     def check_run(self, inner_opt_state: Any) -> Syncs:
         """The (field, K) pairs, each field found once in `inner_opt_state` (one worker's
@@ -130,6 +135,14 @@ class SyncedSteps(PlainSteps):
     def __init__(self, step, batches, num_steps, masked, rng_seed, worker_map, syncs: Syncs):
         super().__init__(step, batches, num_steps, masked, rng_seed, worker_map)
         self.syncs = syncs
+
+    @classmethod
+    def of(cls, steps: PlainSteps, syncs: Syncs) -> "SyncedSteps":
+        """`steps` run under the synced scan."""
+        return cls(
+            steps.step, steps.batches, steps.num_steps, steps.masked, steps.rng_seed,
+            steps.worker_map, syncs,
+        )  # fmt: skip
 
     def run(self, c: Any, ctx: Any, params: Any, axis: Any, start: int, stop: int) -> Any:
         keys_k, w = c.own[self.name], c.workers
