@@ -1,32 +1,52 @@
-"""Communication accounting: the bytes a worker contributes to a round's exchange
-(`round_bytes`, history's "bytes_communicated") and the bytes it sends on the wire
-(`round_wire_bytes`, history's "wire_bytes")."""
+"""Communication accounting, the one module that turns what a round sends into bytes: the
+bytes a worker contributes to a round's exchange (`round_bytes`, history's
+"bytes_communicated") and the bytes it sends on the wire (history's "wire_bytes").
 
-from typing import Any
+Each part reports the collectives it runs as (op, operand bytes per worker[, times])
+entries: the exchange (`exchange.transfers`), the weights (`Weights.sync_transfers`), DES-LOC's
+state syncs (`state_sync.transfers`), the model state's merge (`model_state.transfers`), the
+split outer state (`outer_sharding.transfers`). `wire_bytes` prices them under ring
+algorithms (`ring_wire_bytes`, the only place that formula is written), and `Bill` adds up a
+run's history entries from them.
+"""
+
+from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
+from diloco_jax import model_state as model_state_lib
+from diloco_jax import outer_sharding, state_sync
 from diloco_jax.compression import Compression, parse_compression, tree_payload_bytes
-from diloco_jax.exchange import shard_groups, wire_bytes
+from diloco_jax.exchange import shard_groups, transfers
 from diloco_jax.faults import NormSoftmax, Weights
-from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.outer import widen
 from diloco_jax.schedule import Streaming, synced_indices
+from diloco_jax.trees import payload_bytes
 
 LOSS_BYTES = 4  # the round's (or step's) mean loss: one float32 all-reduced over the workers
 
 
-def payload_bytes(tree: Any) -> int:
-    """Bytes of one worker's payload: sum of size x itemsize over the leaves of `tree`.
+def ring_wire_bytes(op: str, operand_bytes: float, n: int) -> float:
+    """Bytes one of n participants sends in collective `op` with `operand_bytes` per device
+    (the local shard for all-gather) under a ring algorithm; 0 when n <= 1."""
+    if n <= 1:
+        return 0.0
+    factors = {
+        "all-reduce": 2 * (n - 1) / n,
+        "all-gather": n - 1,
+        "all-to-all": (n - 1) / n,
+        "reduce-scatter": (n - 1) / n,
+    }
+    if op not in factors:
+        raise ValueError(f"no ring cost for collective {op!r}")
+    return factors[op] * operand_bytes
 
-    `tree` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`).
-    """
-    return int(
-        sum(
-            np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize
-            for x in jax.tree.leaves(tree)
-        )
+
+def wire_bytes(entries: list, num_workers: int) -> float:
+    """Bytes each of M workers sends for the collectives `entries`, (op, operand bytes) or
+    (op, operand bytes, times) each, under ring algorithms."""
+    return sum(
+        (e[2] if len(e) > 2 else 1) * ring_wire_bytes(e[0], e[1], num_workers) for e in entries
     )
 
 
@@ -73,8 +93,8 @@ def round_wire_bytes(
     the M workers, for every collective the round runs, as if every worker had its own link
     (whatever the device layout): the sum of what each part of the method contributes. Per
     sync of the schedule (one, or one per fragment: `schedule.synced_groups`), the exchange's
-    bytes (`exchange.wire_bytes`; `weighted`: the round carries fault weights) and the
-    weights part's own (`Weights.sync_wire_bytes`: EDiT's softmax, `softmax`, all-reduces
+    collectives (`exchange.transfers`; `weighted`: the round carries fault weights) and the
+    weights part's own (`Weights.sync_transfers`: EDiT's softmax, `softmax`, all-reduces
     the smallest delta norm); plus the all-reduce of the round's mean loss, 2(M-1)/M x 4.
     0 when M = 1. `fragments` is Streaming's P or pytree (None: one sync); `frozen` leaves
     (`diloco_jax.trainable`) send nothing. `specs`: each leaf's PartitionSpec, `params` being
@@ -96,8 +116,9 @@ def round_wire_bytes(
                 for _, positions in shard_groups([specs[i] for i in indices])
             ]
         for group in groups:
-            total += wire_bytes(c, [leaves[i] for i in group], num_workers, weighted)
-        total += weights.sync_wire_bytes(num_workers)
+            entries = transfers(c, [leaves[i] for i in group], num_workers, weighted)
+            total += wire_bytes(entries, num_workers)
+        total += wire_bytes(weights.sync_transfers(), num_workers)
     return total
 
 
@@ -107,3 +128,54 @@ def sync_step_wire_bytes(params: Any, num_workers: int) -> float:
     return ring_wire_bytes("all-reduce", payload_bytes(params), num_workers) + ring_wire_bytes(
         "all-reduce", LOSS_BYTES, num_workers
     )
+
+
+class Bill(NamedTuple):
+    """What one iteration of a run (a DiLoCo round, a data-parallel step) sends, to add up in
+    its history entries (`entries`).
+
+    payload: "bytes_communicated" per iteration. wire: "wire_bytes" per iteration, without
+    DES-LOC's state syncs. device: "wire_bytes_per_device" per iteration, or None where a
+    device sends what its worker does (not reported). state_syncs: (syncs, one worker's inner
+    state, one device's shard of it or None) for DES-LOC's state syncs, which run on their
+    own step schedule; None without. merge: "model_state_wire_bytes" per iteration, or None
+    without a model state. num_workers: M; steps_each: inner steps per iteration.
+    """
+
+    payload: int
+    wire: float
+    device: float | None = None
+    state_syncs: Any = None
+    merge: float | None = None
+    num_workers: int = 1
+    steps_each: int = 1
+
+    def entries(self, done: int) -> dict[str, int]:
+        """The cumulative bytes after `done` iterations, as history keys."""
+        steps = done * self.steps_each
+        synced = device_synced = 0.0
+        if self.state_syncs is not None:
+            syncs, inner, inner_shards = self.state_syncs
+            synced = wire_bytes(state_sync.transfers(syncs, inner, steps), self.num_workers)
+            if inner_shards is not None:
+                entries = state_sync.transfers(syncs, inner_shards, steps)
+                device_synced = wire_bytes(entries, self.num_workers)
+        out = {"bytes_communicated": done * self.payload}
+        out["wire_bytes"] = round(done * self.wire + synced)
+        if self.device is not None:
+            out["wire_bytes_per_device"] = round(done * self.device + device_synced)
+        if self.merge is not None:
+            out["model_state_wire_bytes"] = round(done * self.merge)
+        return out
+
+
+def merge_wire_bytes(model_state: Any, rules: Any, num_workers: int) -> float | None:
+    """ "model_state_wire_bytes" per merge (None without a model state)."""
+    if rules is None:
+        return None
+    return wire_bytes(model_state_lib.transfers(model_state, rules), num_workers)
+
+
+def split_outer_wire_bytes(num_syncs: int, num_workers: int) -> float:
+    """What splitting the outer state over the workers adds to a round's wire bytes."""
+    return wire_bytes(outer_sharding.transfers(num_syncs), num_workers)

@@ -65,7 +65,6 @@ from diloco_jax.compression import (
     to_blocks,
     tree_payload_bytes,
 )
-from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.outer import delta_dtype, widen
 from diloco_jax.schedule import leaf_indices, part
 from diloco_jax.workers import WORKER_AXIS, all_gather_workers, exact_mean, shard_shape
@@ -105,29 +104,30 @@ def make_exchange(
     )
 
 
-def wire_bytes(compression: Compression, synced: list, num_workers: int, weighted: bool) -> float:
-    """Bytes each worker sends on the wire for one sync's exchange of the delta leaves
-    `synced` (arrays or shapes in the delta dtype), under ring algorithms over the M workers:
+def transfers(compression: Compression, synced: list, num_workers: int, weighted: bool) -> list:
+    """The collectives one sync's exchange of the delta leaves `synced` (arrays or shapes in
+    the delta dtype) runs over the M workers, as (op, operand bytes per worker) pairs
+    (`comm.wire_bytes` prices them):
 
-    * exact: one all-reduce of the deltas, 2(M-1)/M x B (with weights, the float32 weight
-      rides in the operand: + 4 bytes);
+    * exact: one all-reduce of the deltas, B bytes (with weights, the float32 weight rides in
+      the operand: + 4 bytes);
     * two-stage (dense codecs): an all-to-all of the worker's block rows, the rows padded to
       a multiple of M blocks (NB' blocks of R bytes: codes + float32 scale), then an
-      all-gather of its reduced chunk of NB'/M rows: 2(M-1)/M x NB' R;
-    * gather: an all-gather of the payload P, (M-1) x P;
-    with weights the lossy ones add an all-gather of the float32 weight, (M-1) x 4."""
+      all-gather of its reduced chunk of NB'/M rows;
+    * gather: an all-gather of the payload;
+    with weights the lossy ones add an all-gather of the float32 weight."""
     m = num_workers
     exchange = compression.resolved_exchange
     if exchange == "exact":
         delta_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in synced)
-        return ring_wire_bytes("all-reduce", delta_bytes + (_WEIGHT_BYTES if weighted else 0), m)
+        return [("all-reduce", delta_bytes + (_WEIGHT_BYTES if weighted else 0))]
     if exchange == "two_stage":
         blocks = jax.eval_shape(lambda xs: to_blocks(xs, compression.block_size), synced).shape[0]
         rows = -(-blocks // m) * m * block_row_bytes(compression)
-        total = ring_wire_bytes("all-to-all", rows, m) + ring_wire_bytes("all-gather", rows / m, m)
+        out = [("all-to-all", rows), ("all-gather", rows / m)]
     else:
-        total = ring_wire_bytes("all-gather", tree_payload_bytes(synced, compression), m)
-    return total + (ring_wire_bytes("all-gather", _WEIGHT_BYTES, m) if weighted else 0.0)
+        out = [("all-gather", tree_payload_bytes(synced, compression))]
+    return out + ([("all-gather", _WEIGHT_BYTES)] if weighted else [])
 
 
 _WEIGHT_BYTES = 4  # a worker's float32 weight at a sync

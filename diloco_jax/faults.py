@@ -35,7 +35,6 @@ import numpy as np
 import optax
 
 from diloco_jax.carry import Carry, Part, Role, Weighed
-from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.schedule import WORKER_PARAMS, MergeIntoOwn, OwnParams, WorkerParams
 from diloco_jax.workers import WORKER_AXIS, stack_workers
 
@@ -203,13 +202,12 @@ class Weights(Part):
                 f"Weights.worker_steps must be in [1, inner_steps={inner_steps}], got {list(steps)}"
             )
 
-    def sync_wire_bytes(self, num_workers: int) -> float:
-        """Bytes each worker sends per sync for the weights themselves, beside the exchange:
-        EDiT's softmax all-reduces the smallest delta norm (a float32). The weight each
-        worker's payload carries is the exchange's (`exchange.wire_bytes`)."""
-        return (
-            ring_wire_bytes("all-reduce", 4, num_workers) if self.scheme == "norm_softmax" else 0.0
-        )
+    def sync_transfers(self) -> list:
+        """The collectives each sync runs for the weights themselves, beside the exchange, as
+        (op, operand bytes) pairs: EDiT's softmax all-reduces the smallest delta norm (a
+        float32). The weight each worker's payload carries is the exchange's
+        (`exchange.transfers`)."""
+        return [("all-reduce", 4)] if self.scheme == "norm_softmax" else []
 
 
 def softmax_weights(norms_k: jax.Array, smallest: jax.Array, temperature: float) -> jax.Array:

@@ -32,6 +32,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from diloco_jax.comm import ring_wire_bytes  # noqa: F401 (the ring formula, for its callers here)
+
 COLLECTIVE_OPS = (
     "all-reduce",
     "all-gather",
@@ -176,22 +178,6 @@ def depends_on(compiled_or_text: Any, name: str, opcode: str) -> bool:
             stack.extend(op for op, _ in ins.operands)
         return False
     raise ValueError(f"no instruction named {name!r} in the module")
-
-
-def ring_wire_bytes(op: str, operand_bytes: float, n: int) -> float:
-    """Bytes one of n participants sends in collective `op` with `operand_bytes` per device
-    (the local shard for all-gather) under a ring algorithm; 0 when n <= 1."""
-    if n <= 1:
-        return 0.0
-    factors = {
-        "all-reduce": 2 * (n - 1) / n,
-        "all-gather": n - 1,
-        "all-to-all": (n - 1) / n,
-        "reduce-scatter": (n - 1) / n,
-    }
-    if op not in factors:
-        raise ValueError(f"no ring cost for collective {op!r}")
-    return factors[op] * operand_bytes
 
 
 # --------------------------------------------------------------------------- text access

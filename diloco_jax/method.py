@@ -225,7 +225,7 @@ class DiLoCo:
         schedule's syncs (`frozen` leaves in none), each with the exchange's and the weights'
         bytes, and the loss metric (`comm.round_wire_bytes`; `specs` for one device's shards
         on a mesh). DES-LOC's state syncs run on their own step schedule:
-        `state_sync.wire_bytes`."""
+        `state_sync.transfers`."""
         return round_wire_bytes(
             params,
             self.compression,

@@ -11,7 +11,7 @@ state):
 - "keep": each worker keeps its own (no traffic). The default for every other leaf.
 
 A model state is never seen by an optimizer, never weight-decayed, and never part of the
-deltas or of "wire_bytes"; its merge's own bytes are "model_state_wire_bytes".
+deltas or of "wire_bytes"; its merge's own bytes are "model_state_wire_bytes" (`transfers`).
 """
 
 from typing import Any, NamedTuple
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.carry import Role
-from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.trees import per_leaf
 from diloco_jax.workers import all_gather_workers, exact_mean
 
@@ -109,17 +108,15 @@ def merged_view(model_state_M: Any, rules: Rules) -> Any:
     )
 
 
-def wire_bytes(model_state: Any, rules: Rules, num_workers: int) -> float:
-    """Bytes one worker sends for one merge under ring collectives over the M workers: the
-    all-reduce of each "mean" leaf, the all-gather of each "first" leaf."""
-    total = 0.0
-    for rule, x in zip(rules, jax.tree.leaves(model_state), strict=True):
-        nbytes = int(np.prod(jnp.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-        if rule == "mean":
-            total += ring_wire_bytes("all-reduce", nbytes, num_workers)
-        elif rule == "first":
-            total += ring_wire_bytes("all-gather", nbytes, num_workers)
-    return total
+def transfers(model_state: Any, rules: Rules) -> list:
+    """The collectives of one merge, as (op, operand bytes) pairs: the all-reduce of each
+    "mean" leaf, the all-gather of each "first" leaf."""
+    ops = {"mean": "all-reduce", "first": "all-gather"}
+    return [
+        (ops[rule], int(np.prod(jnp.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize)
+        for rule, x in zip(rules, jax.tree.leaves(model_state), strict=True)
+        if rule in ops
+    ]
 
 
 def _is_float(x: Any) -> bool:

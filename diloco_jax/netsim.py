@@ -52,7 +52,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from diloco_jax import hlo
-from diloco_jax.hlo import ring_wire_bytes
+from diloco_jax.comm import ring_wire_bytes
 
 BANDWIDTHS = {"100 Gbit/s": 100e9, "10 Gbit/s": 10e9, "1 Gbit/s": 1e9, "100 Mbit/s": 100e6}
 DEFAULT_LATENCY = 1e-3  # seconds per exchange

@@ -34,7 +34,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax.carry import Carry, Role, SyncRole
-from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.outer import outer_update
 from diloco_jax.schedule import leaf_indices, part
 from diloco_jax.workers import WORKER_AXIS, Backend
@@ -289,11 +288,12 @@ def sync_step(
     return jax.tree.unflatten(treedef, new_leaves), new_shared, new_local_k, squared
 
 
-def wire_bytes(num_syncs: int, num_workers: int) -> float:
-    """What splitting adds to a worker's wire bytes per round: the split leaves' reduce-scatter
-    and all-gather carry what their all-reduce did, and each sync all-reduces one float32
-    more, its slices' share of the mean delta's squared norm (the "outer_grad_norm" metric)."""
-    return num_syncs * ring_wire_bytes("all-reduce", 4, num_workers)
+def transfers(num_syncs: int) -> list:
+    """What splitting adds to a round's collectives, as (op, operand bytes, times): the split
+    leaves' reduce-scatter and all-gather carry what their all-reduce did, and each sync
+    all-reduces one float32 more, its slices' share of the mean delta's squared norm (the
+    "outer_grad_norm" metric)."""
+    return [("all-reduce", 4, num_syncs)]
 
 
 # Primitives that keep a leaf's shape but move or mix its coordinates.

@@ -23,10 +23,9 @@ import optax
 from jax import lax
 
 from diloco_jax.carry import Part
-from diloco_jax.comm import payload_bytes
-from diloco_jax.hlo import ring_wire_bytes
 from diloco_jax.inner import PlainSteps, StepInfo, masked_step, step_key
 from diloco_jax.sampler import Sampler, worker_batches
+from diloco_jax.trees import payload_bytes
 from diloco_jax.workers import exact_mean
 
 Syncs = tuple[tuple[str, int], ...]  # (field name, every K steps), sorted by name
@@ -81,19 +80,14 @@ class StateSync(Part):
         return self.every
 
 
-def wire_bytes(syncs: Syncs | None, inner_opt_state: Any, num_workers: int, steps: int) -> float:
-    """Bytes each worker sends on the wire for the state syncs of its first `steps` inner
-    steps (the multiples of K up to it): a ring all-reduce of the field per sync
-    (`inner_opt_state` of one worker, unstacked). 0 without syncs or with one worker."""
-    if not syncs:
-        return 0.0
-    return sum(
-        (steps // every)
-        * ring_wire_bytes(
-            "all-reduce", payload_bytes(optax.tree.get(inner_opt_state, name)), num_workers
-        )
-        for name, every in syncs
-    )
+def transfers(syncs: Syncs | None, inner_opt_state: Any, steps: int) -> list:
+    """The collectives of the state syncs of a worker's first `steps` inner steps (the
+    multiples of K up to it), as (op, operand bytes, times) triples: an all-reduce of the
+    field per sync (`inner_opt_state` of one worker, unstacked). [] without syncs."""
+    return [
+        ("all-reduce", payload_bytes(optax.tree.get(inner_opt_state, name)), steps // every)
+        for name, every in syncs or ()
+    ]
 
 
 def synced_scan(

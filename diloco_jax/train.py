@@ -13,13 +13,19 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import delay, donation, offload, outer_sharding
+from diloco_jax import delay, donation, offload
 from diloco_jax import model_state as model_state_lib
 from diloco_jax import placement as placement_lib
-from diloco_jax import state_sync as state_sync_lib
 from diloco_jax import trainable as trainable_lib
 from diloco_jax.checks import check_bool, check_int, check_params, checked_optimizer
-from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
+from diloco_jax.comm import (
+    Bill,
+    merge_wire_bytes,
+    payload_bytes,
+    round_bytes,
+    split_outer_wire_bytes,
+    sync_step_wire_bytes,
+)
 from diloco_jax.distributed import is_multiprocess
 from diloco_jax.inner import LossFn, StepInfo, check_loss_options
 from diloco_jax.loop import Loop, Record, Rounds, checkpoints, jitted, place_state, step_record
@@ -362,49 +368,17 @@ def _train_diloco(
         **({"param_specs": placed.specs} if placed is not None and backend.mesh_axes else {}),
         placement=placed,
     )
-    # A lone worker has no one to send to: its mean over workers is local.
-    per_round = round_bytes(params, method.compression, frozen) if num_workers > 1 else 0
-    wire_per_round = method.round_wire_bytes(params, num_workers, frozen)
-    if placed is not None and placed.outer is not None:  # the mean's norm, gathered per sync
-        wire_per_round += outer_sharding.wire_bytes(method.num_syncs(params), num_workers)
-    per_device = None
-    if placed is not None and backend.mesh_axes:  # each device: the exchange of its shards
-        shards = placement_lib.shard_shapes(params, placed)
-        inner_shards = inner_state
-        if worker_state is None:
-            inner_shards = jax.eval_shape(inner.init, shards)
-        device_round = method.round_wire_bytes(shards, num_workers, frozen, placed.specs)
-        if placed.outer is not None:
-            device_round += outer_sharding.wire_bytes(method.num_syncs(params), num_workers)
-        per_device = (device_round, inner_shards)
-    elif backend.data_parallel > 1:  # replicated inside a worker: every device sends it all
-        per_device = (wire_per_round, inner_state)
-    merge_per_round = 0.0
-    if rules is not None:
-        merge_per_round = model_state_lib.wire_bytes(model_state, rules, num_workers)
+    inner_like = None if worker_state is None else inner_state
+    bill = _diloco_bill(method, params, frozen, backend, placed, inner_like, syncs, rules,
+                        model_state, inner_steps)  # fmt: skip
     faulty = method.weights.active
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
-        synced = state_sync_lib.wire_bytes(syncs, inner_state, num_workers, (r + 1) * inner_steps)
-        device = {}
-        if per_device is not None:
-            steps = (r + 1) * inner_steps
-            device_synced = state_sync_lib.wire_bytes(syncs, per_device[1], num_workers, steps)
-            device = {"wire_bytes_per_device": round((r + 1) * per_device[0] + device_synced)}
         return (
             {"round": r, "steps": (r + 1) * inner_steps}
             | step_record(metrics)
-            | {
-                "outer_grad_norm": float(metrics["outer_grad_norm"]),
-                "bytes_communicated": (r + 1) * per_round,
-                "wire_bytes": round((r + 1) * wire_per_round + synced),
-            }
-            | device
-            | (
-                {}
-                if rules is None
-                else {"model_state_wire_bytes": round((r + 1) * merge_per_round)}
-            )
+            | {"outer_grad_norm": float(metrics["outer_grad_norm"])}
+            | bill.entries(r + 1)
             | (_fault_record(metrics) if faulty else {})
         )
 
@@ -585,28 +559,21 @@ def train_sync(
         **({} if rules is None else {"model_state_merge": model_state_lib.Resolved(rules)}),
         placement=placed,
     )
-    per_step = payload_bytes(params) if num_workers > 1 else 0
-    wire_per_step = sync_step_wire_bytes(params, num_workers)
     per_device = None
     if placed is not None:
         per_device = sync_step_wire_bytes(placement_lib.shard_shapes(params, placed), num_workers)
     elif backend.data_parallel > 1:
-        per_device = wire_per_step
-    merge_per_step = 0.0
-    if rules is not None:
-        merge_per_step = model_state_lib.wire_bytes(model_state, rules, num_workers)
+        per_device = sync_step_wire_bytes(params, num_workers)
+    bill = Bill(
+        payload_bytes(params) if num_workers > 1 else 0,
+        sync_step_wire_bytes(params, num_workers),
+        per_device,
+        merge=merge_wire_bytes(model_state, rules, num_workers),
+        num_workers=num_workers,
+    )
 
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
-        return (
-            {"step": s, "steps": s + 1}
-            | step_record(metrics)
-            | {
-                "bytes_communicated": (s + 1) * per_step,
-                "wire_bytes": round((s + 1) * wire_per_step),
-            }
-            | ({} if per_device is None else {"wire_bytes_per_device": round((s + 1) * per_device)})
-            | ({} if rules is None else {"model_state_wire_bytes": round((s + 1) * merge_per_step)})
-        )
+        return {"step": s, "steps": s + 1} | step_record(metrics) | bill.entries(s + 1)
 
     rounds = Rounds(
         step=step,
@@ -651,6 +618,38 @@ def _result(state: Any, history: list[Record], backend: Backend, rules=None) -> 
         model_state = model_state_lib.merged_view(state.model_state, rules)
     return TrainResult(*backend.on_user_mesh((params, state)), history,
                        backend.on_user_mesh(model_state))  # fmt: skip
+
+
+def _diloco_bill(
+    method, params, frozen, backend, placed, worker_state, syncs, rules, model_state, inner_steps
+) -> Bill:  # fmt: skip
+    """What a DiLoCo round sends (`comm.Bill`). `worker_state`: one worker's state (shapes)
+    under a worker step, None for the inner optimizer's."""
+    num_workers = backend.num_workers
+    inner = trainable_lib.masked_optimizer(method.inner_optimizer, params, frozen)
+    own_state = worker_state is not None  # a worker step's state, not the inner optimizer's
+    inner_state = worker_state if own_state else jax.eval_shape(inner.init, params)
+    # A lone worker has no one to send to: its mean over workers is local.
+    payload = round_bytes(params, method.compression, frozen) if num_workers > 1 else 0
+    split = placed is not None and placed.outer is not None  # the mean's norm, per sync
+    extra = split_outer_wire_bytes(method.num_syncs(params), num_workers) if split else 0.0
+    wire = method.round_wire_bytes(params, num_workers, frozen)
+    if split:
+        wire += extra
+    device, device_inner = None, None
+    if placed is not None and backend.mesh_axes:  # each device: the exchange of its shards
+        shards = placement_lib.shard_shapes(params, placed)
+        device_inner = (
+            inner_state if worker_state is not None else jax.eval_shape(inner.init, shards)
+        )
+        device = method.round_wire_bytes(shards, num_workers, frozen, placed.specs)
+        if split:
+            device += extra
+    elif backend.data_parallel > 1:  # replicated inside a worker: every device sends it all
+        device, device_inner = wire, inner_state
+    state_syncs = None if not syncs else (syncs, inner_state, device_inner)
+    merge = merge_wire_bytes(model_state, rules, num_workers)
+    return Bill(payload, wire, device, state_syncs, merge, num_workers, inner_steps)
 
 
 def _check_processes(backend: Backend) -> Backend:
