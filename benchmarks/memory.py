@@ -46,8 +46,10 @@ def sync_total(preset: str, batch: int, seq_len: int, model_options: dict) -> in
     """Bytes of the compiled one-worker sync step."""
     w = common.lm_workload(preset, batch, seq_len=seq_len, **model_options)
     opt = dj.default_inner_optimizer()
-    fn = functools.partial(dj.sync_step, w.loss_fn, optimizer=opt, backend="vmap", num_workers=1)
-    state = jax.eval_shape(lambda p: dj.init_sync_state(p, opt), w.params)
+    fn = functools.partial(
+        dj.sync.sync_step, w.loss_fn, optimizer=opt, backend="vmap", num_workers=1
+    )
+    state = jax.eval_shape(lambda p: dj.sync.init_sync_state(p, opt), w.params)
     compiled = jax.jit(fn, donate_argnums=0).lower(state, w.sampler(1)).compile()
     return common.memory_stats(compiled)["total"]
 

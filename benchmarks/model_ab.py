@@ -56,10 +56,10 @@ def step_runner(module: Any, config: Any, batch_size: int, steps: int):
     loss_fn = module.make_loss_fn(config)
     params = module.init_params(config, jax.random.key(0))
     opt = dj.default_inner_optimizer()
-    fn = functools.partial(dj.sync_step, loss_fn, optimizer=opt, backend="vmap", num_workers=1)
+    fn = functools.partial(dj.sync.sync_step, loss_fn, optimizer=opt, backend="vmap", num_workers=1)
     step = jax.jit(fn, donate_argnums=0)
     sampler = common._lm_sampler(batch_size, config.seq_len, 1)
-    holder = [dj.init_sync_state(params, opt)]
+    holder = [dj.sync.init_sync_state(params, opt)]
 
     def run():
         for _ in range(steps):

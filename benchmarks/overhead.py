@@ -173,7 +173,7 @@ def library_round(w: common.Workload, inner, outer, exclude_nonfinite: bool = Fa
 
 
 def library_sync_step(w: common.Workload, opt) -> Callable:
-    step = functools.partial(dj.sync_step, w.loss_fn, optimizer=opt, backend="vmap")
+    step = functools.partial(dj.sync.sync_step, w.loss_fn, optimizer=opt, backend="vmap")
     return jax.jit(step, donate_argnums=0)
 
 
@@ -259,7 +259,7 @@ def step_programs(w: common.Workload, opt, batch, with_metrics: bool) -> dict[st
     """Compiled sync steps for the same inputs, as `round_programs`."""
     params = w.params
     ref_args = (params, opt.init(params), batch)
-    lib_args = (dj.init_sync_state(params, opt), batch)
+    lib_args = (dj.sync.init_sync_state(params, opt), batch)
     programs = {
         "library": library_sync_step(w, opt).lower(*lib_args).compile(),
         "reference": reference_sync_step(w.loss_fn, opt).lower(*ref_args).compile(),
@@ -277,7 +277,7 @@ def reference_step_runner(program, w, opt, batch, count, metrics=False) -> Calla
 
 
 def library_step_runner(program, w, opt, batch, count) -> Callable:
-    carry = [dj.init_sync_state(w.params, opt)]
+    carry = [dj.sync.init_sync_state(w.params, opt)]
     return looped(program, carry, batch, count, lambda out: out[:1])
 
 
@@ -448,7 +448,7 @@ def host_loop_cost(reps: int, iterations: int = 200) -> list[dict[str, Any]]:
         ),
         donate_argnums=0,
     )
-    step_fn = jax.jit(functools.partial(dj.sync_step, loss_fn, optimizer=opt, backend="vmap"),
+    step_fn = jax.jit(functools.partial(dj.sync.sync_step, loss_fn, optimizer=opt, backend="vmap"),
                       donate_argnums=0)  # fmt: skip
 
     def bare(fn, state, batch):
@@ -471,7 +471,9 @@ def host_loop_cost(reps: int, iterations: int = 200) -> list[dict[str, Any]]:
                 loss_fn, params, [round_batch] * iterations, num_rounds=iterations, **dil
             ).state
         ),
-        "jit(sync_step) loop": bare(step_fn, lambda: dj.init_sync_state(params, opt), step_batch),
+        "jit(sync_step) loop": bare(
+            step_fn, lambda: dj.sync.init_sync_state(params, opt), step_batch
+        ),
         "train_sync": lambda: (
             dj.train_sync(
                 loss_fn, params, [step_batch] * iterations, num_steps=iterations, **syn

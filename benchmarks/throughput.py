@@ -64,11 +64,11 @@ def diloco_runner(w: common.Workload, inner_steps: int) -> Callable[[], Any]:
 def sync_runner(w: common.Workload, num_workers: int, steps: int) -> Callable[[], Any]:
     opt = dj.default_inner_optimizer()
     fn = functools.partial(
-        dj.sync_step, w.loss_fn, optimizer=opt, backend="vmap", num_workers=num_workers
+        dj.sync.sync_step, w.loss_fn, optimizer=opt, backend="vmap", num_workers=num_workers
     )
     step = jax.jit(fn, donate_argnums=0)
     sampler = w.sampler(num_workers)
-    holder = [dj.init_sync_state(w.params, opt)]
+    holder = [dj.sync.init_sync_state(w.params, opt)]
 
     def run():
         for _ in range(steps):

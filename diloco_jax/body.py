@@ -100,9 +100,8 @@ def round_body(shared: Shared, local: Local, collectives, *, plan: Plan, treedef
         shared.round, collectives, treedef, num_workers, num_local, shared.data, local.data,
         local.ids, local.inputs, local.outer, workers, shared.parts, local.parts,
     )  # fmt: skip
-    theta = None if shared.theta is None else tuple(treedef.flatten_up_to(shared.theta))
-    outer = None if shared.outer is None else tuple(shared.outer)
-    c = Carry(workers, theta, outer, {}, (), (), {})
+    theta = plan.sync.theta_in(shared.theta, treedef)
+    c = Carry(workers, theta, plan.sync.outer_carried(shared.outer), {}, (), (), {})
     for role in plan.roles:
         c = role.begin(c, ctx)
     for segment in plan.segments:
@@ -133,16 +132,21 @@ def _outputs(plan: Plan, c: Carry, ctx: Context) -> tuple[SharedOut, LocalOut]:
     halves = {role.name: role.end(c, ctx) for role in plan.roles}
     shared_parts = {name: h[0] for name, h in halves.items() if h[0] is not None}
     local_parts = {name: h[1] for name, h in halves.items() if h[1] is not None}
-    losses_kxH = c.losses[0] if len(c.losses) == 1 else jnp.concatenate(c.losses, axis=1)
+    losses_kxH = _along_steps(c.losses)
     aux_kxH = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *c.auxes)
     shared_metrics, local_metrics = plan.weights.metrics(c, ctx)
-    theta = None if c.theta is None else jax.tree.unflatten(ctx.treedef, c.theta)
+    theta = plan.sync.theta_out(c, ctx.treedef)
     same = SharedOut(theta, c.outer, plan.sync.grad_norm(c), shared_metrics, shared_parts)
     mine = LocalOut(
         c.workers.opt, c.workers.model, plan.sync.local_outer(c), losses_kxH, aux_kxH,
         local_metrics, local_parts,
     )  # fmt: skip
     return same, mine
+
+
+def _along_steps(losses: tuple) -> jax.Array:
+    """The segments' losses [k, S] as one [k, H] (a single segment as it is)."""
+    return losses[0] if len(losses) == 1 else jnp.concatenate(losses, axis=1)
 
 
 class DeltaFromTheta(Role):

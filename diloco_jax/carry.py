@@ -116,22 +116,40 @@ class Part:
 
     - check_with(method): its rules with the other parts of `method` (a ValueError saying
       why a combination can't run), called once when the spec is built;
+    - check_run(params, num_workers, inner_steps, inner_state): what it needs of a run (a
+      ValueError naming its field), when a round or trainer is built;
     - initial(params, outer_state, num_workers, method): its state at round 0, a dict
       {name: NamedTuple} merged into `DiLoCoState.parts` (`params`: θ; `outer_state`: the
       global outer state, one per fragment under Streaming DiLoCo);
     - plan(build, roles): the roles it puts at the round's points (`diloco_jax.plan`):
       `roles` maps each point's name to its role, and its "kept" list holds the roles a part
-      wraps (they still begin and end with the round).
+      wraps (they still begin and end with the round);
+    - transfers_through(steps, inner_state): the collectives it runs on its own schedule in
+      a worker's first `steps` inner steps, beyond each sync's (`comm.wire_bytes` entries);
+    - fingerprint(), variant(): its identity in a checkpoint's metadata (top-level fields,
+      and entries of the shared "variant" field).
     """
 
     def check_with(self, method: Any) -> None:
         """No rule with the other parts."""
+
+    def check_run(self, params: Any, num_workers: int, inner_steps: int, inner_state: Any) -> None:
+        """Runs with any params, M, H and inner state."""
 
     def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
         return {}
 
     def plan(self, build: Any, roles: dict) -> None:
         """No role of its own: the round's standard ones."""
+
+    def transfers_through(self, steps: int, inner_state: Any) -> list:
+        return []
+
+    def fingerprint(self) -> dict:
+        return {}
+
+    def variant(self) -> dict:
+        return {}
 
 
 class Role:
@@ -154,6 +172,14 @@ class SyncRole(Role):
     """A role that fills the sync point: it also says how the outer states enter and leave
     the round (here whole, shared by every worker) and the round's "outer_grad_norm"."""
 
+    def theta_in(self, theta: Any, treedef: Any) -> tuple | None:
+        """θ (a tree) as the round carries it: a tuple of its leaves."""
+        return tuple(treedef.flatten_up_to(theta))
+
+    def theta_out(self, c: Carry, treedef: Any) -> Any:
+        """θ at the round's end, a tree again."""
+        return jax.tree.unflatten(treedef, c.theta)
+
     def outer_in(self, outer: Any) -> tuple[Any, Any]:
         """The outer states (a tuple, one per sync; None under eager updates) as (shared,
         per-worker) inputs of the round."""
@@ -162,6 +188,10 @@ class SyncRole(Role):
     def outer_out(self, shared: Any, local: Any) -> Any:
         """`outer_in`'s inverse, after the round."""
         return shared
+
+    def outer_carried(self, shared: Any) -> tuple | None:
+        """The shared outer states as the round carries them: a tuple, one per sync."""
+        return tuple(shared)
 
     def local_outer(self, c: Carry) -> Any:
         """The per-worker half of the outer states at the round's end (None: none)."""

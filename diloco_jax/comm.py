@@ -3,8 +3,9 @@ bytes a worker contributes to a round's exchange (`round_bytes`, history's
 "bytes_communicated") and the bytes it sends on the wire (history's "wire_bytes").
 
 Each part reports the collectives it runs as (op, operand bytes per worker[, times])
-entries: the exchange (`exchange.transfers`), the weights (`Weights.sync_transfers`), DES-LOC's
-state syncs (`state_sync.transfers`), the model state's merge (`model_state.transfers`), the
+entries: the exchange (`exchange.transfers`), the weights (`Weights.sync_transfers`), what a
+part runs on its own step schedule (`Part.transfers_through`: DES-LOC's state syncs), the
+model state's merge (`model_state.transfers`), the
 split outer state (`outer_sharding.transfers`). `wire_bytes` prices them under ring
 algorithms (`ring_wire_bytes`, the only place that formula is written), and `Bill` adds up a
 run's history entries from them.
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 
 from diloco_jax import model_state as model_state_lib
-from diloco_jax import outer_sharding, state_sync
+from diloco_jax import outer_sharding
 from diloco_jax.compression import Compression, parse_compression, tree_payload_bytes
 from diloco_jax.exchange import shard_groups, transfers
 from diloco_jax.faults import NormSoftmax, Weights
@@ -135,17 +136,18 @@ class Bill(NamedTuple):
     its history entries (`entries`).
 
     payload: "bytes_communicated" per iteration. wire: "wire_bytes" per iteration, without
-    DES-LOC's state syncs. device: "wire_bytes_per_device" per iteration, or None where a
-    device sends what its worker does (not reported). state_syncs: (syncs, one worker's inner
-    state, one device's shard of it or None) for DES-LOC's state syncs, which run on their
-    own step schedule; None without. merge: "model_state_wire_bytes" per iteration, or None
+    what parts run on their own step schedule. device: "wire_bytes_per_device" per iteration,
+    or None where a device sends what its worker does (not reported). on_schedule: (the
+    method's parts, one worker's inner state, one device's shard of it or None) for the
+    collectives parts run on their own step schedule (`Part.transfers_through`: DES-LOC's
+    state syncs); None without. merge: "model_state_wire_bytes" per iteration, or None
     without a model state. num_workers: M; steps_each: inner steps per iteration.
     """
 
     payload: int
     wire: float
     device: float | None = None
-    state_syncs: Any = None
+    on_schedule: Any = None
     merge: float | None = None
     num_workers: int = 1
     steps_each: int = 1
@@ -154,11 +156,12 @@ class Bill(NamedTuple):
         """The cumulative bytes after `done` iterations, as history keys."""
         steps = done * self.steps_each
         synced = device_synced = 0.0
-        if self.state_syncs is not None:
-            syncs, inner, inner_shards = self.state_syncs
-            synced = wire_bytes(state_sync.transfers(syncs, inner, steps), self.num_workers)
+        if self.on_schedule is not None:
+            parts, inner, inner_shards = self.on_schedule
+            entries = [e for p in parts for e in p.transfers_through(steps, inner)]
+            synced = wire_bytes(entries, self.num_workers)
             if inner_shards is not None:
-                entries = state_sync.transfers(syncs, inner_shards, steps)
+                entries = [e for p in parts for e in p.transfers_through(steps, inner_shards)]
                 device_synced = wire_bytes(entries, self.num_workers)
         out = {"bytes_communicated": done * self.payload}
         out["wire_bytes"] = round(done * self.wire + synced)

@@ -169,6 +169,13 @@ class Compression(Part):
         body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown + extra)
         return f"{type(self).__name__}({body})"
 
+    def fingerprint(self) -> dict:
+        out = {"compression": repr(self)}
+        # Runs from before the two-stage exchange have no such field (all "gather").
+        if self.resolved_exchange == "two_stage":
+            out["exchange"] = "two_stage"
+        return out
+
     def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
         """Under error feedback, zero float32 residuals for every worker (`Residuals`)."""
         if self.kind == "none" or not self.error_feedback:

@@ -69,6 +69,9 @@ class Delayed(Part):
     def check_with(self, method: Any) -> None:
         """The naive delay combines with every other part (a weight travels with its delta)."""
 
+    def fingerprint(self) -> dict:
+        return {"outer_delay": [self.rounds, self.eager]}
+
     def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
         """Zero deltas in flight (`InFlight`; eager updates: each worker's own θ and outer
         state too, `OwnTheta`)."""
@@ -294,6 +297,16 @@ class EagerSync(SyncRole):
             return c
         # Without fragments a worker restarts each round from its θ_m.
         return c._replace(workers=c.workers._replace(params=own.theta))
+
+    # There is no global θ nor a global outer state: each worker holds its own (`OwnTheta`).
+    def theta_in(self, theta: Any, treedef: Any) -> None:
+        return None
+
+    def theta_out(self, c: Carry, treedef: Any) -> None:
+        return None
+
+    def outer_carried(self, shared: Any) -> None:
+        return None
 
     def delta(self, c: Carry, ctx: Any, sync: Any, snapshot_k: Any) -> tuple[Any, Carry]:
         old_k = part(sync, c.own[self.name].theta, ctx.treedef)

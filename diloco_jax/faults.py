@@ -187,7 +187,25 @@ class Weights(Part):
             roles["merge"] = MergeIntoOwn(build.schedule.merge_alpha, roles["memory"])
             roles["starts"] = OwnParams()
 
-    def check_run(self, num_workers: int, inner_steps: int) -> None:
+    def fingerprint(self) -> dict:
+        faults = dict(
+            exclude_nonfinite=self.exclude_nonfinite,
+            drop_probability=self.drop_probability,
+            drop_seed=self.drop_seed,
+            worker_steps=self.worker_steps,
+            weighting=self.scheme,
+        )
+        return {"faults": repr(faults)}
+
+    def variant(self) -> dict:
+        out = {}
+        if self.scheme == "norm_softmax":
+            out["temperature"] = self.temperature
+        if self.anomaly is not None:
+            out["anomaly"] = self.anomaly
+        return out
+
+    def check_run(self, params: Any, num_workers: int, inner_steps: int, inner_state: Any) -> None:
         """Raises ValueError naming `Weights.worker_steps` unless it fits M workers and H."""
         steps = self.worker_steps
         if steps is None:

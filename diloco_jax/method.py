@@ -33,7 +33,7 @@ from diloco_jax.delay import Delayed, Eager
 from diloco_jax.faults import NormSoftmax, Weights
 from diloco_jax.outer import cast_state, checked_state_dtype, clip_outer_norm
 from diloco_jax.schedule import Schedule, Streaming, fragment_of, make_schedule
-from diloco_jax.state_sync import StateSync, Syncs
+from diloco_jax.state_sync import StateSync
 
 
 def default_inner_optimizer() -> optax.GradientTransformation:
@@ -164,19 +164,17 @@ class DiLoCo:
         inner_steps: int,
         frozen: tuple = (),
         inner_state: Any = None,
-    ) -> tuple[Schedule, Syncs | None]:
-        """The round's schedule and state syncs for `params` (arrays or shapes), M workers and H
-        inner steps (`inner_state`: one worker's inner state or its shapes, when it is not the
-        inner optimizer's, e.g. a worker step's); ValueError naming the part's field that
-        can't run with them."""
+    ) -> Schedule:
+        """The round's schedule for `params` (arrays or shapes), M workers and H inner steps,
+        each part checked against them (`inner_state`: one worker's inner state or its
+        shapes, when it is not the inner optimizer's, e.g. a worker step's); ValueError naming
+        the part's field that can't run with them."""
         schedule = make_schedule(params, inner_steps, self.schedule, frozen)
-        self.weights.check_run(num_workers, inner_steps)
-        syncs = None
-        if self.state_sync is not None:
-            if inner_state is None:
-                inner_state = jax.eval_shape(self.inner_optimizer.init, params)
-            syncs = self.state_sync.check_run(inner_state)
-        return schedule, syncs
+        if inner_state is None:
+            inner_state = jax.eval_shape(self.inner_optimizer.init, params)
+        for part in self.parts:
+            part.check_run(params, num_workers, inner_steps, inner_state)
+        return schedule
 
     def num_syncs(self, params: Any) -> int:
         """Syncs per round: 1, or P with Streaming DiLoCo's fragments."""
@@ -188,30 +186,12 @@ class DiLoCo:
         """The spec's checkpoint identity (JSON-able), in the fields checkpoints have carried
         since before the spec existed, so older checkpoints of the same method restore. The
         optimizers have no stable form and are not part of it."""
-        w = self.weights
-        faults = dict(
-            exclude_nonfinite=w.exclude_nonfinite,
-            drop_probability=w.drop_probability,
-            drop_seed=w.drop_seed,
-            worker_steps=w.worker_steps,
-            weighting=w.scheme,
-        )
-        s = self.schedule
-        streaming = (None, 0, 0.0) if s is None else (s.assignment, s.overlap_steps, s.merge_alpha)
+        # Standard DiLoCo's schedule, as Streaming's fields (no fragments, tau 0, alpha 0).
+        out = {"fragments": repr((None, 0, 0.0))}
         variant = {}
-        if w.scheme == "norm_softmax":
-            variant["temperature"] = w.temperature
-        if w.anomaly is not None:
-            variant["anomaly"] = w.anomaly
-        if self.state_sync is not None:
-            variant["state_sync"] = self.state_sync.every
-        out = {"compression": repr(self.compression)}
-        # Runs from before the two-stage exchange have no such field (all "gather").
-        if self.compression.resolved_exchange == "two_stage":
-            out["exchange"] = "two_stage"
-        out |= {"faults": repr(faults), "fragments": repr(streaming)}
-        if self.delay is not None:
-            out["outer_delay"] = [self.outer_delay, self.eager]
+        for part in self.parts:
+            out |= part.fingerprint()
+            variant |= part.variant()
         if variant:
             out["variant"] = [repr(variant), None]
         if self.outer_state_dtype is not None:

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax.carry import Carry, Role, SyncRole
 from diloco_jax.outer import outer_update
 from diloco_jax.schedule import leaf_indices, part
-from diloco_jax.workers import WORKER_AXIS, Backend
+from diloco_jax.workers import WORKER_AXIS
 
 
 class OuterShards(NamedTuple):
@@ -58,26 +58,6 @@ class OuterShards(NamedTuple):
     def storage_spec(self, index: int) -> P:
         """The spec of param leaf `index`'s outer state between rounds (worker axis added)."""
         return storage_spec(self.specs[index], self.dims[index])
-
-
-def outer_shards(params: Any, backend: Backend, param_sharding: Any = None) -> OuterShards:
-    """The split for `diloco_round(..., outer_shards=)`: `params` (arrays or shapes) at
-    `param_sharding` (as in `train_diloco`; None: their own specs, else replicated) on
-    `backend` (a shard_map `Backend` from `make_backend`, one worker per device group). The
-    state must then be placed with the outer state at `OuterShards.storage_spec` (as
-    `train_diloco(..., shard_outer_over_workers=True)` does)."""
-    from diloco_jax.placement import resolve_param_specs  # placement builds on this module
-
-    if not isinstance(backend, Backend) or backend.zero_refusal is not None:
-        raise ValueError(
-            f"outer_shards needs a shard_map Backend with one worker per device group, got "
-            f"{backend!r}"
-        )
-    mesh = backend.mesh
-    specs = resolve_param_specs(params, mesh, param_sharding)
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
-    return split_shapes(shapes, specs, sizes, backend.num_workers)
 
 
 def split_shapes(

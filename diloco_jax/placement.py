@@ -106,6 +106,25 @@ def resolve_param_specs(
     return tuple(out)
 
 
+def outer_shards(params: Any, backend: Backend, param_sharding: Any = None) -> OuterShards:
+    """The outer state's split over the workers (`outer_sharding`) for `diloco_round(...,
+    outer_shards=)`: `params` (arrays or shapes) at `param_sharding` (as in `train_diloco`;
+    None: their own specs, else replicated) on `backend` (a shard_map `Backend` from
+    `make_backend`, one worker per device group). The state must then be placed with the
+    outer state at `OuterShards.storage_spec` (as `train_diloco(...,
+    shard_outer_over_workers=True)` does)."""
+    if not isinstance(backend, Backend) or backend.zero_refusal is not None:
+        raise ValueError(
+            f"outer_shards needs a shard_map Backend with one worker per device group, got "
+            f"{backend!r}"
+        )
+    mesh = backend.mesh
+    specs = resolve_param_specs(params, mesh, param_sharding)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+    return split_shapes(shapes, specs, sizes, backend.num_workers)
+
+
 class Placement(NamedTuple):
     """The state's shardings on `mesh` (hashable: an option of a cached program): the params'
     structure, leaf shapes and specs, and the leaf indices of each Streaming fragment."""

@@ -31,13 +31,12 @@ from diloco_jax.schedule import FromTheta, RestartFromTheta, Schedule, segments
 
 
 class Build(NamedTuple):
-    """What a round is built from: the method (`DiLoCo`), its schedule and state syncs for
-    these params (`DiLoCo.check_run`), the params' leaves (shapes) and structure, M and H,
+    """What a round is built from: the method (`DiLoCo`), its schedule for these params
+    (`DiLoCo.check_run`), the params' leaves (shapes) and structure, M and H,
     the inner `step` and the round's `batches`, and the run's options."""
 
     method: Any
     schedule: Schedule
-    state_syncs: Any
     leaves: list
     treedef: Any
     num_workers: int

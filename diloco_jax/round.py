@@ -304,7 +304,7 @@ def diloco_round(
     frozen = frozen_leaves(like, trainable)
     worker_like = _one_worker(state.inner_opt_state) if custom else None
     model_like = None if state.model_state is None else _one_worker(state.model_state)
-    schedule, syncs = method.check_run(like, num_workers, num_steps, frozen, worker_like)
+    schedule = method.check_run(like, num_workers, num_steps, frozen, worker_like)
     _check_state(state, like, num_workers, method, trainable, model_like, worker_like)
     if custom:
         step = train_step(loss_fn, params_of, with_params, frozen)
@@ -318,7 +318,7 @@ def diloco_round(
         )
     plan = build_plan(
         Build(
-            method, schedule, syncs, leaves, treedef, num_workers, num_steps, step, batches,
+            method, schedule, leaves, treedef, num_workers, num_steps, step, batches,
             backend, rng_seed, model_states.merge_rules(model_like, model_state_merge),
             _sync_shards(outer_shards, method, backend, schedule, leaves, treedef, state),
             _check_host(outer_state_memory, method, backend),

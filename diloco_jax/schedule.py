@@ -71,6 +71,9 @@ class Streaming(Part):
         """Every worker's own params (`WorkerParams`): θ to start with."""
         return {WORKER_PARAMS: WorkerParams(stack_workers(params, num_workers))}
 
+    def fingerprint(self) -> dict:
+        return {"fragments": repr((self.assignment, self.overlap_steps, self.merge_alpha))}
+
     def plan(self, build: Any, roles: dict) -> None:
         """Workers continue from their own params, each sync merging into them."""
         roles["merge"] = MergeIntoOwn(build.schedule.merge_alpha, roles["memory"])

@@ -61,14 +61,21 @@ class StateSync(Part):
 
     def plan(self, build: Any, roles: dict) -> None:
         """The inner steps run under one scan that averages the fields when due."""
-        roles["steps"] = SyncedSteps.of(roles["steps"], build.state_syncs)
+        roles["steps"] = SyncedSteps.of(roles["steps"], self.every)
 
-    def check_run(self, inner_opt_state: Any) -> Syncs:
-        """The (field, K) pairs, each field found once in `inner_opt_state` (one worker's
-        state, or its shapes); else ValueError naming the field."""
+    def variant(self) -> dict:
+        return {"state_sync": self.every}
+
+    def transfers_through(self, steps: int, inner_state: Any) -> list:
+        """An all-reduce of each field at every multiple of its K up to `steps`."""
+        return transfers(self.every, inner_state, steps)
+
+    def check_run(self, params: Any, num_workers: int, inner_steps: int, inner_state: Any) -> None:
+        """Raises ValueError naming the field unless each is found once in `inner_state` (one
+        worker's inner optimizer state, or its shapes)."""
         for name, _ in self.every:
             try:
-                found = optax.tree.get(inner_opt_state, name, default=None)
+                found = optax.tree.get(inner_state, name, default=None)
             except (KeyError, ValueError) as error:  # e.g. two fields of that name (Muon's)
                 found, why = None, f": {error}"
             else:
@@ -77,7 +84,6 @@ class StateSync(Part):
                 raise ValueError(
                     f"StateSync field {name!r} is not one field of the inner optimizer state{why}"
                 )
-        return self.every
 
 
 def transfers(syncs: Syncs | None, inner_opt_state: Any, steps: int) -> list:

@@ -340,7 +340,7 @@ def _train_diloco(
     else:
         inner = trainable_lib.masked_optimizer(method.inner_optimizer, params, frozen)
         inner_state = jax.eval_shape(inner.init, params)
-    _, syncs = method.check_run(params, num_workers, inner_steps, frozen, inner_state)
+    method.check_run(params, num_workers, inner_steps, frozen, inner_state)
     placed = _placement(run, backend, params, method, frozen)
     rules = _model_state_rules(model_state, model_state_merge)
     if rules is not None:
@@ -369,8 +369,8 @@ def _train_diloco(
         placement=placed,
     )
     inner_like = None if worker_state is None else inner_state
-    bill = _diloco_bill(method, params, frozen, backend, placed, inner_like, syncs, rules,
-                        model_state, inner_steps)  # fmt: skip
+    bill = _diloco_bill(method, params, frozen, backend, placed, inner_like, rules, model_state,
+                        inner_steps)  # fmt: skip
     faulty = method.weights.active
 
     def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
@@ -621,7 +621,7 @@ def _result(state: Any, history: list[Record], backend: Backend, rules=None) -> 
 
 
 def _diloco_bill(
-    method, params, frozen, backend, placed, worker_state, syncs, rules, model_state, inner_steps
+    method, params, frozen, backend, placed, worker_state, rules, model_state, inner_steps
 ) -> Bill:  # fmt: skip
     """What a DiLoCo round sends (`comm.Bill`). `worker_state`: one worker's state (shapes)
     under a worker step, None for the inner optimizer's."""
@@ -647,9 +647,9 @@ def _diloco_bill(
             device += extra
     elif backend.data_parallel > 1:  # replicated inside a worker: every device sends it all
         device, device_inner = wire, inner_state
-    state_syncs = None if not syncs else (syncs, inner_state, device_inner)
     merge = merge_wire_bytes(model_state, rules, num_workers)
-    return Bill(payload, wire, device, state_syncs, merge, num_workers, inner_steps)
+    on_schedule = (method.parts, inner_state, device_inner)
+    return Bill(payload, wire, device, on_schedule, merge, num_workers, inner_steps)
 
 
 def _check_processes(backend: Backend) -> Backend:

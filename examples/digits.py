@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
         loss_fn, fns.params, rounds, num_rounds=R, inner_steps=H,
         method=dj.DiLoCo(inner=inner), **common,
     )  # fmt: skip
-    steps = dj.sync_steps(train, M, H, B, seed=args.seed, num_rounds=R)
+    steps = dj.layout.sync_steps(train, M, H, B, seed=args.seed, num_rounds=R)
     equal_steps = dj.train_sync(
         loss_fn, fns.params, steps, num_steps=R * H, optimizer=inner, **common
     )

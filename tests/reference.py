@@ -31,8 +31,8 @@ def worker_deltas(params, batch, inner):
     import diloco_jax as dj
 
     def one(b):
-        p, _, _ = dj.inner_loop(linear_loss, inner, params, inner.init(params), b)
-        return dj.worker_delta(params, p)
+        p, _, _ = dj.inner.inner_loop(linear_loss, inner, params, inner.init(params), b)
+        return dj.outer.worker_delta(params, p)
 
     return jax.vmap(one)(batch)
 

@@ -76,7 +76,7 @@ def test_grace_window_applies_its_arrivals_before_anyone_restarts():
 
 def test_zero_updates_is_an_empty_schedule():
     schedule = dj.async_schedule((1.0, 2.0), 3, 0)
-    assert schedule == dj.AsyncSchedule((), 0.0, 0.0)
+    assert schedule == dj.async_train.AsyncSchedule((), 0.0, 0.0)
 
 
 @pytest.mark.parametrize(

@@ -32,9 +32,9 @@ def _round_program(backend_name, params):
 
 def _sync_program(backend_name, params):
     opt = dj.default_inner_optimizer()
-    step = functools.partial(dj.sync_step, linear_loss, optimizer=opt, backend=backend_name)
+    step = functools.partial(dj.sync.sync_step, linear_loss, optimizer=opt, backend=backend_name)
     batch = {"x": jnp.ones((M, 4, DIM)), "y": jnp.ones((M, 4))}
-    return jax.jit(step).lower(dj.init_sync_state(params, opt), batch).compile()
+    return jax.jit(step).lower(dj.sync.init_sync_state(params, opt), batch).compile()
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])

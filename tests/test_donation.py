@@ -34,12 +34,12 @@ def params_and_batches(nan_worker=None, size=D):
 
 def test_restored_fields_follow_the_weight_rule():
     restored = ("inner_opt_state", "model_state")
-    assert dj.restored_fields(None) == restored  # the default excludes non-finite workers
-    assert dj.restored_fields(dj.DiLoCo()) == restored
-    assert dj.restored_fields(NO_EXCLUSION) == ()
+    assert dj.donation.restored_fields(None) == restored  # the default excludes non-finite workers
+    assert dj.donation.restored_fields(dj.DiLoCo()) == restored
+    assert dj.donation.restored_fields(NO_EXCLUSION) == ()
     anomaly = dj.Weights(exclude_nonfinite=False, anomaly=True, weighting=dj.NormSoftmax())
-    assert dj.restored_fields(dj.DiLoCo(weights=anomaly)) == restored
-    assert dj.restored_fields(dj.DiLoCo(delay=dj.Eager(1))) == ()  # eager: exclusion off
+    assert dj.donation.restored_fields(dj.DiLoCo(weights=anomaly)) == restored
+    assert dj.donation.restored_fields(dj.DiLoCo(delay=dj.Eager(1))) == ()  # eager: exclusion off
 
 
 def test_jit_round_donates_all_but_the_restored_fields_and_equals_the_plain_round():
@@ -85,7 +85,7 @@ def test_the_restore_keeps_no_round_start_copy():
 
 
 def test_only_cpu_keeps_the_restored_fields():
-    restored = dj.restored_fields(None)
+    restored = dj.donation.restored_fields(None)
     assert donation.kept_fields(None, "cpu") == restored
     assert donation.kept_fields(None, "gpu") == donation.kept_fields(None, "tpu") == ()
     assert donation.kept_fields(NO_EXCLUSION, "cpu") == ()

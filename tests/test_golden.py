@@ -156,7 +156,7 @@ def _round_program(name):
     m, backend = options.pop("num_workers"), options.pop("backend")
     inner, outer = optimizers()
     options |= dict(inner_optimizer=inner, outer_optimizer=outer)
-    method = dj.method_from_options(None, options, caller="test")
+    method = dj.method.method_from_options(None, options, caller="test")
     with precision(case["dtype"]):
         state = dj.init_state(params(case["dtype"]), m, method, backend=backend)
         batches = {k: jnp.asarray(v) for k, v in data(m, case["dtype"], case["nan"])[0].items()}

@@ -15,7 +15,7 @@ def test_inner_loop_matches_numpy_sgd():
     params = {"w": jnp.asarray([0.5, -1.0, 2.0]), "b": jnp.float32(0.25)}
     opt = optax.sgd(0.1)
 
-    out, state, losses = jax.jit(dj.inner_loop, static_argnums=(0, 1))(
+    out, state, losses = jax.jit(dj.inner.inner_loop, static_argnums=(0, 1))(
         linear_loss, opt, params, opt.init(params), {"x": x, "y": y}
     )
 
@@ -34,7 +34,7 @@ def test_inner_loop_keeps_dtypes_and_counts_adam_steps():
     params = {"w": jnp.ones((3,), jnp.bfloat16), "b": jnp.zeros((), jnp.float32)}
     batches = {"x": jnp.ones((4, 2, 3), jnp.bfloat16), "y": jnp.zeros((4, 2), jnp.float32)}
     opt = optax.adamw(1e-3)
-    out, state, losses = dj.inner_loop(linear_loss, opt, params, opt.init(params), batches)
+    out, state, losses = dj.inner.inner_loop(linear_loss, opt, params, opt.init(params), batches)
     assert out["w"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.float32
     assert int(state[0].count) == 4
     assert losses.dtype == jnp.float32
@@ -45,4 +45,4 @@ def test_inner_loop_rejects_non_scalar_or_int_loss(bad):
     params = {"w": jnp.ones((3,))}
     opt = optax.sgd(0.1)
     with pytest.raises(ValueError, match="loss_fn must return a float scalar"):
-        dj.inner_loop(bad, opt, params, opt.init(params), jnp.ones((2, 3)))
+        dj.inner.inner_loop(bad, opt, params, opt.init(params), jnp.ones((2, 3)))

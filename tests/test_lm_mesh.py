@@ -516,7 +516,7 @@ def test_the_samplers_streams_split_over_each_workers_devices_draw_the_same_wind
     cfg = config_lib.RunConfig(sharding=sharding, batch_size=4, seq_len=16, mesh=mesh)
     sampler = experiment.make_sampler(cfg, corpus, 2, salt=0)
     backend = dj.make_backend("auto", 2, mesh=experiment.make_mesh(cfg, 2))
-    placed = dj.place_sampler(sampler, backend)
+    placed = dj.sampler.place_sampler(sampler, backend)
     stream = (placed.arrays if sharding == "iid" else placed.worker_arrays)["tokens"]
     starts, lengths = data_lib.worker_shards(corpus.doc_starts, 1001, 2, sharding, 16)
     # One stream of 1001 tokens padded to 1004, or two rows of the longest shard (520) each.

@@ -225,7 +225,7 @@ def test_the_low_level_api_on_a_mesh_backend_equals_train_diloco(options):
     same buffers), the worker axis by its own name."""
     mesh = _mesh((2, 2, 2), ("replica", "fsdp", "tensor"))
     specs = MESHES["fsdp2xtensor2"][2]
-    method = dj.method_from_options(None, dict(options), caller="test")
+    method = dj.method.method_from_options(None, dict(options), caller="test")
     backend = dj.make_backend("auto", M, mesh=mesh, worker_axis="replica", param_sharding=specs)
     state = dj.init_state(_params(), M, method, backend=backend)
     assert state.inner_opt_state[0].mu["w1"].sharding.spec == P("workers", "fsdp", "tensor")

@@ -160,7 +160,7 @@ def test_a_spec_is_a_stable_value():
     )
     b = dj.DiLoCo(
         schedule=dj.Streaming({"b": 1, "w": 0}, overlap_steps=1, merge_alpha=0.5),
-        compression=dj.parse_compression("int4,ef=1"),
+        compression=dj.compression.parse_compression("int4,ef=1"),
         weights=dj.Weights(worker_steps=(4, 2), weighting="steps", exclude_nonfinite=False),
         delay=dj.Delayed(2),
         state_sync=dj.StateSync(mu=4, nu=8),

@@ -57,10 +57,10 @@ def _labels_by_path(labels) -> dict[str, str]:
 
 
 def test_coefficients_are_dions():
-    assert [tuple(c) for c in dj.DION_NS_COEFFS] == DION
-    assert list(dj.ns_coefficients(5)) == DION
-    assert list(dj.ns_coefficients(2)) == DION[:2]
-    assert list(dj.ns_coefficients(7)) == DION + [DION[-1]] * 2
+    assert [tuple(c) for c in dj.optimizers.DION_NS_COEFFS] == DION
+    assert list(dj.optimizers.ns_coefficients(5)) == DION
+    assert list(dj.optimizers.ns_coefficients(2)) == DION[:2]
+    assert list(dj.optimizers.ns_coefficients(7)) == DION + [DION[-1]] * 2
     # optax's own "dion" preset holds the same triples
     from optax.contrib import _muon
 
@@ -71,7 +71,7 @@ def test_coefficients_are_dions():
 def test_routing_of_the_tiny_lm(positions):
     config = model_lib.get_config("tiny", positions=positions)
     params = jax.eval_shape(model_lib.init_params, config, jax.random.key(0))
-    labels = _labels_by_path(dj.muon_labels(params))
+    labels = _labels_by_path(dj.optimizers.muon_labels(params))
     muon = {k for k, v in labels.items() if v == "muon"}
     expected = {
         f"['blocks'][{i}]['{block}']['{name}']['kernel']"
@@ -99,7 +99,7 @@ def test_routing_of_a_hand_made_dict_and_a_custom_rule():
         "temperature": np.zeros(()),
         "stack": [np.zeros((4, 4)), np.zeros(4)],
     }
-    labels = dj.muon_labels(params)
+    labels = dj.optimizers.muon_labels(params)
     assert labels == {
         "wte": "adamw",
         "pos_embedding": "adamw",
@@ -118,11 +118,11 @@ def test_routing_of_a_hand_made_dict_and_a_custom_rule():
         seen.append(path)
         return leaf.ndim == 2
 
-    labels = dj.muon_labels(params, every_matrix)
+    labels = dj.optimizers.muon_labels(params, every_matrix)
     assert labels["wte"] == labels["lm_head"]["kernel"] == "muon"
     assert ("stack", "1") in seen and ("layer", "kernel") in seen
     with pytest.raises(ValueError, match="conv.*2-D"):
-        dj.muon_labels(params, lambda path, leaf: path == ("conv",))
+        dj.optimizers.muon_labels(params, lambda path, leaf: path == ("conv",))
 
 
 def _run_steps(opt, params, grads_T):

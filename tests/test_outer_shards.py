@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import diloco_jax as dj
-from diloco_jax import hlo
+from diloco_jax import hlo, placement
 from diloco_jax import outer_sharding as outer_shards_lib
 
 M, H, R = 2, 4, 3
@@ -145,7 +145,7 @@ def test_the_compiled_sync_reduce_scatters_and_all_gathers_shards():
         param_sharding=specs, shard_outer_over_workers=True,
     )  # fmt: skip
     backend = dj.make_backend("auto", M, mesh=mesh)
-    shards = dj.outer_shards(params, backend, specs)
+    shards = placement.outer_shards(params, backend, specs)
     assert shards.dims == (0, None, 0, 0)  # b1 [16], c [3], w1 [8, 16], w2 [16, 4]
     state = jax.device_put(dj.init_state(params, M), _storage(params, mesh, specs, shards))
     compiled = (
@@ -250,7 +250,7 @@ def test_per_coordinate_rules_pass_and_mixing_ones_are_named():
     for ok in (
         dj.default_outer_optimizer(),
         optax.adam(0.1),
-        dj.cast_state(optax.sgd(0.7, momentum=0.9), "bfloat16"),
+        dj.outer.cast_state(optax.sgd(0.7, momentum=0.9), "bfloat16"),
         dj.restart_momentum(optax.sgd(0.7, momentum=0.9, nesterov=True), 3),
     ):
         outer_shards_lib.check_per_coordinate(ok, like)

@@ -1,4 +1,4 @@
-"""`DiLoCo(outer_state_dtype="bfloat16")` / `dj.cast_state`: the outer momentum stored in
+"""`DiLoCo(outer_state_dtype="bfloat16")` / `dj.outer.cast_state`: the outer momentum stored in
 bfloat16 (half its bytes), computed in float32, against a NumPy reference that rounds the
 stored momentum once a round; the spec field's checks, repr and shorthand."""
 
@@ -102,7 +102,7 @@ def test_a_non_float_dtype_is_refused_naming_the_field(bad):
 
 
 def test_cast_state_keeps_integer_leaves_and_computes_wide():
-    tx = dj.cast_state(optax.adam(0.1), "bfloat16")
+    tx = dj.outer.cast_state(optax.adam(0.1), "bfloat16")
     state = tx.init({"w": jnp.ones(3)})
     assert state[0].count.dtype == jnp.int32 and state[0].mu["w"].dtype == jnp.bfloat16
     updates, state = tx.update({"w": jnp.full(3, 0.5)}, state)

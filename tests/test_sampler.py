@@ -43,8 +43,8 @@ def test_inner_loop_with_batch_function_needs_num_steps():
     params = {"w": jnp.ones(3), "b": jnp.float32(0)}
     batch = {"x": jnp.ones((2, 3)), "y": jnp.zeros(2)}
     with pytest.raises(ValueError, match="num_steps"):
-        dj.inner_loop(linear_loss, opt, params, opt.init(params), lambda h: batch)
-    _, _, losses = dj.inner_loop(
+        dj.inner.inner_loop(linear_loss, opt, params, opt.init(params), lambda h: batch)
+    _, _, losses = dj.inner.inner_loop(
         linear_loss, opt, params, opt.init(params), lambda h: batch, num_steps=4
     )
     assert losses.shape == (4,)

@@ -131,7 +131,7 @@ def test_streams_split_over_a_workers_devices_equal_host_batches(shape, names, s
         dj.train_async(linear_loss, PARAMS, _host_rounds(), **common),
         exact=False,
     )
-    placed = dj.place_sampler(sampler, dj.make_backend("auto", M, mesh=mesh))
+    placed = dj.sampler.place_sampler(sampler, dj.make_backend("auto", M, mesh=mesh))
     stream = placed.worker_arrays["stream"]
     assert {s.data.shape for s in stream.addressable_shards} == {(1, N // 4)}
     assert {s.data.shape for s in placed.worker_arrays["offsets"].addressable_shards} == {
@@ -161,7 +161,7 @@ def test_a_shared_stream_split_inside_each_worker():
         dj.train_diloco(linear_loss, PARAMS, whole, backend="vmap", **kw),
         exact=False,
     )
-    placed = dj.place_sampler(split, dj.make_backend("auto", M, mesh=mesh))
+    placed = dj.sampler.place_sampler(split, dj.make_backend("auto", M, mesh=mesh))
     assert {s.data.shape for s in placed.arrays["stream"].addressable_shards} == {(N // 4,)}
     # data_parallel's axis inside a worker is "data"; "fsdp" is not one of its axes
     on_data = dj.Sampler({"stream": stream}, draw, sharding=P("data"))
@@ -178,7 +178,7 @@ def _round_argument_bytes(sampler, num_workers):
     """Per-device argument bytes of the compiled round on a (workers, data) mesh of 8."""
     mesh = _mesh((num_workers, 8 // num_workers), ("workers", "data"))
     backend = dj.make_backend("auto", num_workers, mesh=mesh)
-    placed = dj.place_sampler(sampler, backend)
+    placed = dj.sampler.place_sampler(sampler, backend)
     sgd = optax.sgd(0.1)
     method = dj.DiLoCo(inner=sgd, outer=sgd)
     state = dj.init_state(PARAMS, num_workers, method)

@@ -500,7 +500,7 @@ def test_wire_bytes_read_from_the_compiled_round(num_workers, spec, exclude):
         payload = (576 + 4 * 96 // 4 + 16) + (2 * 2 * 1 + 1 + 16)
     else:
         payload = 576 + 4 * 96 * 4 + 2 * 2 * (1 + 4)
-    assert dj.round_bytes(_params(), spec) == payload
+    assert dj.comm.round_bytes(_params(), spec) == payload
     ring = num_workers - 1
     want = ring * payload + 2 * ring / num_workers * 4 + (ring * 4 if exclude else 0)
     formula = comm.round_wire_bytes(_params(), spec, num_workers, weighted=exclude)

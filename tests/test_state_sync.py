@@ -124,6 +124,6 @@ def test_state_sync_bytes_are_counted_and_compiled_in_a_conditional():
 )
 def test_bad_state_sync(sync, match):
     with pytest.raises(ValueError, match=match):
-        dj.StateSync(sync).check_run(INNER.init(PARAMS))
+        dj.StateSync(sync).check_run(PARAMS, M, H, INNER.init(PARAMS))
     with pytest.raises(ValueError, match=match):
         _train(make_data(np.random.default_rng(2), 1, M, H), state_sync=sync)

@@ -141,7 +141,7 @@ def test_streaming_with_compression_and_resume(tmp_path):
         compression="int8,ef=1",
     )
     full = dj.train_diloco(linear_loss, params, rounds, **kw)
-    assert full.history[0]["bytes_communicated"] == dj.round_bytes(params, "int8")
+    assert full.history[0]["bytes_communicated"] == dj.comm.round_bytes(params, "int8")
     dj.train_diloco(linear_loss, params, rounds, checkpoint_dir=tmp_path, **dict(kw, num_rounds=2))
     resumed = dj.train_diloco(linear_loss, params, rounds, checkpoint_dir=tmp_path, **kw)
     jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)

@@ -251,7 +251,7 @@ def test_sparse_gathers_cost_more_than_float32_from_a_worker_count_on():
 
     assert first_costlier("sign_prune:0.5") == 4
     assert first_costlier("topk:0.01") == 100
-    assert dj.round_bytes(WIRE_PARAMS, "sparseloco") == 128 + 768 + 1 + 2 + 32
+    assert dj.comm.round_bytes(WIRE_PARAMS, "sparseloco") == 128 + 768 + 1 + 2 + 32
     assert first_costlier("sparseloco") == 142
 
 

@@ -11,6 +11,7 @@ import pytest
 from reference import linear_loss, make_data
 
 import diloco_jax as dj
+from diloco_jax import inner
 
 M, H, R = 2, 4, 3
 PARAMS = {"w": jnp.zeros(3), "b": jnp.float32(0)}
@@ -95,8 +96,12 @@ def test_step_info_tells_round_worker_step_and_key():
         assert entry["worker_r"] == [r] * M and entry["worker_m"] == list(range(M))
         assert entry["h"] == np.mean(range(H))  # mean of 0..H-1
         want = [
-            np.mean([float(jax.random.uniform(dj.step_key(dj.worker_key(5, r, m), h), ()))
-                     for h in range(H)])
+            np.mean(
+                [
+                    float(jax.random.uniform(inner.step_key(inner.worker_key(5, r, m), h), ()))
+                    for h in range(H)
+                ]
+            )
             for m in range(M)
         ]  # fmt: skip
         np.testing.assert_allclose(entry["worker_u"], want, rtol=1e-6)

@@ -10,6 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from diloco_jax.lm.tblog import TensorBoardLog, aux_metrics
+
 
 def write_json(path: Path, obj: Any) -> None:
     """Writes JSON atomically: a temporary file in the same folder, then a rename."""
@@ -24,21 +26,6 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
         f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
     os.replace(f.name, path)
-
-
-def aux_metrics(record: dict[str, Any], names: Iterable[str] = ()) -> dict[str, float]:
-    """The train metrics a record holds beside "loss" (the loss_fn's aux outputs), in record
-    order: every number k with a "worker_" + k field too (what train_diloco and train_sync
-    record for each aux metric), and those of `names` that it holds (train_async records
-    only the mean, no per-worker list). Values that are not numbers are left out."""
-    names = set(names)
-    out = {}
-    for key, value in record.items():
-        if key == "loss" or not (key in names or "worker_" + key in record):
-            continue
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            out[key] = float(value)
-    return out
 
 
 def _human_bytes(n: float) -> str:
@@ -69,8 +56,6 @@ class RunLog:
         self._file = open(metrics_path, "a")  # noqa: SIM115 - closed in close()
         self._tensorboard = None
         if tensorboard is not None:
-            from diloco_jax.lm.tblog import TensorBoardLog
-
             self._tensorboard = TensorBoardLog(tensorboard, aux=self._aux)
         self._bar = tqdm(
             total=total,

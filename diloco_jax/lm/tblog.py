@@ -5,15 +5,13 @@ OUT/tensorboard/RUN/, so `tensorboard --logdir OUT/tensorboard` overlays DiLoCo 
 baselines on one chart per tag. The x axis is steps per worker (a DiLoCo round shows at its
 last inner step; an async server update at the workers' mean steps so far, rounded), and
 every scalar is a field of the run's metrics.jsonl record (SCALARS, and each train metric
-beside the loss as "train/NAME", e.g. train/accuracy: `runlog.aux_metrics`), stored as
+beside the loss as "train/NAME", e.g. train/accuracy: `aux_metrics`), stored as
 float32 as TensorBoard does.
 """
 
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-from diloco_jax.lm.runlog import aux_metrics
 
 # metrics.jsonl field -> TensorBoard tag.
 SCALARS = {
@@ -38,7 +36,7 @@ def run_dir(out: Path, name: str) -> Path:
 def scalars(record: dict[str, Any], aux: Iterable[str] = ()) -> dict[str, float]:
     """The TensorBoard tags and values of one metrics record: the SCALARS fields it has that
     are numbers (None, e.g. an unknown MFU, is left out; NaN and inf are kept), then its train
-    metrics beside the loss as "train/NAME" (`runlog.aux_metrics(record, aux)`)."""
+    metrics beside the loss as "train/NAME" (`aux_metrics(record, aux)`)."""
     out = {}
     for key, tag in SCALARS.items():
         value = record.get(key)
@@ -47,6 +45,21 @@ def scalars(record: dict[str, Any], aux: Iterable[str] = ()) -> dict[str, float]
     for name, value in aux_metrics(record, aux).items():
         if name not in SCALARS:
             out[f"train/{name}"] = value
+    return out
+
+
+def aux_metrics(record: dict[str, Any], names: Iterable[str] = ()) -> dict[str, float]:
+    """The train metrics a record holds beside "loss" (the loss_fn's aux outputs), in record
+    order: every number k with a "worker_" + k field too (what train_diloco and train_sync
+    record for each aux metric), and those of `names` that it holds (train_async records
+    only the mean, no per-worker list). Values that are not numbers are left out."""
+    names = set(names)
+    out = {}
+    for key, value in record.items():
+        if key == "loss" or not (key in names or "worker_" + key in record):
+            continue
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = float(value)
     return out
 
 
