@@ -373,16 +373,6 @@ def unless(skip: jax.Array, update: Callable[..., tuple], values: tuple, *args: 
     return out
 
 
-def select_workers(mask_M: jax.Array, on_true_M: Any, on_false: Any) -> Any:
-    """Per worker: leaf [M, ...] of `on_true_M` where mask_M [M] is True, else `on_false`
-    ([...], broadcast to every worker)."""
-
-    def pick(a, b):
-        m = mask_M.reshape(mask_M.shape + (1,) * (a.ndim - 1))
-        return jnp.where(m, a, jnp.asarray(b)[None].astype(a.dtype))
-
-    return jax.tree.map(pick, on_true_M, on_false)
-
 
 class NormStats(NamedTuple):
     """EDiT's anomaly statistics of one sync: each worker's EWMA mean and variance of its

@@ -144,19 +144,6 @@ class DiLoCo:
     def fragmented(self) -> bool:
         return self.schedule is not None
 
-    @property
-    def carries_params(self) -> bool:
-        """Whether each worker carries its own params from sync to sync
-        (`schedule.WorkerParams`): with fragments (Streaming DiLoCo never resets them) and
-        under simulated drops (a dropped worker whose delta was finite carries on from its
-        own params)."""
-        return self.fragmented or self.weights.drop_probability is not None
-
-    @property
-    def carries_residual(self) -> bool:
-        """Whether rounds carry error-feedback residuals (a lossy kind with error feedback)."""
-        return self.compression.kind != "none" and self.compression.error_feedback
-
     def check_run(
         self,
         params: Any,
