@@ -373,7 +373,6 @@ def unless(skip: jax.Array, update: Callable[..., tuple], values: tuple, *args: 
     return out
 
 
-
 class NormStats(NamedTuple):
     """EDiT's anomaly statistics of one sync: each worker's EWMA mean and variance of its
     delta norms (float32 [M]) and how many norms it has kept (int32 [M])."""

@@ -18,6 +18,8 @@ must not use collectives over `WORKER_AXIS`: it names the devices, not the worke
 
 - "vmap": all workers on one device under `jax.vmap` (k = M); `reduce` sees a device axis of
   size 1, so its collectives compile to nothing.
+- "sequential": all workers on one device as under "vmap", but each worker's inner steps run
+  one worker after another (`lax.map`), at one worker's shapes.
 - "shard_map": workers over a 1-D device mesh axis; with M > devices (M a multiple of the
   device count) each device runs M / D workers under a local vmap.
 - "pmap": the same layout through `jax.pmap`.
@@ -39,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 WORKER_AXIS = "workers"
 DATA_AXIS = "data"
-BACKENDS = ("auto", "vmap", "shard_map", "pmap")
+BACKENDS = ("auto", "vmap", "sequential", "shard_map", "pmap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +348,21 @@ class VmapBackend(Backend):
 
 
 @dataclasses.dataclass(frozen=True)
+class SequentialBackend(VmapBackend):
+    """Every worker on one device, one after another: each worker's inner steps run under
+    `lax.map` over the workers instead of `jax.vmap`, so every operation keeps the shapes it
+    has for one worker (a convolution with one worker's weights, not a batch of them); the
+    rest of the round (deltas, exchange, outer update) is the vmap backend's. The same
+    arithmetic per worker as vmap, up to float rounding (XLA may fuse a batched program
+    differently)."""
+
+    name: ClassVar[str] = "sequential"
+
+    def worker_map(self, fn: Callable, in_axes: tuple) -> Callable:
+        return _one_after_another(fn, in_axes)
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardMapBackend(Backend):
     """Workers over a mesh axis of devices (`jax.shard_map`), M / D a device group; on a
     user's mesh its other axes partition each worker."""
@@ -386,7 +403,9 @@ class PmapBackend(Backend):
         return _pmap_workers(body, self.devices, self.num_workers)
 
 
-_BACKENDS = {cls.name: cls for cls in (VmapBackend, ShardMapBackend, PmapBackend)}
+_BACKENDS = {
+    cls.name: cls for cls in (VmapBackend, SequentialBackend, ShardMapBackend, PmapBackend)
+}
 
 
 def _put(tree: Any, sharding: Any) -> Any:
@@ -464,8 +483,8 @@ def make_backend(
     if backend == "auto":
         placeable = num_workers <= len(devices) or num_workers % len(devices) == 0
         backend = "shard_map" if len(devices) > 1 and num_workers > 1 and placeable else "vmap"
-    if backend == "vmap":
-        return VmapBackend(num_workers, devices[:1])
+    if backend in ("vmap", "sequential"):  # every worker on the first device
+        return _BACKENDS[backend](num_workers, devices[:1])
     if num_workers <= len(devices):
         return _BACKENDS[backend](num_workers, devices[:num_workers])
     if num_workers % len(devices):
@@ -695,6 +714,33 @@ def _pmap_workers(body, devices: tuple[jax.Device, ...], num_workers: int):
         merge = lambda x: x.reshape((num_workers,) + x.shape[2:])
         same, local = mapped(shared, jax.tree.map(split, mine))
         return same, jax.tree.map(merge, local)
+
+    return run
+
+
+def _one_after_another(fn, in_axes):
+    """`jax.vmap(fn, in_axes)` computed by `lax.map` (in_axes: 0 or None per argument, or a
+    tuple prefix of it): one worker at a time, each with its own unbatched shapes."""
+
+    def split(a, axis):  # (what is mapped, what every worker shares), None where the other
+        if isinstance(axis, tuple):
+            pairs = [split(x, ax) for x, ax in zip(a, axis, strict=True)]
+            return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+        return (None, a) if axis is None else (a, None)
+
+    def join(mapped, shared, axis):
+        if isinstance(axis, tuple):
+            return tuple(join(m, s, ax) for m, s, ax in zip(mapped, shared, axis, strict=True))
+        return shared if axis is None else mapped
+
+    def run(*args):
+        halves = [split(a, axis) for a, axis in zip(args, in_axes, strict=True)]
+        shared = [h[1] for h in halves]
+
+        def one(mapped):
+            return fn(*(join(m, s, ax) for m, s, ax in zip(mapped, shared, in_axes, strict=True)))
+
+        return lax.map(one, [h[0] for h in halves])
 
     return run
 
