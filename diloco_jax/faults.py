@@ -89,7 +89,8 @@ class Weights(Part):
       from θ); None: on for the exact exchange without eager updates, off otherwise
       (resolved by `DiLoCo`).
     drop_probability, drop_seed: drop each worker from each sync's mean with probability p in
-      [0, 1] (None: off), keyed by (seed >= 0, round, sync).
+      [0, 1) (None: off; 1, which would train nothing, is refused), keyed by (seed >= 0,
+      round, sync).
     worker_steps: per-worker inner step counts (h_1, ..., h_M), each in [1, H]; None: all H.
     weighting: "uniform" (1), "steps" (h_m) or `NormSoftmax(T)` (EDiT; "norm_softmax" is
       NormSoftmax(1.0)).
@@ -280,9 +281,14 @@ def _drop_probability(p: Any) -> float | None:
     if p is None:
         return None
     if isinstance(p, bool) or not isinstance(p, int | float | np.integer | np.floating):
-        raise ValueError(f"Weights.drop_probability must be a float in [0, 1], got {p!r}")
+        raise ValueError(f"Weights.drop_probability must be a float in [0, 1), got {p!r}")
     if not 0.0 <= float(p) <= 1.0 or math.isnan(p):
-        raise ValueError(f"Weights.drop_probability must be in [0, 1], got {p!r}")
+        raise ValueError(f"Weights.drop_probability must be in [0, 1), got {p!r}")
+    if float(p) == 1.0:  # every worker dropped from every sync: θ would never change
+        raise ValueError(
+            "Weights.drop_probability must be below 1, got 1 (every worker dropped from every "
+            "sync: nothing would train)"
+        )
     return float(p)
 
 

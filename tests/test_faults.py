@@ -183,9 +183,9 @@ def test_drop_probability_zero_is_the_plain_round_bit_for_bit():
     np.testing.assert_array_equal(history[1]["loss"], plain_history[1]["loss"])
 
 
-def test_drop_probability_one_skips_every_round():
+def test_a_round_that_drops_every_worker_is_skipped():
     data = make_data(np.random.default_rng(4), num_rounds=2, num_workers=2, inner_steps=2)
-    state, history = run_rounds(data, drop_probability=1.0)
+    state, history = run_rounds(data, drop_probability=0.999)
     assert all(h["skipped"] and h["dropped_workers"].all() for h in history)
     assert_trees_equal(state.params, jax.tree.map(np.asarray, PARAMS))
     assert_trees_equal(state.outer_opt_state, OUTER.init(jax.tree.map(jnp.asarray, PARAMS)))
@@ -252,6 +252,7 @@ def test_masked_steps_do_not_advance_the_inner_optimizer():
     "options, name",
     [
         (dict(drop_probability=-0.1), "drop_probability"),
+        (dict(drop_probability=1.0), "drop_probability must be below 1"),
         (dict(drop_probability=1.5), "drop_probability"),
         (dict(worker_steps=(1, 1, 1)), "worker_steps"),
         (dict(worker_steps=(0, 2)), "worker_steps"),
