@@ -25,8 +25,9 @@ Source specs (`load_source`):
             boundaries (blank lines; at line ends if a paragraph runs past 4x that size),
             so a single book still gives a validation split by document. The pieces
             concatenate back to the file exactly. Or a folder: every .txt/.md file below
-            it (recursive, sorted relative paths) is one document; a folder of one file
-            is cut like that file.
+            it (recursive, sorted relative paths; symbolic links are not followed, so
+            nothing outside the folder is read) is one document; a folder of one file is
+            cut like that file.
   "hf:NAME[:CONFIG[:SPLIT]]"  A Hugging Face `datasets` dataset (optional dependency),
             column "text", one row per document, rows in dataset order (streamed, so
             max_documents/max_bytes avoid reading everything). SPLIT defaults to "train".
@@ -37,6 +38,7 @@ Source specs (`load_source`):
 All sources drop empty documents.
 """
 
+import codecs
 import dataclasses
 import functools
 import glob
@@ -128,7 +130,8 @@ def load_source(
       spec: "stdlib", "text:PATH" or "hf:NAME[:CONFIG[:SPLIT]]".
       max_documents: keep only the first this-many (non-empty) documents; None = all.
       max_bytes: stop once this many bytes are collected, truncating the last document;
-        None = all.
+        None = all. Only those bytes are read: a text file's documents are cut from its
+        first max_bytes bytes.
 
     Returns:
       Source. Raises ValueError (naming the spec) for a bad spec, a missing path, or a
@@ -140,9 +143,9 @@ def load_source(
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     if spec == "stdlib":
-        docs, extra = _stdlib_documents()
+        docs, extra = _stdlib_documents(max_bytes)
     elif spec.startswith("text:"):
-        docs, extra = _text_documents(spec, spec[len("text:") :])
+        docs, extra = _text_documents(spec, spec[len("text:") :], max_bytes)
     elif spec.startswith("hf:"):
         docs, extra = _hf_documents(spec)
     else:
@@ -192,7 +195,7 @@ def _take(
     return out
 
 
-def _stdlib_documents() -> tuple[Iterator[tuple[str, bytes]], dict[str, Any]]:
+def _stdlib_documents(max_bytes: int | None) -> tuple[Iterator[tuple[str, bytes]], dict[str, Any]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     names = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -216,7 +219,7 @@ def _stdlib_documents() -> tuple[Iterator[tuple[str, bytes]], dict[str, Any]]:
         "python_version": platform.python_version(),
         "python_implementation": platform.python_implementation(),
     }
-    return ((name, (root / name).read_bytes()) for name in names), extra
+    return _read_within(((name, root / name) for name in names), max_bytes), extra
 
 
 def _split_at(data: bytes, boundary: re.Pattern, target: int) -> list[bytes]:
@@ -244,10 +247,34 @@ def split_text(data: bytes, target: int = TEXT_DOCUMENT_BYTES) -> list[bytes]:
     return pieces
 
 
-def _read_utf8(spec: str, path: Path) -> bytes:
-    data = path.read_bytes()
+def _read_within(
+    files: Iterable[tuple[str, Path]], max_bytes: int | None, read: Any = None
+) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each file in turn, reading no more than the `max_bytes` all of them
+    may keep (None: all): the last one read is cut there and nothing after it is opened."""
+    read = read or _read_prefix
+    left = max_bytes
+    for name, path in files:
+        if left is not None and left <= 0:
+            return
+        data = read(path, left)
+        yield name, data
+        if left is not None:
+            left -= len(data)
+
+
+def _read_prefix(path: Path, limit: int | None) -> bytes:
+    """The first `limit` bytes of a file (all of it when None)."""
+    with open(path, "rb") as f:
+        return f.read() if limit is None else f.read(limit)
+
+
+def _read_utf8(spec: str, path: Path, limit: int | None = None) -> bytes:
+    """The first `limit` bytes of a UTF-8 file (all when None); a character cut at the limit
+    is not an error (the cut is where the corpus ends)."""
+    data = _read_prefix(path, limit)
     try:
-        data.decode("utf-8")
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=limit is None)
     except UnicodeDecodeError as e:
         raise ValueError(
             f"data spec {spec!r}: {path} is not UTF-8 ({e.reason} at {e.start})"
@@ -255,30 +282,46 @@ def _read_utf8(spec: str, path: Path) -> bytes:
     return data
 
 
-def _text_documents(spec: str, path_str: str) -> tuple[Iterator[tuple[str, bytes]], dict]:
+def _text_documents(
+    spec: str, path_str: str, max_bytes: int | None = None
+) -> tuple[Iterator[tuple[str, bytes]], dict]:
     if not path_str:
         raise ValueError(f"data spec {spec!r} needs a path: 'text:PATH'")
     path = Path(path_str).expanduser()
     if path.is_file():
-        return _cut_file(spec, path, path.name), {"path": str(path), "kind": "file"}
+        return _cut_file(spec, path, path.name, max_bytes), {"path": str(path), "kind": "file"}
     if path.is_dir():
-        files = sorted(
-            p.relative_to(path).as_posix()
-            for p in path.rglob("*")
-            if p.suffix.lower() in _TEXT_SUFFIXES and p.is_file()
-        )
+        files = _text_files(path)
         if not files:
             raise ValueError(f"data spec {spec!r}: no .txt or .md files under {path}")
+        kind = {"path": str(path), "kind": "folder"}
         if len(files) == 1:  # one document has no train / eval split: cut it as a file
-            return _cut_file(spec, path / files[0], files[0]), {"path": str(path), "kind": "folder"}
-        docs = ((name, _read_utf8(spec, path / name)) for name in files)
-        return docs, {"path": str(path), "kind": "folder"}
+            return _cut_file(spec, path / files[0], files[0], max_bytes), kind
+        utf8 = lambda file, limit: _read_utf8(spec, file, limit)
+        return _read_within(((name, path / name) for name in files), max_bytes, utf8), kind
     raise ValueError(f"data spec {spec!r}: no such file or folder {path}")
 
 
-def _cut_file(spec: str, path: Path, name: str) -> Iterator[tuple[str, bytes]]:
-    """A text file's documents: `split_text` pieces named NAME#i."""
-    pieces = split_text(_read_utf8(spec, path))
+def _text_files(folder: Path) -> list[str]:
+    """The .txt / .md files below `folder` (sorted relative paths). Symbolic links are
+    neither followed nor read, as in the stdlib source: what the folder holds, nothing
+    outside it."""
+    names = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        dirnames.sort()
+        for filename in filenames:
+            path = Path(dirpath, filename)
+            if path.suffix.lower() in _TEXT_SUFFIXES and not path.is_symlink() and path.is_file():
+                names.append(path.relative_to(folder).as_posix())
+    return sorted(names)
+
+
+def _cut_file(
+    spec: str, path: Path, name: str, max_bytes: int | None = None
+) -> Iterator[tuple[str, bytes]]:
+    """A text file's documents: `split_text` pieces named NAME#i, of its first `max_bytes`
+    bytes (all when None; only those are read)."""
+    pieces = split_text(_read_utf8(spec, path, max_bytes))
     width = len(str(len(pieces)))
     return ((f"{name}#{i:0{width}d}", p) for i, p in enumerate(pieces))
 
