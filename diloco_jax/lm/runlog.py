@@ -1,9 +1,10 @@
 """Run outputs: one JSON line of metrics per record (big_vision style), a tqdm progress bar,
 and atomic JSON files."""
 
+import contextlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,17 +16,28 @@ from diloco_jax.lm.tblog import TensorBoardLog, aux_metrics
 
 def write_json(path: Path, obj: Any) -> None:
     """Writes JSON atomically: a temporary file in the same folder, then a rename."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(f.name, path)
+    _write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     """Writes one JSON object a line, atomically (temporary file, then a rename)."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    os.replace(f.name, path)
+    _write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it and a rename. The file gets the
+    permissions `open` gives a new file (0666 less the umask), as every other file of a run
+    does (tempfile's would be 0600)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
 
 
 def _human_bytes(n: float) -> str:
