@@ -13,7 +13,10 @@ none of them set it leaves discovery to `jax.distributed.initialize` itself (SLU
 TPU pods and the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables).
 """
 
+import math
 import os
+import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,14 @@ import numpy as np
 ENV_COORDINATOR = "DILOCO_COORDINATOR"
 ENV_NUM_PROCESSES = "DILOCO_NUM_PROCESSES"
 ENV_PROCESS_ID = "DILOCO_PROCESS_ID"
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+DEFAULT_TIMEOUT_S = 300  # JAX's own initialization timeout
+
+
+class CoordinatorUnreachable(ConnectionError):
+    """No coordinator answered at the address within the connect timeout."""
 
 
 def initialize(
@@ -31,6 +42,7 @@ def initialize(
     process_id: int | None = None,
     *,
     platform: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Joins this process to a multi-process JAX run (call once, before using devices).
 
@@ -40,10 +52,17 @@ def initialize(
       process_id: 0 <= I < N; default DILOCO_PROCESS_ID.
       platform: the platform the run uses ("cpu", "gpu", "tpu"); default the first entry of
         JAX_PLATFORMS, if set. On "cpu" the cross-process collectives go through gloo.
+      timeout: seconds > 0 to wait for the coordinator and for every process to join.
 
     With all three unset (arguments and DILOCO_* variables), JAX detects the cluster itself.
-    Raises ValueError when only some of them are given, or one is malformed or out of range.
+    Raises ValueError when only some of them are given, or one is malformed or out of range;
+    CoordinatorUnreachable when process I > 0 finds nothing listening at `coordinator`
+    within `timeout` (JAX itself would end the process, later, blaming another task).
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout > MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be at most {MAX_TIMEOUT_S} seconds, got {timeout!r}")
     coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR)
     num_processes = _int_or_env("num_processes", num_processes, ENV_NUM_PROCESSES)
     process_id = _int_or_env("process_id", process_id, ENV_PROCESS_ID)
@@ -63,10 +82,36 @@ def initialize(
     platform = platform or (os.environ.get("JAX_PLATFORMS") or "").split(",")[0] or None
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    seconds = max(1, math.ceil(timeout))  # JAX takes whole seconds
     if missing:
-        jax.distributed.initialize()
-    else:
-        jax.distributed.initialize(coordinator, num_processes, process_id)
+        jax.distributed.initialize(initialization_timeout=seconds)
+        return
+    if process_id != 0:  # process 0 serves the coordinator; the others must reach it
+        wait_for_coordinator(coordinator, timeout)
+    jax.distributed.initialize(
+        coordinator, num_processes, process_id, initialization_timeout=seconds
+    )
+
+
+def wait_for_coordinator(coordinator: str, timeout: float) -> None:
+    """Returns once something accepts TCP connections at `coordinator` ("HOST:PORT"); raises
+    CoordinatorUnreachable after `timeout` seconds of trying."""
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address in brackets
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(left, 5))):
+                return
+        except OSError as error:
+            reason = error.strerror or type(error).__name__
+        if time.monotonic() + 0.5 >= deadline:
+            raise CoordinatorUnreachable(
+                f"no coordinator at {coordinator} after {timeout:g} s ({reason}): start process "
+                "0 first, or check the address"
+            )
+        time.sleep(0.5)
 
 
 def _int_or_env(name: str, value: int | None, env: str) -> int | None:
