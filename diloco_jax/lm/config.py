@@ -5,11 +5,12 @@ A config is a frozen dataclass; `make_config(preset, **overrides)` returns a che
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import optax
 
-from diloco_jax import offload
+from diloco_jax import limits, offload
 from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.lm.tokenizer import parse_spec
 from diloco_jax.method import DiLoCo, method_from_options
@@ -240,6 +241,7 @@ def validate(cfg: RunConfig) -> None:
         at_least(name, 0)
     if cfg.max_bytes is not None:
         at_least("max_bytes", 1)
+    _check_bounds(cfg)
     if cfg.model not in MODELS:
         raise ConfigError(f"model must be one of {sorted(MODELS)}, got {cfg.model!r}")
     if cfg.seq_len > MODELS[cfg.model].seq_len:
@@ -324,6 +326,38 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "--shard-activations splits the batch over a --mesh's fsdp axis: give one"
         )
+
+
+# The largest value of each integer field: what the arrays and counters it ends up in hold
+# (int32 step counters and token ids, a 32-bit PRNG seed, a read size in a C ssize_t).
+_INT_FIELD_MAX = {
+    "seed": limits.SEED_MAX,
+    "max_bytes": sys.maxsize,
+}
+
+
+def _check_bounds(cfg: RunConfig) -> None:
+    """Every integer field within what it is stored in (`_INT_FIELD_MAX`, else int32), the
+    steps of a run (H x R) and the tokens of a batch (B x L) within an int32."""
+    for field in dataclasses.fields(RunConfig):
+        value = getattr(cfg, field.name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            maximum = _INT_FIELD_MAX.get(field.name, limits.INT32_MAX)
+            if value > maximum:
+                raise ConfigError(f"{field.name} must be at most {maximum:,}, got {value!r}")
+    for name, (a, b) in {
+        "inner_steps x rounds": (cfg.inner_steps, cfg.rounds),
+        "batch_size x seq_len": (cfg.batch_size, cfg.seq_len),
+    }.items():
+        if a * b > limits.INT32_MAX:
+            raise ConfigError(
+                f"{name} must be at most {limits.INT32_MAX:,} (an int32 counts them), got "
+                f"{a:,} x {b:,}"
+            )
+    if cfg.mesh is not None:
+        for name, size in cfg.mesh:
+            if size > limits.INT32_MAX:
+                raise ConfigError(f"--mesh axis {name} must be at most {limits.INT32_MAX:,}")
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
