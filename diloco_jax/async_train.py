@@ -40,6 +40,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax import checkpoint, limits
 from diloco_jax import sampler as sampler_lib
 from diloco_jax import trainable as trainable_lib
 from diloco_jax.async_placement import OneDevice, OnMesh
@@ -226,6 +227,7 @@ def train_async(
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
+    checkpoint_fingerprint: dict[str, Any] | None = None,
 ) -> AsyncResult:
     """Trains with asynchronous DiLoCo for `num_updates` server updates (simulated clock).
 
@@ -271,7 +273,8 @@ def train_async(
         same run (params, M, H, step times, grace, DyLU) resumes from it, bit-identical to
         an uninterrupted run, and may ask for more updates than the run it resumes (its
         history then keeps the shorter run's evaluation after its last update, as
-        `train_diloco`'s does).
+        `train_diloco`'s does). A second run into it while this one runs is refused.
+      checkpoint_fingerprint: as `train_diloco`'s.
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has
@@ -303,6 +306,14 @@ def train_async(
     outer_optimizer = checked_optimizer("outer_optimizer", method.outer, default_outer_optimizer)
     where = _where(backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params,
                    num_workers)  # fmt: skip
+    # Every worker's inner state (and, in a checkpoint, its job's start) on these devices.
+    per_worker = limits.nbytes(params) + limits.nbytes(jax.eval_shape(inner_optimizer.init, params))
+    on = (
+        [where.device]
+        if isinstance(where, OneDevice)
+        else [d for m in where.meshes for d in m.devices.flat]
+    )
+    limits.check_fits(f"num_workers={num_workers}", num_workers * per_worker, on)
     ckpt = checkpoints(
         checkpoint_dir,
         checkpoint_every,
@@ -315,6 +326,7 @@ def train_async(
         grace_seconds=_checked_grace(grace_seconds),
         dynamic_steps=dynamic_steps,
         **({} if rng_seed is None else {"rng_seed": rng_seed}),
+        **checkpoint.run_fields(checkpoint_fingerprint),
     )
     schedule = async_schedule(
         seconds,

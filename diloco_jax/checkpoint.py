@@ -94,6 +94,19 @@ def fingerprint(params: Any, **fields: Any) -> dict[str, Any]:
     return _json_normalized({**description, **fields}, "fingerprint fields")
 
 
+def run_fields(checkpoint_fingerprint: Any) -> dict[str, Any]:
+    """The trainers' `checkpoint_fingerprint` (the caller's own description of its run, e.g.
+    the config a loss_fn closes over) as fingerprint fields: {"run": it}, or {} for None.
+    ValueError naming it unless it is a JSON-able dict."""
+    if checkpoint_fingerprint is None:
+        return {}
+    if not isinstance(checkpoint_fingerprint, dict):
+        raise ValueError(
+            f"checkpoint_fingerprint must be a dict, got {type(checkpoint_fingerprint).__name__}"
+        )
+    return {"run": _json_normalized(checkpoint_fingerprint, "checkpoint_fingerprint")}
+
+
 def save(
     directory: str | os.PathLike,
     step: int,

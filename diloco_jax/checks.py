@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco_jax import limits
+
 
 def check_bool(name: str, value: Any) -> bool:
     """`value` if it is True or False; else ValueError naming `name`."""
@@ -16,9 +18,9 @@ def check_bool(name: str, value: Any) -> bool:
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:
-    """Raises ValueError naming `name` unless `value` is an integer (not a bool) >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    """Raises ValueError naming `name` unless `value` is an integer (not a bool) >= minimum
+    and within the int32 the run counts in (`limits.check_count`)."""
+    limits.check_count(name, value, minimum)
 
 
 def check_params(params: Any) -> None:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco_jax import limits
 from diloco_jax.carry import Carry, Part, Role, Weighed
 from diloco_jax.schedule import WORKER_PARAMS, MergeIntoOwn, OwnParams, WorkerParams
 from diloco_jax.workers import WORKER_AXIS, stack_workers
@@ -114,6 +115,8 @@ class Weights(Part):
         seed = self.drop_seed
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
             raise ValueError(f"Weights.drop_seed must be an integer >= 0, got {seed!r}")
+        if seed > limits.SEED_MAX:  # a PRNG key keeps 32 bits of a seed
+            raise ValueError(f"Weights.drop_seed must be at most {limits.SEED_MAX:,}, got {seed!r}")
         object.__setattr__(self, "drop_seed", int(seed))
         object.__setattr__(self, "worker_steps", _worker_steps(self.worker_steps))
         weighting = self.weighting

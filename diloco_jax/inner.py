@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from diloco_jax import limits
 from diloco_jax.carry import Role
 from diloco_jax.sampler import Sampler, worker_batches
 from diloco_jax.workers import match_varying
@@ -70,13 +71,16 @@ RESERVED_METRICS = (
 
 
 def check_loss_options(has_aux: Any, rng_seed: Any) -> None:
-    """Raises ValueError naming `has_aux` (not a bool) or `rng_seed` (not None or an int >= 0)."""
+    """Raises ValueError naming `has_aux` (not a bool) or `rng_seed` (not None or an int in
+    [0, 2**32 - 1], the bits a PRNG key keeps of a seed)."""
     if not isinstance(has_aux, bool):
         raise ValueError(f"has_aux must be True or False, got {has_aux!r}")
     if rng_seed is not None and (
         isinstance(rng_seed, bool) or not isinstance(rng_seed, int) or rng_seed < 0
     ):
         raise ValueError(f"rng_seed must be None or an integer >= 0, got {rng_seed!r}")
+    if rng_seed is not None and rng_seed > limits.SEED_MAX:
+        raise ValueError(f"rng_seed must be at most {limits.SEED_MAX:,}, got {rng_seed!r}")
 
 
 def step_means(loss_MxH: jax.Array, aux_MxH: Aux, steps_M: jax.Array | None) -> dict:

@@ -57,8 +57,14 @@ def memory_of(devices: Sequence[jax.Device]) -> int | None:
 
 
 def check_fits(what: str, needed: int, devices: Sequence[jax.Device]) -> None:
-    """ValueError naming `what` when `needed` bytes (a lower bound of what a run allocates)
-    exceed what `devices` hold together (`memory_of`)."""
+    """ValueError naming `what` when `needed` bytes (a lower bound of what a run allocates,
+    spread over `devices`) exceed what they hold together (`memory_of`); in a multi-process
+    run, this process's devices and their share of it."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    if not local:
+        return
+    needed = needed * len(local) // len(devices)
+    devices = local
     have = memory_of(devices)
     if have is not None and needed > have:
         where = (

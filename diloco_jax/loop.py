@@ -93,8 +93,7 @@ class Loop:
     def run(self, job: Job, state: Any) -> tuple[Any, list[Record]]:
         """Resumes from the latest checkpoint if any, then dispatches iteration i + 1 before
         pulling iteration i's metrics, so the host never stalls the device."""
-        state, history = self.resume(job, state)
-        pending = None
+        pending, history = None, []
 
         def finish(i, item, metrics, evals):
             entry = job.record(i, item, metrics, evals)
@@ -103,9 +102,12 @@ class Loop:
                 self.callback(entry)
 
         ckpt = self.checkpoints
-        # Written in the background: the loop goes on while a checkpoint's files are written.
+        # Holds the directory for this run from before the resume to the last save (a second
+        # run into it fails at once), and writes in the background: the loop goes on while a
+        # checkpoint's files are written.
         saver = None if ckpt is None else checkpoint.Saver(ckpt.directory, keep=ckpt.keep)
         try:
+            state, history = self.resume(job, state, saver)
             for i, item in enumerate(job.items(len(history)), start=len(history)):
                 state, metrics = job.step(state, item)
                 done = i + 1
@@ -125,17 +127,19 @@ class Loop:
             finish(*pending)
         return state, history
 
-    def resume(self, job: Job, state: Any) -> tuple[Any, list[Record]]:
-        """(state, history) from the latest checkpoint (damaged newer ones deleted), or
-        (`state`, []) without one. ValueError when it holds more iterations than `total`."""
+    def resume(
+        self, job: Job, state: Any, saver: checkpoint.Saver | None
+    ) -> tuple[Any, list[Record]]:
+        """(state, history) from the latest intact checkpoint through `saver` (damaged newer
+        ones deleted), or (`state`, []) without one. ValueError when it holds more iterations
+        than `total`."""
         ckpt = self.checkpoints
         if ckpt is None:
             return state, []
-        restored = checkpoint.restore(ckpt.directory, job.savable(state), ckpt.fingerprint)
+        restored = saver.resume(job.savable(state), ckpt.fingerprint)
         if restored is None:
             return state, []
         saved, metadata, step = restored
-        checkpoint.discard_after(ckpt.directory, step)  # damaged newer ones restore skipped
         if metadata["data_position"] > self.total:
             raise ValueError(
                 f"checkpoint_dir {ckpt.directory} holds {metadata['data_position']} completed "

@@ -4,6 +4,7 @@ one compiled dispatch per round (or step), and record one history dict per round
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -13,7 +14,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from diloco_jax import delay, donation, offload
+from diloco_jax import checkpoint, delay, donation, limits, offload
 from diloco_jax import model_state as model_state_lib
 from diloco_jax import placement as placement_lib
 from diloco_jax import trainable as trainable_lib
@@ -65,6 +66,7 @@ def train_diloco(
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
+    checkpoint_fingerprint: dict[str, Any] | None = None,
     data_parallel: int = 1,
     has_aux: bool = False,
     rng_seed: int | None = None,
@@ -169,7 +171,11 @@ def train_diloco(
         completed rounds is skipped; a Sampler is keyed by round), so the result is
         bit-identical to an uninterrupted run. A checkpoint of another configuration (M, H,
         param shapes or dtypes, optimizer state, the method's parts but its optimizers,
-        which have no stable form) is a ValueError.
+        which have no stable form) is a ValueError. The directory is the run's alone while it
+        runs: a second run into it is a `run_lock.FolderInUse` (a ValueError) at once.
+      checkpoint_fingerprint: a JSON-able dict describing what else makes the run (e.g. the
+        learning rates or config its loss_fn and optimizers were built from), saved in every
+        checkpoint (as "run") and compared on resume like the rest.
 
     Returns:
       TrainResult(params, state: DiLoCoState, history, model_state). history[r] has "round"
@@ -219,6 +225,7 @@ def train_diloco_step(
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
+    checkpoint_fingerprint: dict[str, Any] | None = None,
     data_parallel: int = 1,
     rng_seed: int | None = None,
     trainable: Any = None,
@@ -291,6 +298,7 @@ class _RunOptions(NamedTuple):
     checkpoint_dir: Any
     checkpoint_every: int
     keep_checkpoints: int
+    checkpoint_fingerprint: Any
     data_parallel: int
     rng_seed: int | None
     trainable: Any
@@ -328,6 +336,7 @@ def _train_diloco(
     check_int("num_workers", num_workers, 1)
     check_int("inner_steps", inner_steps, 1)
     check_int("eval_every", run.eval_every, 1)
+    limits.check_steps("num_rounds x inner_steps", num_rounds, inner_steps)
     check_params(params)
     backend = _check_processes(_backend(run, num_workers))
     mask = trainable_lib.resolved(params, run.trainable)
@@ -346,6 +355,12 @@ def _train_diloco(
     if rules is not None:
         step_options["model_state_merge"] = model_state_lib.Resolved(rules)
     init = functools.partial(init_state, num_workers=num_workers, method=method, trainable=mask)
+    # Before the state is built: the data holds these workers, the devices hold their state.
+    if not run.process_local_data:
+        limits.check_first_item(data, (num_workers, inner_steps), "[num_workers, inner_steps]")
+    shapes = jax.eval_shape(lambda p: init(p, model_state=model_state, worker_state=worker_state),
+                            params)  # fmt: skip
+    limits.check_fits(f"num_workers={num_workers}", limits.nbytes(shapes), backend.devices)
     if placed is None:
         state = init(params, model_state=model_state, worker_state=worker_state)
     else:  # built in place: no device ever holds more than its shards
@@ -415,9 +430,11 @@ def _train_diloco(
         **({} if run.rng_seed is None else {"rng_seed": run.rng_seed}),
         **({} if mask is None else {"trainable": list(mask.flags)}),
         **fingerprint,
+        **checkpoint.run_fields(run.checkpoint_fingerprint),
     )
     loop = Loop(total=num_rounds, checkpoints=ckpt, callback=run.callback)
     state, history = loop.run(rounds, place_state(state, backend, placed))
+    _warn_if_all_excluded(history, num_workers)
     return _result(state, history, backend, rules)
 
 
@@ -486,6 +503,7 @@ def train_sync(
     checkpoint_dir: "str | os.PathLike | None" = None,
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
+    checkpoint_fingerprint: dict[str, Any] | None = None,
     data_parallel: int = 1,
     has_aux: bool = False,
     rng_seed: int | None = None,
@@ -528,6 +546,8 @@ def train_sync(
     check_int("num_steps", num_steps, 0)
     check_int("num_workers", num_workers, 1)
     check_int("eval_every", eval_every, 1)
+    if not process_local_data:  # before anything is built for them
+        limits.check_first_item(data, (num_workers,), "[num_workers]")
     check_params(params)
     if method is not None:
         if optimizer is not None:
@@ -599,6 +619,7 @@ def train_sync(
         num_workers=num_workers,
         **({} if rng_seed is None else {"rng_seed": rng_seed}),
         **({} if rules is None else {"model_state_merge": list(rules)}),
+        **checkpoint.run_fields(checkpoint_fingerprint),
     )
     loop = Loop(num_steps, ckpt, callback, unit="steps", total_name="num_steps")
     state, history = loop.run(rounds, place_state(state, backend, placed))
@@ -655,6 +676,21 @@ def _diloco_bill(
 def _check_processes(backend: Backend) -> Backend:
     """The backend as a multi-process run runs it (`Backend.for_processes`)."""
     return backend.for_processes() if is_multiprocess() else backend
+
+
+def _warn_if_all_excluded(history: list[Record], num_workers: int) -> None:
+    """One RuntimeWarning saying in how many rounds every worker was left out of the mean
+    (a non-finite or outlier delta), so θ did not move in them (a round otherwise reads
+    like any other)."""
+    excluded = [h["round"] for h in history if len(h.get("excluded_workers", ())) == num_workers]
+    if excluded:
+        warnings.warn(
+            f"every worker was excluded (a non-finite or outlier delta) in {len(excluded)} of "
+            f"{len(history)} rounds (the first: round {excluded[0]}); the params did not change "
+            "in those rounds",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _fault_record(metrics: dict[str, np.ndarray]) -> Record:
