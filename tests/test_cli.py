@@ -132,8 +132,10 @@ def test_train_with_edit_weighting_anomaly_skip_and_a_bf16_outer_state(tmp_path)
 
 
 def test_checkpoints_resume_only_the_run_that_wrote_them(tmp_path, capsys):
-    """A checkpointed rerun must be the run the checkpoints belong to, even after another
-    run into the same OUT rewrote its config.json."""
+    """A checkpointed rerun must be the run the checkpoints belong to, as the checkpoints
+    themselves record it: also after another run into the same OUT rewrote its config.json,
+    and with every other file of the run deleted (finding 6 of issue 40: with run.json and
+    config.json gone, another --inner-lr resumed silently)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
     out = tmp_path / "run"
@@ -141,9 +143,17 @@ def test_checkpoints_resume_only_the_run_that_wrote_them(tmp_path, capsys):
     argv += ["--inner-steps", "2", "--pretrain-steps", "1", "--no-progress", "--out", str(out)]
     checkpointed = [*argv, "--checkpoint-every", "1"]
     assert main([*checkpointed, "--rounds", "1"]) == 0
-    assert json.loads((out / "checkpoints" / "run.json").read_text())["config"]["rounds"] == 1
+    for name in ("run", "pretrain"):
+        saved = json.loads((out / "checkpoints" / name / "1" / "metadata" / "metadata").read_text())
+        assert saved["run"]["config"]["rounds"] == 1 and saved["run"]["algo"] == "diloco"
+        assert "mesh" not in saved["run"]["config"]  # a resume may change where it runs
     assert main([*argv, "--rounds", "2"]) == 0  # no checkpoints: runs, rewrites config.json
     assert_cli_refuses([*checkpointed, "--rounds", "2"], "(rounds 1 -> 2)", capsys)
+    for name in ("config.json", "checkpoints/run.json", "metrics.jsonl", "summary.json"):
+        (out / name).unlink(missing_ok=True)
+    assert_cli_refuses(
+        [*checkpointed, "--rounds", "1", "--inner-lr", "0.01"], "(inner-lr 0.003 -> 0.01)", capsys
+    )
     sync = [*checkpointed, "--rounds", "1", "--algo", "sync"]
     assert_cli_refuses(sync, "(algo 'diloco' -> 'sync')", capsys)
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from diloco_jax import limits, run_lock
 from diloco_jax.lm import config
 from diloco_jax.lm.config import (
     ALGOS,
@@ -162,6 +163,11 @@ def _distributed_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", help="HOST:PORT of process 0 for a multi-process run")
     p.add_argument("--num-processes", type=int, help="processes in a multi-process run")
     p.add_argument("--process-id", type=int, help="this process's id, 0..N-1")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        help="seconds to wait for the coordinator and every process to join (default 300)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,8 +264,11 @@ _CONFIG_FLAGS = (
 
 
 def _out_dir(value: str | None, default: str) -> Path:
-    """The output folder, checked before anything runs (nothing is written): not a file,
-    its nearest existing folder writable."""
+    """The output folder, checked before anything runs (nothing is written): named (not the
+    empty string, which would be the working folder), not a file, its nearest existing
+    folder writable."""
+    if value is not None and not value.strip():
+        raise ConfigError(f"--out must name a folder, got {value!r}")
     out = Path(value if value is not None else default)
     try:
         if "\x00" in str(out):
@@ -312,6 +321,7 @@ class Invocation:
     progress: bool
     distributed: tuple[str, int, int] | None = None
     tensorboard: bool = False
+    connect_timeout: float = 300.0
 
 
 def parse(argv: list[str] | None = None) -> Invocation:
@@ -338,8 +348,8 @@ def parse(argv: list[str] | None = None) -> Invocation:
         raise ConfigError(f"--algo async runs on --backend auto or vmap, got {cfg.backend!r}")
     default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")
     every = getattr(args, "checkpoint_every", None)
-    if every is not None and every < 1:
-        raise ConfigError(f"--checkpoint-every must be >= 1, got {every}")
+    if every is not None and not 1 <= every <= limits.INT32_MAX:
+        raise ConfigError(f"--checkpoint-every must be in [1, {limits.INT32_MAX:,}], got {every}")
     return Invocation(
         args.command,
         cfg,
@@ -349,7 +359,21 @@ def parse(argv: list[str] | None = None) -> Invocation:
         not args.no_progress,
         _distributed_args(args),
         args.tensorboard,
+        _connect_timeout(getattr(args, "connect_timeout", None)),
     )
+
+
+def _connect_timeout(value: float | None) -> float:
+    """--connect-timeout in seconds (default distributed.DEFAULT_TIMEOUT_S), checked."""
+    from diloco_jax import distributed
+
+    if value is None:
+        return float(distributed.DEFAULT_TIMEOUT_S)
+    if not 0 < value <= distributed.MAX_TIMEOUT_S:  # NaN fails too
+        raise ConfigError(
+            f"--connect-timeout must be in (0, {distributed.MAX_TIMEOUT_S}] seconds, got {value!r}"
+        )
+    return value
 
 
 def _distributed_args(args: argparse.Namespace) -> tuple[str, int, int] | None:
@@ -360,7 +384,11 @@ def _distributed_args(args: argparse.Namespace) -> tuple[str, int, int] | None:
     if any(v is None for v in values):
         raise ConfigError("--coordinator, --num-processes and --process-id go together")
     coordinator, num_processes, process_id = values
-    if num_processes < 1 or not 0 <= process_id < num_processes:
+    if not 1 <= num_processes <= limits.INT32_MAX:
+        raise ConfigError(
+            f"--num-processes must be in [1, {limits.INT32_MAX:,}], got {num_processes}"
+        )
+    if not 0 <= process_id < num_processes:
         raise ConfigError(
             f"--process-id must be in [0, --num-processes), got {process_id} of {num_processes}"
         )
@@ -370,48 +398,70 @@ def _distributed_args(args: argparse.Namespace) -> tuple[str, int, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        run = parse(argv)
-        if run.distributed is not None or _distributed_env():
-            from diloco_jax import distributed
+    with contextlib.ExitStack() as held:  # the output folder's lock, for the whole command
+        try:
+            run = parse(argv)
+            if run.distributed is not None or _distributed_env():
+                from diloco_jax import distributed
 
-            try:
-                distributed.initialize(*(run.distributed or ()))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        from diloco_jax.lm import experiment
+                try:
+                    distributed.initialize(*(run.distributed or ()), timeout=run.connect_timeout)
+                except (ValueError, ConnectionError) as e:
+                    raise ConfigError(f"--coordinator: {e}") from None
+            from diloco_jax.lm import experiment
 
-        experiment.check_model(run.cfg)
-        experiment.check_mesh(run.cfg)
-        corpus = experiment.load_corpus(run.cfg)
-        if run.command == "train" and run.checkpoint_every is not None:
-            check_resumable(run.out, run_identity(run.cfg, run.algo, corpus.info))
-        create_out(run.out)  # last check before work starts: a bad input writes nothing
-    except ConfigError as e:
-        _fail(str(e))
-    print(experiment.describe(run.cfg, corpus))
-    if run.command == "train":
-        out, shared = _process_out(run.out)
-        train_command(
-            run.cfg,
-            corpus,
-            run.algo,
-            out,
-            run.progress,
-            run.checkpoint_every,
-            shared,
-            tensorboard=run.tensorboard,
-        )
-    else:
-        from diloco_jax.lm.compare import compare_command
+            experiment.check_model(run.cfg)
+            experiment.check_mesh(run.cfg)
+            experiment.check_memory(run.cfg, _algos(run))
+            corpus = experiment.load_corpus(run.cfg)
+            create_out(run.out)  # last check before work starts: a bad input writes nothing
+            out, shared = _process_out(run.out)
+            held.enter_context(lock_out(out))
+            fingerprint = None
+            if run.command == "train" and run.checkpoint_every is not None:
+                identity = run_identity(run.cfg, run.algo, corpus.info)
+                fingerprint = check_resumable(run.out, identity)
+        except ConfigError as e:
+            _fail(str(e))
+        print(experiment.describe(run.cfg, corpus))
+        if run.command == "train":
+            train_command(
+                run.cfg,
+                corpus,
+                run.algo,
+                out,
+                run.progress,
+                run.checkpoint_every,
+                shared,
+                tensorboard=run.tensorboard,
+                checkpoint_fingerprint=fingerprint,
+            )
+        else:
+            from diloco_jax.lm.compare import compare_command
 
-        compare_command(
-            run.cfg, corpus, run.out, progress=run.progress, tensorboard=run.tensorboard
-        )
+            compare_command(
+                run.cfg, corpus, run.out, progress=run.progress, tensorboard=run.tensorboard
+            )
     return 0
 
 
-RUN_IDENTITY = "run.json"  # in OUT/checkpoints: what run the checkpoints there belong to
+def _algos(run: Invocation) -> tuple[str, ...]:
+    """The algorithms the command runs (compare: DiLoCo and the synchronous baselines)."""
+    return (run.algo,) if run.command == "train" else ("diloco", "sync")
+
+
+def lock_out(out: Path) -> run_lock.RunLock:
+    """This process's output folder, created and locked for the command's life
+    (`diloco_jax.run_lock`): a second command into it is a ConfigError (one line, exit 2)
+    before it writes anything; the lock goes when the process ends, however it ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return run_lock.acquire(out, what="--out")
+    except run_lock.FolderInUse as e:
+        raise ConfigError(str(e)) from None
+
+
+RUN_IDENTITY = "run.json"  # in OUT/checkpoints, written by earlier versions: read, not written
 # Config fields a resume may change: where, not what, it trains (checkpoints hold the state
 # in the params' shapes whatever its layout), and what a device keeps for the backward pass.
 PLACEMENT_FIELDS = (
@@ -424,12 +474,14 @@ PLACEMENT_FIELDS = (
 
 
 def run_identity(cfg: Any, algo: str | None, data_info: dict[str, Any]) -> dict[str, Any]:
-    """What makes checkpoints resumable by a rerun: the algorithm, the whole config (another
-    --rounds changes the learning-rate schedule, for one), the DiLoCo spec it builds (its
-    stable repr) and the data's sha256."""
+    """What makes checkpoints resumable by a rerun: the algorithm, the config but its
+    PLACEMENT_FIELDS (another --rounds changes the learning-rate schedule, for one), the
+    DiLoCo spec it builds (its stable repr) and the data's sha256. Saved in every checkpoint
+    (the trainers' `checkpoint_fingerprint`)."""
+    config_fields = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as JSON lists
     identity = {
         "algo": algo,
-        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),  # tuples as JSON lists
+        "config": {k: v for k, v in config_fields.items() if k not in PLACEMENT_FIELDS},
         "data_sha256": data_info.get("sha256"),
     }
     if algo == "diloco":
@@ -437,25 +489,19 @@ def run_identity(cfg: Any, algo: str | None, data_info: dict[str, Any]) -> dict[
     return identity
 
 
-def check_resumable(out: Path, identity: dict[str, Any]) -> None:
+def check_resumable(out: Path, identity: dict[str, Any]) -> dict[str, Any]:
     """A checkpointed train run into an OUT that already holds checkpoints resumes them, so
-    it must be the same run: `identity` (`run_identity`) must match the one saved with them
-    (OUT/checkpoints/run.json; for checkpoints written before that file, OUT/config.json,
-    rewritten by every run into OUT, so a best effort), except for PLACEMENT_FIELDS (a run
-    may resume on another --mesh). Raises ConfigError naming what differs; an OUT
-    without checkpoints passes."""
-    folder = out / "checkpoints"
-    if not folder.is_dir():
-        return
-    saved = _read_json(folder / RUN_IDENTITY)
-    if saved is None:  # checkpoints older than run.json
-        legacy = _read_json(out / "config.json") or {}
-        data = legacy.get("data") if isinstance(legacy.get("data"), dict) else {}
-        saved = {
-            "algo": legacy.get("algo"),
-            "config": legacy.get("config"),
-            "data_sha256": data.get("sha256"),
-        }
+    it must be the same run: `identity` (`run_identity`) must match the one those
+    checkpoints carry (their newest intact metadata; for checkpoints from before that, the
+    OUT/checkpoints/run.json or OUT/config.json written with them), except for
+    PLACEMENT_FIELDS (a run may resume on another --mesh) and config fields newer than the
+    checkpoints. Raises ConfigError naming what differs; an OUT without checkpoints passes.
+
+    Returns the identity the run's checkpoints go on carrying: the saved one (what the run
+    was started as), or `identity` for a new run or checkpoints that carry none."""
+    saved, carried = _saved_identity(out / "checkpoints")
+    if saved is None:
+        return identity
     changed = []
     if saved.get("algo") is not None and saved["algo"] != identity["algo"]:
         changed.append(f"algo {saved['algo']!r} -> {identity['algo']!r}")
@@ -476,6 +522,30 @@ def check_resumable(out: Path, identity: dict[str, Any]) -> None:
             f"--out {_shown(out)} holds checkpoints of another run ({', '.join(changed)}): "
             "rerun the same command to resume, or pick another --out"
         )
+    return saved if carried else identity
+
+
+def _saved_identity(folder: Path) -> tuple[dict[str, Any] | None, bool]:
+    """(the identity the checkpoints under `folder` were written with, whether the
+    checkpoints carry it themselves); (None, False) without checkpoints."""
+    from diloco_jax import checkpoint
+
+    if not folder.is_dir():
+        return None, False
+    for name in ("run", "pretrain"):
+        metadata = checkpoint.latest_metadata(folder / name)
+        if metadata is not None and isinstance(metadata.get("run"), dict):
+            return metadata["run"], True
+    saved = _read_json(folder / RUN_IDENTITY)
+    if saved is None:  # checkpoints older than run.json
+        legacy = _read_json(folder.parent / "config.json") or {}
+        data = legacy.get("data") if isinstance(legacy.get("data"), dict) else {}
+        saved = {
+            "algo": legacy.get("algo"),
+            "config": legacy.get("config"),
+            "data_sha256": data.get("sha256"),
+        }
+    return saved, False
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -510,6 +580,7 @@ def train_command(
     checkpoint_every: int | None = None,
     checkpoint_root: Path | None = None,
     tensorboard: bool = False,
+    checkpoint_fingerprint: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One run into `out`: config.json first, metrics.jsonl as it trains, summary.json last.
 
@@ -520,7 +591,8 @@ def train_command(
     With `tensorboard`, the pretrain's and the run's scalars also go to out/tensorboard/pretrain
     and out/tensorboard/ALGO (rewritten whole at the end of a checkpointed run, like
     metrics.jsonl). Records, scalars and the progress bar carry the loss's train metrics
-    (`experiment.aux_names`, e.g. accuracy) beside the loss.
+    (`experiment.aux_names`, e.g. accuracy) beside the loss. `checkpoint_fingerprint` (the
+    `check_resumable` identity) is saved in every checkpoint and must match on resume.
     """
     from diloco_jax.lm import experiment, tblog
     from diloco_jax.lm.runlog import RunLog, write_json, write_jsonl
@@ -534,14 +606,15 @@ def train_command(
     metrics.unlink(missing_ok=True)
     root = out if checkpoint_root is None else checkpoint_root
     ckpt = (lambda name: str(root / "checkpoints" / name)) if checkpoint_every else (lambda _: None)
-    if checkpoint_every:  # what run the checkpoints belong to, for `check_resumable`
-        identity = root / "checkpoints" / RUN_IDENTITY
-        if not identity.exists():
-            identity.parent.mkdir(parents=True, exist_ok=True)
-            write_json(identity, run_identity(cfg, algo, corpus.info))
+    if checkpoint_every and checkpoint_fingerprint is None:
+        checkpoint_fingerprint = run_identity(cfg, algo, corpus.info)
     with run_log(cfg.pretrain_steps, "pretrain M=1", "pretrain") as log:
         params, pre_history = experiment.pretrain(
-            cfg, corpus, on_record=log, checkpoint_dir=ckpt("pretrain")
+            cfg,
+            corpus,
+            on_record=log,
+            checkpoint_dir=ckpt("pretrain"),
+            checkpoint_fingerprint=checkpoint_fingerprint if checkpoint_every else None,
         )
     with run_log(cfg.total_steps, f"{algo} M={cfg.workers}", algo) as log:
         summary, history = experiment.run(
@@ -553,6 +626,7 @@ def train_command(
             on_record=log,
             checkpoint_dir=ckpt("run"),
             checkpoint_every=checkpoint_every or 1,
+            checkpoint_fingerprint=checkpoint_fingerprint if checkpoint_every else None,
         )
     write_jsonl(metrics, pre_history + history)
     if tensorboard and checkpoint_every:  # a resumed run logged only its last part live

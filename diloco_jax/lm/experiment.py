@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from diloco_jax import limits
 from diloco_jax.async_train import async_schedule, train_async
 from diloco_jax.lm import data as data_lib
 from diloco_jax.lm import mfu as mfu_lib
@@ -211,6 +212,34 @@ def make_mesh(cfg: RunConfig, num_workers: int) -> jax.sharding.Mesh | None:
     )
 
 
+def check_memory(cfg: RunConfig, algos: tuple[str, ...]) -> None:
+    """Whether the runs of `algos` ("diloco", "sync", "async") with cfg.workers workers can fit
+    the memory of the devices they run on, before anything is allocated: ConfigError naming
+    --workers when even a lower bound of what they allocate does not (each DiLoCo or async
+    worker's params and inner optimizer state, every worker's logits of one step), or when
+    the backend can't place that many workers."""
+    model_cfg = model_config(cfg)
+    params = jax.eval_shape(model_lib.init_params, model_cfg, jax.random.key(0))
+    per_worker = limits.nbytes(params) + limits.nbytes(
+        jax.eval_shape(inner_optimizer(cfg).init, params)
+    )
+    logits = cfg.batch_size * cfg.seq_len * model_cfg.vocab_size * jnp.dtype(cfg.dtype).itemsize
+    copies = cfg.workers if any(algo != "sync" for algo in algos) else 1
+    try:
+        mesh = make_mesh(cfg, cfg.workers)
+        devices = list(mesh.devices.flat) if mesh is not None else None
+        if devices is None:
+            devices = make_backend(cfg.backend, cfg.workers).devices
+        limits.check_fits(
+            f"--workers {cfg.workers} (each worker's params and optimizer state, and one step's "
+            f"logits of --batch-size {cfg.batch_size} x --seq-len {cfg.seq_len})",
+            copies * per_worker + cfg.workers * logits,
+            devices,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_mesh(cfg: RunConfig) -> None:
     """Whether cfg.mesh can run here, before anything is written: enough devices for the run's
     mesh. ConfigError naming --mesh otherwise."""
@@ -310,6 +339,7 @@ def run(
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 1,
     eval_every: int = 1,
+    checkpoint_fingerprint: dict[str, Any] | None = None,
 ) -> tuple[Record, list[Record]]:
     """Trains one run from `params` (default: a fresh init) and returns (summary, history).
 
@@ -330,7 +360,9 @@ def run(
     (`model.flops_per_token` at cfg.seq_len), "peak_flops" (`mfu.peak_flops` for cfg.dtype on
     the devices the workers use) and "mfu" (None where no peak is known). With
     `checkpoint_dir`, the run checkpoints every `checkpoint_every` rounds (steps for sync, M
-    updates for async) and resumes from a checkpoint found there. With cfg.mesh the workers
+    updates for async) and resumes from a checkpoint found there; `checkpoint_fingerprint`
+    (JSON-able, e.g. the CLI's `run_identity`) is saved in every checkpoint and must match on
+    resume. With cfg.mesh the workers
     run on `make_mesh(cfg, num_workers)`, each partitioned by
     `model.param_specs` (`mesh_options`); without it the trainers get no mesh keyword at all.
     """
@@ -348,6 +380,7 @@ def run(
         callback=_recorder(cfg, corpus, name, num_workers, on_record),
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
+        **_fingerprint_option(checkpoint_fingerprint),
     )
     if algo == "diloco":
         result = train_diloco(
@@ -456,9 +489,15 @@ def _run_async(
         checkpoint_dir=common["checkpoint_dir"],
         checkpoint_every=common["checkpoint_every"] * num_workers,  # about M updates a round
         has_aux=common["has_aux"],
+        **_fingerprint_option(common.get("checkpoint_fingerprint")),
         **mesh,
     )
     return result, seconds
+
+
+def _fingerprint_option(fingerprint: dict[str, Any] | None) -> dict[str, Any]:
+    """The trainers' `checkpoint_fingerprint` keyword when there is one (none otherwise)."""
+    return {} if fingerprint is None else {"checkpoint_fingerprint": fingerprint}
 
 
 def _outer_label(cfg: RunConfig) -> str:
@@ -508,11 +547,13 @@ def pretrain(
     corpus: Corpus,
     on_record: Callable[[Record], None] | None = None,
     checkpoint_dir: str | None = None,
+    checkpoint_fingerprint: dict[str, Any] | None = None,
 ) -> tuple[Any, list[Record]]:
     """The shared warm start: (params, history) after `cfg.pretrain_steps` steps of one worker
     from a fresh init (unchanged, with no history, when 0). Its records carry run "pretrain"
     and are not part of any compared run's budget. With cfg.mesh the one worker is partitioned
-    as each run's are, on the mesh with a workers axis of 1."""
+    as each run's are, on the mesh with a workers axis of 1. `checkpoint_fingerprint` as in
+    `run`."""
     model_cfg, params, loss_fn = init_model(cfg)
     if cfg.pretrain_steps == 0:
         return params, []
@@ -530,6 +571,7 @@ def pretrain(
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=cfg.pretrain_steps,
         has_aux=True,
+        **_fingerprint_option(checkpoint_fingerprint),
         **mesh_options(cfg, model_cfg, params, 1),  # one worker, partitioned alike
     )
     return result.params, result.history
