@@ -2,6 +2,7 @@
 fingerprint checks, fallback from damaged checkpoints, unfinished saves."""
 
 import gc
+import json
 import os
 import pathlib
 import shutil
@@ -436,3 +437,151 @@ def test_a_run_killed_while_a_save_is_in_flight_resumes_from_a_complete_one(tmp_
     assert [e["loss"] for e in resumed.history] == [e["loss"] for e in whole.history]
     assert ckpt.all_steps(tmp_path)[-1] == 5
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("3.")]
+
+
+# Issue 40: a damaged newest step falls back (finding 1, finding 5), saves cost the same
+# whatever the round (finding 3), one run per directory (finding 2's API side).
+
+
+def _save_three(directory: pathlib.Path) -> dict[int, State]:
+    """Steps 1, 2, 3 of states 1, 2, 3, each with a history of one record per step so far
+    (a NaN loss among them: it must round-trip)."""
+    device = jax.devices()[0]
+    states = {step: on_device(host_state(step), device) for step in (1, 2, 3)}
+    history = []
+    for step, state in states.items():
+        history.append({"round": step - 1, "loss": float("nan") if step == 2 else step / 8})
+        metadata = meta(state.params, data_position=step) | {"history": list(history)}
+        ckpt.save(directory, step, state, metadata)
+    return states
+
+
+def _restore_warning(directory: pathlib.Path, like: State) -> tuple[Any, dict, int, str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored, metadata, step = ckpt.restore(directory, like, meta(like.params))
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    return restored, metadata, step, messages[0]
+
+
+def _remove_tree_metadata(step_dir: pathlib.Path) -> None:
+    (step_dir / "state" / "_METADATA").unlink()
+
+
+def _edit_metadata(step_dir: pathlib.Path) -> None:
+    path = step_dir / "metadata" / "metadata"
+    text = path.read_text()
+    assert '"data_position": 3' in text
+    path.write_text(text.replace('"data_position": 3', '"data_position": 30'))
+
+
+def _remove_metadata(step_dir: pathlib.Path) -> None:
+    (step_dir / "metadata" / "metadata").unlink()
+
+
+@orbax_read_cleanup
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (_remove_tree_metadata, "the state's tree metadata lists 0 leaves, its checksums 9"),
+        (_edit_metadata, "the metadata fails its CRC-32"),
+        (_remove_metadata, "FileNotFoundError"),
+    ],
+)
+def test_a_newest_step_damaged_anywhere_falls_back_with_one_warning(tmp_path, damage, reason):
+    """Finding 1 (a missing _METADATA blamed another run) and finding 5 (an edited metadata
+    restored silently): the newest step is damage, not another run's, so the restore warns
+    once naming step 3 and why, and returns step 2 bit for bit with its own metadata."""
+    states = _save_three(tmp_path)
+    damage(tmp_path / "3")
+    restored, metadata, step, message = _restore_warning(tmp_path, states[3])
+    assert step == 2 and metadata["data_position"] == 2
+    assert "checkpoint step 3" in message and reason in message, message
+    assert_bit_equal(restored, states[2])
+    assert metadata["history"][0] == {"round": 0, "loss": 0.125}
+    assert np.isnan(metadata["history"][1]["loss"]) and len(metadata["history"]) == 2
+    gc.collect()
+
+
+@orbax_read_cleanup
+def test_a_history_edited_or_cut_short_falls_back_to_the_step_it_still_covers(tmp_path):
+    """Finding 5: the history lives in history.jsonl, each step holding the CRC-32 of its
+    prefix. A record edited in place fails the steps that cover it (an earlier step whose
+    prefix is intact restores); a file cut short fails the steps past its end."""
+    states = _save_three(tmp_path)
+    path = tmp_path / ckpt.HISTORY_FILE
+    lines = path.read_text().splitlines(keepends=True)
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]
+    edited = lines[:2] + [lines[2].replace('"loss": 0.375', '"loss": 123.0')]
+    assert edited != lines
+    path.write_text("".join(edited))
+    _, metadata, step, message = _restore_warning(tmp_path, states[3])
+    assert step == 2 and "checkpoint step 3" in message and "CRC-32" in message
+    assert [r["round"] for r in metadata["history"]] == [0, 1]
+
+    path.write_text(lines[0] + lines[1][:5])  # the second record cut mid-line
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, metadata, step = ckpt.restore(tmp_path, states[3], meta(states[3].params))
+    assert step == 1 and metadata["history"] == [{"round": 0, "loss": 0.125}]
+    assert [str(w.message).split(" in ")[0] for w in caught] == [
+        "checkpoint step 3",
+        "checkpoint step 2",
+    ]
+    gc.collect()
+
+
+def test_an_intact_checkpoint_of_another_run_is_never_skipped(tmp_path):
+    """'a different run' is said only of a checkpoint that is whole by its own record: the
+    run's error, with no fallback to an older step that would hide it."""
+    states = _save_three(tmp_path)
+    like = states[3]._replace(round=jnp.zeros((), jnp.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"step 3\) holds a different state .* round dtype"):
+            ckpt.restore(tmp_path, like, meta(like.params))
+
+
+def test_a_save_writes_as_much_at_step_200_as_at_step_10(tmp_path):
+    """Finding 3: the history is appended (one line a save), not rewritten into every
+    checkpoint's metadata, so a save's metadata is the same size at step 10 and step 200."""
+    state = on_device(host_state(1), jax.devices()[0])
+    saver = ckpt.Saver(tmp_path, keep=2, background=False)
+    history, sizes, lengths = [], {}, {}
+    record = {"loss": 0.5, "worker_loss": [0.25, 0.75], "wire_bytes": 1000}
+    try:
+        for step in range(1, 201):
+            history.append({"round": step - 1, **record})
+            saver.save(step, state, meta(state.params, data_position=step) | {"history": history})
+            if step in (10, 200):
+                sizes[step] = (tmp_path / str(step) / "metadata" / "metadata").stat().st_size
+            lengths[step] = (tmp_path / ckpt.HISTORY_FILE).stat().st_size
+    finally:
+        saver.close()
+    line = len(json.dumps({"round": 100, **record}, sort_keys=True)) + 1
+    assert lengths[101] - lengths[100] == line  # one record appended, nothing rewritten
+    # The metadata holds where its history ends (more digits at step 200, nothing more).
+    assert sizes[200] - sizes[10] <= 8, sizes
+    _, metadata, step = ckpt.restore(tmp_path, state, meta(state.params))
+    assert step == 200 and metadata["history"] == history
+
+
+def test_one_run_holds_a_checkpoint_directory(tmp_path):
+    """Finding 2's API side: while a Saver holds a directory, a second one (another run's)
+    is refused before it touches anything there; once the first closes, the next runs."""
+    from diloco_jax import run_lock
+
+    state = on_device(host_state(1), jax.devices()[0])
+    first = ckpt.Saver(tmp_path, keep=2)
+    try:
+        first.save(1, state, meta(state.params))
+        before = sorted(p.name for p in tmp_path.iterdir())
+        with pytest.raises(run_lock.FolderInUse, match=f"checkpoint_dir {tmp_path} is in use"):
+            ckpt.save(tmp_path, 2, state, meta(state.params))
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+    finally:
+        first.close()
+    ckpt.save(tmp_path, 2, state, meta(state.params))
+    assert ckpt.all_steps(tmp_path) == [1, 2]
+    assert not (tmp_path / run_lock.LOCK_NAME).exists()  # released and removed

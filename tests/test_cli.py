@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -26,8 +27,9 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
     out = tmp_path / "run"
-    assert (
-        main(
+    umask = os.umask(0o002)  # issue 40, finding 8: the run's files follow the umask
+    try:
+        code = main(
             [
                 "train",
                 "--preset",
@@ -51,8 +53,11 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
                 "--no-progress",
             ]
         )
-        == 0
-    )
+    finally:
+        os.umask(umask)
+    assert code == 0
+    for name in ("config.json", "metrics.jsonl", "summary.json"):
+        assert (out / name).stat().st_mode & 0o777 == 0o664, name
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["inner_steps"] == 3 and config["data"]["spec"] == f"text:{corpus}"
     assert config["data"]["sha256"] and config["num_params"] > 0
@@ -293,11 +298,45 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             "dn_buffer must be an integer >= 1",
         ),
         ([], "required"),
+        # Issue 40, finding 4: every number within what holds it, before anything is written.
+        (["train", "--inner-steps", "99999999999999999999"], "inner_steps must be at most"),
+        (["train", "--seed", "99999999999999999999999"], "seed must be at most 4,294,967,295"),
+        (["train", "--inner-steps", "65536", "--rounds", "32768"], "inner_steps x rounds"),
+        (["train", "--checkpoint-every", "2147483648"], "--checkpoint-every must be in"),
+        (["train", "--connect-timeout", "nan"], "--connect-timeout must be in"),
+        # micro: 20,576 float32 params and their two AdamW moments per worker, 247 KB.
+        (["train", "--preset", "micro", "--workers", "1000000"], "--workers 1000000 (each"),
+        # Finding 8: drops with probability 1 would train nothing.
+        (["train", "--drop-probability", "1"], "drop_probability must be below 1"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "never"
     assert_cli_refuses([*argv, "--out", str(out)] if argv else argv, message, capsys, out)
+
+
+def test_out_empty_is_refused_not_the_working_folder(tmp_path, capsys, monkeypatch):
+    """Issue 40, finding 4: `--out ''` wrote the run into the working folder."""
+    monkeypatch.chdir(tmp_path)
+    assert_cli_refuses(["train", "--out", ""], "--out must name a folder, got ''", capsys)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_coordinator_that_is_not_there_is_one_line_within_the_connect_timeout(tmp_path, capsys):
+    """Issue 40, finding 8: process 1 of a run whose process 0 never started waited JAX's 300
+    s and died blaming "another task". Now it says what is wrong, within --connect-timeout."""
+    import socket
+    import time
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "never"
+    argv = ["train", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    argv += ["--process-id", "1", "--connect-timeout", "2", "--out", str(out)]
+    start = time.monotonic()
+    assert_cli_refuses(argv, f"no coordinator at 127.0.0.1:{port} after 2 s", capsys, out)
+    assert time.monotonic() - start < 10
 
 
 def test_out_that_is_a_file_is_rejected(tmp_path, capsys):

@@ -428,3 +428,56 @@ def test_eval_batches_fixed_non_overlapping():
     assert stride >= 11 and 11 * stride + 11 <= 500
     with pytest.raises(ValueError, match="val_tokens"):
         data.eval_batches(tokens[:100], num_batches=3, batch_size=4, seq_len=10)
+
+
+def test_text_folder_does_not_follow_symbolic_links(tmp_path):
+    """Issue 40, finding 8: a text: folder read the files its symbolic links pointed to,
+    outside it. Like the stdlib source, it reads what the folder holds and follows none."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not part of the corpus", encoding="utf-8")
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("first", encoding="utf-8")
+    (folder / "sub" / "b.md").write_text("second", encoding="utf-8")
+    (folder / "link.txt").symlink_to(outside / "secret.txt")
+    (folder / "linked").symlink_to(outside, target_is_directory=True)
+    source = data.load_source(f"text:{folder}")
+    assert [(n, d.tobytes()) for n, d in source.documents] == [
+        ("a.txt", b"first"),
+        ("sub/b.md", b"second"),
+    ]
+
+
+def _bytes_read() -> int:
+    """This process's bytes read through read(2) and its kin so far (Linux's rchar)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/io is Linux's")
+def test_max_bytes_reads_only_the_bytes_it_keeps(tmp_path):
+    """Issue 40, finding 8: --max-bytes read the whole file and then kept its start. Only the
+    kept bytes are read now: of a 4 MB file, 1000 kept (past them it is not even UTF-8);
+    of a folder, the files up to the limit, the last one only up to it."""
+    head = "".join(f"Paragraph {i}: words and more words.\n\n" for i in range(100)).encode()
+    path = tmp_path / "big.txt"
+    path.write_bytes(head + b"\xff" * (4 << 20))
+    before = _bytes_read()
+    source = data.load_source(f"text:{path}", max_bytes=1000)
+    read = _bytes_read() - before
+    assert source.info["num_bytes"] == 1000
+    assert b"".join(d.tobytes() for _, d in source.documents) == head[:1000]
+    assert read < 64 << 10, read  # the kept bytes, not the 4 MB
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(head)
+    for name in ("b.txt", "c.txt"):
+        (folder / name).write_bytes(head + b"x" * (4 << 20))
+    before = _bytes_read()
+    source = data.load_source(f"text:{folder}", max_bytes=len(head) + 10)
+    assert [(n, d.tobytes()) for n, d in source.documents] == [
+        ("a.txt", head),
+        ("b.txt", head[:10]),
+    ]
+    assert _bytes_read() - before < 64 << 10  # b.txt's first 10 bytes; c.txt never opened

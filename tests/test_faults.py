@@ -390,3 +390,25 @@ def test_the_finite_check_reads_each_devices_own_shard():
     np.testing.assert_array_equal(check(x), [True, False])
     text = check.lower(x).compile().as_text()
     assert "all-gather" not in text and "all-to-all" not in text
+
+
+def test_rounds_in_which_every_worker_was_excluded_give_one_warning():
+    """Issue 40, finding 8: a run whose workers all went non-finite "succeeded" with its
+    params unchanged and no word. One warning now says in how many rounds that happened."""
+    import warnings
+
+    data = make_data(np.random.default_rng(12), num_rounds=3, num_workers=2, inner_steps=2)
+    for r in (0, 2):
+        data[r]["x"][:] = np.nan  # every worker's every step: non-finite deltas
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = dj.train_diloco(
+            linear_loss, PARAMS, data, num_rounds=3, num_workers=2, inner_steps=2,
+            exclude_nonfinite=True, backend="vmap",
+        )  # fmt: skip
+    messages = [str(w.message) for w in caught if "every worker was excluded" in str(w.message)]
+    assert messages == [
+        "every worker was excluded (a non-finite or outlier delta) in 2 of 3 rounds (the first: "
+        "round 0); the params did not change in those rounds"
+    ]
+    assert [h["excluded_workers"] for h in result.history] == [[0, 1], [], [0, 1]]

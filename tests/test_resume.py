@@ -263,3 +263,21 @@ def test_cli_killed_with_sigkill_resumes_bit_identical(tmp_path):
         for d in (straight, killed)
     ]
     assert crcs[0] == crcs[1]
+
+
+def test_the_callers_fingerprint_is_saved_in_the_checkpoint_and_compared(tmp_path):
+    """Issue 40, finding 6: what the caller says makes its run (a learning rate its loss or
+    optimizer closes over, say) is in every checkpoint, so a resume with another is refused
+    whatever other files are gone."""
+    data = make_data(np.random.default_rng(6), num_rounds=2, num_workers=2, inner_steps=1)
+    kw = dict(num_workers=2, inner_steps=1, backend="vmap", checkpoint_dir=tmp_path)
+    dj.train_diloco(linear_loss, PARAMS, data, num_rounds=1, checkpoint_fingerprint={"lr": 0.1},
+                    **kw)  # fmt: skip
+    saved = json.loads((tmp_path / "1" / "metadata" / "metadata").read_text())
+    assert saved["run"] == {"lr": 0.1}
+    with pytest.raises(ValueError, match=r"different run .* run\.lr: 0\.1 != 0\.2"):
+        dj.train_diloco(linear_loss, PARAMS, data, num_rounds=2,
+                        checkpoint_fingerprint={"lr": 0.2}, **kw)  # fmt: skip
+    resumed = dj.train_diloco(linear_loss, PARAMS, data, num_rounds=2,
+                              checkpoint_fingerprint={"lr": 0.1}, **kw)  # fmt: skip
+    assert [h["round"] for h in resumed.history] == [0, 1]

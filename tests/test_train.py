@@ -1,5 +1,7 @@
 """train_diloco / train_sync / diloco_round against hand arithmetic and NumPy references."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -442,11 +444,34 @@ def _diloco(**overrides):
         (dict(params={}), "params must be a pytree"),
         (dict(inner_optimizer="adam"), "inner_optimizer"),
         (dict(outer_optimizer=0.7), "outer_optimizer"),
+        # Issue 40, finding 4: what JAX's int32 counters and 32-bit seeds hold.
+        (dict(num_rounds=2**31), "num_rounds must be at most 2,147,483,647"),
+        (dict(inner_steps=2**16, num_rounds=2**15), "num_rounds x inner_steps: 32,768 x 65,536"),
+        (dict(rng_seed=2**32), "rng_seed must be at most 4,294,967,295"),
+        (dict(drop_probability=0.5, drop_seed=2**32), "drop_seed must be at most"),
+        (dict(checkpoint_every=2**31, checkpoint_dir="never"), "checkpoint_every must be at most"),
+        (dict(checkpoint_fingerprint=[1]), "checkpoint_fingerprint must be a dict"),
     ],
 )
 def test_train_diloco_bad_input(overrides, match):
     with pytest.raises(ValueError, match=match):
         _diloco(**overrides)
+
+
+def test_workers_are_checked_against_the_data_and_the_memory_before_the_state_is_built():
+    """Issue 40, finding 4: 10^7 workers for data of 2 was refused only after their state was
+    built (16 s, 4.7 GB); 10^9 workers of data read as it goes allocated until memory ran
+    out. Both are refused before anything is allocated: the data's first item, and the
+    bytes the state needs against what the devices hold."""
+    data = make_data(np.random.default_rng(0), 2, 2, 2)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"data item 0: .* = \(10000000, 2\), got shape \(2,"):
+        _diloco(num_workers=10**7, data=data)
+    # Per worker AdamW's two moments of the 3 + 1 float32 params and its int32 count, 36
+    # bytes: 36.0 GB for 10^9 (beside 32 bytes of θ and the outer momentum).
+    with pytest.raises(ValueError, match=r"num_workers=1000000000 needs at least 36\.0 GB"):
+        _diloco(num_workers=10**9, data=iter(data))
+    assert time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize(
