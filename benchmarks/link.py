@@ -28,10 +28,17 @@ on the unshaped link (its compute time) and each shaped one, forwards then backw
 phase's rounds, less the first of each block. The prediction is
 `netsim.predict_round_seconds` from the unshaped round time, the link and the collectives of
 the compiled round (XLA's HLO dump of the program the run compiled).
+
+Everything a run makes is named after its pid (djlink<PID>-K namespaces, their /etc/netns
+entries, the relay's socket /tmp/djlink<PID>.sock, the work folder /tmp/djlink<PID>-*), and
+every process it starts dies with it (PR_SET_PDEATHSIG). A run that ends removes its own; one
+killed with SIGKILL cannot, so each start first removes those of runs that are gone
+(`sweep_stale`).
 """
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -61,6 +68,10 @@ TOOLS = ("ip", "tc")
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 ETC_NETNS = Path("/etc/netns")  # `ip netns exec NAME` mounts NAME's files here over /etc
 COORDINATOR_PORT = 47001  # a fresh namespace has every port free
+# Every namespace, /etc/netns entry, relay socket and work folder of link.py's process PID
+# is named djlink<PID>...: `sweep_stale` finds those of a PID that is no link.py any more.
+OWNED = re.compile(r"djlinkcheck(?P<check>\d+)|djlink(?P<pid>\d+)(?:\.sock|-.+)")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def tun_prefix(pid: int) -> str:
@@ -137,6 +148,58 @@ def parse_link(text: str) -> LinkSpec:
 def tool(name: str) -> str | None:
     """Path of a system tool, looking in the sbin directories too (not always on PATH)."""
     return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
+
+
+def owner_alive(pid: int) -> bool:
+    """Whether process `pid` is a running link.py (a pid reused by anything else is not)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(part.endswith(b"link.py") for part in cmdline.split(b"\0"))
+
+
+def sweep_stale() -> list[str]:
+    """Removes what link.py runs that are gone (killed, say) left behind, by the owner pid in
+    each name (`OWNED`): the processes inside their namespaces, the namespaces, their
+    /etc/netns entries, relay sockets and work folders. A running link.py's are kept.
+    Returns what it removed."""
+    removed = []
+    for name in filter(_stale, _namespaces()):
+        pids = subprocess.run([tool("ip"), "netns", "pids", name], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run([tool("ip"), "netns", "del", name], capture_output=True)
+        removed.append(f"namespace {name}")
+    for folder in (ETC_NETNS, Path(tempfile.gettempdir())):
+        paths = sorted(folder.glob("djlink*")) if folder.is_dir() else []
+        for path in (p for p in paths if _stale(p.name)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
+
+
+def _stale(name: str) -> bool:
+    """Whether `name` is link.py's (`OWNED`) and its owner is gone."""
+    m = OWNED.fullmatch(name)
+    return m is not None and not owner_alive(int(m.group("check") or m.group("pid")))
+
+
+def _namespaces() -> list[str]:
+    listed = subprocess.run([tool("ip"), "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+
+
+def die_with_parent() -> None:
+    """In a child before it runs (Popen's preexec_fn): the kernel sends it SIGKILL when
+    link.py ends, however it ends (a SIGKILL included). It survives the `ip netns exec` that
+    starts a worker, which execs without forking."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def requirements_problem() -> str | None:
@@ -274,8 +337,8 @@ class Network:
         return probe.returncode == 0
 
     def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
-        # Its own process group, so `close` can end it and its children.
-        proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
+        # Its own process group, so `close` can end it and its children; gone with link.py.
+        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
         self.processes.append(proc)
         return proc
 
@@ -395,7 +458,7 @@ def run_workers(
         if local:
             procs.append((net.spawn(k, argv, **kwargs), log))
         else:
-            procs.append((subprocess.Popen(argv, **kwargs), log))
+            procs.append((subprocess.Popen(argv, preexec_fn=die_with_parent, **kwargs), log))
     deadline = time.monotonic() + timeout
     try:
         for proc, _ in procs:
@@ -737,7 +800,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     start = time.monotonic()
     specs = method_specs(args.methods, args.rounds, args.dp_steps, args.inner_steps)
-    with tempfile.TemporaryDirectory(prefix="djlink") as tmp:
+    if args.coordinator is None and args.reanalyze is None:
+        for what in sweep_stale():
+            print(f"link.py: removed {what}, left by a link.py that is gone", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix=f"djlink{os.getpid()}-") as tmp:
         workdir = Path(args.reanalyze or args.workdir or tmp)
         if args.reanalyze is None:
             workdir.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@
   own tun device, before the relay; where the kernel has `netem`, netem holds the delay
   there and the relay adds none. A packet handed to a tun device leaves its sender's
   socket (tun orphans it), so the delay does not count against TCP's small-queue limit.
+  A datagram on SOCKET that is not "DELAY LOSS" (a delay in [0, 60] s, a loss in [0, 1)) is
+  ignored; the relay ends when link.py does.
 - `probe`: a TCP echo / bulk sender that measures the shaped link itself (round trip of a
   small message, rate of a bulk transfer), so each table row says what the packets saw.
 - `train`: one JAX process of the multi-process run (gloo CPU collectives); trains every
@@ -41,6 +43,8 @@ from typing import Any
 
 TUNSETIFF = 0x400454CA  # linux/if_tun.h
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
+PARENT_CHECK_S = 1.0  # how often an idle relay looks for the process that started it
+MAX_DELAY_S = 60.0
 
 
 def open_tun(name: str) -> int:
@@ -56,7 +60,10 @@ def run_relay(tuns: dict[str, str], control: str) -> None:
     read from one to the device of its destination address, `delay` seconds after it was
     read, in order, dropping a fraction `loss` of them (seeded); other packets are dropped.
     (delay, loss) start at (0, 0) and change with each datagram "DELAY LOSS" received on the
-    UNIX socket `control`, for packets read from then on."""
+    UNIX socket `control`, for packets read from then on (any other datagram is ignored).
+    Returns when the process that started it is gone (link.py also has the kernel kill it
+    then)."""
+    parent = os.getppid()
     fds = {name: open_tun(name) for name in tuns}
     route = {socket.inet_aton(address): fds[name] for name, address in tuns.items()}
     with contextlib.suppress(FileNotFoundError):
@@ -74,12 +81,15 @@ def run_relay(tuns: dict[str, str], control: str) -> None:
     for fd in [*fds.values(), ctl.fileno()]:
         poller.register(fd, select.POLLIN)
     print("ready", flush=True)
-    while True:
-        timeout = None if not held else max(0.0, held[0][0] - time.monotonic()) * 1e3
-        for fd, _ in poller.poll(timeout):
+    while os.getppid() == parent:
+        timeout = PARENT_CHECK_S if not held else max(0.0, held[0][0] - time.monotonic())
+        for fd, _ in poller.poll(min(timeout, PARENT_CHECK_S) * 1e3):
             if fd == ctl.fileno():
-                text = ctl.recv(256).decode().split()
-                delay, loss = float(text[0]), float(text[1])
+                setting = parse_relay_setting(ctl.recv(256))
+                if setting is None:
+                    print("relay: ignored a malformed setting", file=sys.stderr, flush=True)
+                else:
+                    delay, loss = setting
                 continue
             now = time.monotonic()
             while True:
@@ -98,6 +108,20 @@ def run_relay(tuns: dict[str, str], control: str) -> None:
             _, out, packet = held.popleft()
             with contextlib.suppress(OSError):  # the receiver's device went down: lost
                 os.write(out, packet)
+    with contextlib.suppress(FileNotFoundError):  # its parent is gone: leave nothing
+        os.unlink(control)
+
+
+def parse_relay_setting(datagram: bytes) -> tuple[float, float] | None:
+    """(delay s, loss) from a control datagram "DELAY LOSS": a finite delay in [0, 60] and a
+    loss in [0, 1); None for anything else."""
+    try:
+        delay, loss = (float(x) for x in datagram.decode("ascii").split())
+    except ValueError:  # not ASCII, not two fields, not numbers
+        return None
+    if not (0.0 <= delay <= MAX_DELAY_S and 0.0 <= loss < 1.0):  # NaN fails too
+        return None
+    return delay, loss
 
 
 def set_relay(control: str, delay: float, loss: float) -> None:
