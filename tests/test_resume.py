@@ -187,7 +187,8 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(tmp_path):
     _assert_same(resumed, full)
 
 
-CLI_ROUNDS = 20  # the kill lands after round 6: rounds enough left that it lands mid-run
+CLI_ROUNDS = 24  # rounds enough that ten kills, half of them just after a save, land mid-run
+KILLS = 10
 CLI = [
     sys.executable,
     "-m",
@@ -198,26 +199,43 @@ CLI = [
     "--rounds",
     str(CLI_ROUNDS),
     "--inner-steps",
-    "2",
+    "1",
     "--pretrain-steps",
-    "2",
+    "1",
     "--checkpoint-every",
     "1",
     "--no-progress",
     "--backend",
     "vmap",
 ]
+CORPUS = "".join(
+    f"Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(900)
+)
 
 
-def _last_round(path: Path) -> int:
-    if not path.exists():
+def _steps_on_disk(run_dir: Path) -> int:
+    """The newest finished step in a checkpoint directory another process is writing (its
+    folder names only: nothing is opened that the writer may be pruning); -1 for none."""
+    if not run_dir.is_dir():
         return -1
-    rounds = [
-        json.loads(line).get("round", -1)
-        for line in path.read_text().splitlines()
-        if line.endswith("}")
-    ]
-    return max(rounds, default=-1)
+    return max((int(p.name) for p in run_dir.iterdir() if p.name.isdigit()), default=-1)
+
+
+def _holder(out: Path) -> str:
+    from diloco_jax import run_lock
+
+    try:
+        return (out / run_lock.LOCK_NAME).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _wait(condition, proc: subprocess.Popen, what: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {seconds} s"
+        time.sleep(0.02)
 
 
 def _run_records(path: Path):
@@ -229,37 +247,65 @@ def _run_records(path: Path):
 
 
 @pytest.mark.slow
-def test_cli_killed_with_sigkill_resumes_bit_identical(tmp_path):
+def test_cli_killed_ten_times_at_random_resumes_bit_identical_and_holds_its_out(tmp_path, capsys):
+    """A checkpointing CLI run killed with SIGKILL at ten random moments, restarted each
+    time, ends as the uninterrupted run, bit for bit. Every other kill lands a random time
+    after the restarted run took its --out (restoring, the warm start, compiling, a round),
+    the others a random time after its next save (a round, an evaluation, a background
+    save). While the first one runs, a second run into its OUT is refused with one line
+    before it touches anything (issue 40, finding 2: both ran into the same temporary
+    directories, one never ended)."""
+    from reference import assert_cli_refuses
+
     from diloco_jax.lm import cli
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS)
+    command = [*CLI, "--data", f"text:{corpus}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     # The uninterrupted run in this process: the processes below get its environment (8 fake
     # CPU devices, the same compiler flags), so they compile the same programs.
-    assert cli.main([*CLI[3:], "--out", str(straight)]) == 0
-    proc = subprocess.Popen(
-        [*CLI, "--out", str(killed)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    # One save, at the end (a run's results don't depend on how often it saves).
+    once = [*command[3:], "--checkpoint-every", str(CLI_ROUNDS)]
+    assert cli.main([*once, "--out", str(straight)]) == 0
     run_dir = killed / "checkpoints" / "run"
-    # The run logs round r's metrics only after checkpoint r is saved, so watch the log
-    # rather than read the checkpoints while the writer is saving and pruning them.
-    deadline = time.time() + 300
-    while time.time() < deadline and _last_round(killed / "metrics.jsonl") < 6:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    interrupted_at = dj.checkpoint.latest_step(run_dir)
-    assert interrupted_at is not None and 5 <= interrupted_at < CLI_ROUNDS
+    rng = np.random.default_rng(40)
+    for kill in range(KILLS):
+        saved = _steps_on_disk(run_dir)
+        proc = subprocess.Popen(
+            [*command, "--out", str(killed)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            _wait(lambda p=proc: _holder(killed) == str(p.pid), proc, "lock on --out")
+            if kill == 0:
+                assert_cli_refuses(
+                    [*command[3:], "--out", str(killed)],
+                    f"--out {killed} is in use by another run (process {proc.pid})",
+                    capsys,
+                )
+                assert _holder(killed) == str(proc.pid)  # the first run's lock, as it was
+            if kill % 2:
+                _wait(lambda s=saved: _steps_on_disk(run_dir) > s, proc, "new checkpoint")
+            time.sleep(rng.uniform(0, 0.3 if kill % 2 else 4.0))
+            assert proc.poll() is None, "the run ended before its kill: give it more rounds"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert KILLS // 2 <= _steps_on_disk(run_dir) < CLI_ROUNDS
     assert not (killed / "summary.json").exists()
-    subprocess.run(
-        [*CLI, "--out", str(killed)], check=True, env=env, capture_output=True, timeout=600
-    )
+    assert cli.main([*command[3:], "--out", str(killed)]) == 0  # the last restart, to the end
     assert _run_records(killed / "metrics.jsonl") == _run_records(straight / "metrics.jsonl")
     # Every leaf of the final state is bit-identical: the checkpoints' CRC-32s agree.
     crcs = [
         json.loads(
             (d / "checkpoints" / "run" / str(CLI_ROUNDS) / "checksums" / "metadata").read_text()
-        )
+        )["crc32"]
         for d in (straight, killed)
     ]
     assert crcs[0] == crcs[1]
