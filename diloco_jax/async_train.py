@@ -291,6 +291,7 @@ def train_async(
     check_int("inner_steps", inner_steps, 1)
     check_int("num_updates", num_updates, 0)
     check_int("eval_every", eval_every, 1)
+    limits.check_steps("num_updates x inner_steps", num_updates, inner_steps)
     seconds = _checked_step_seconds(step_seconds, num_workers)
     if not isinstance(dynamic_steps, bool):
         raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
