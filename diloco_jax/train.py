@@ -25,6 +25,7 @@ from diloco_jax import trainable as trainable_lib
 from diloco_jax.comm import payload_bytes, round_bytes, sync_step_wire_bytes
 from diloco_jax.distributed import is_multiprocess, place_global, to_host
 from diloco_jax.inner import LossFn, StepInfo, check_loss_options
+from diloco_jax.layout import Rounds
 from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
 from diloco_jax.placement import Placement
 from diloco_jax.round import diloco_round, init_state
@@ -529,7 +530,10 @@ def train_sync(
 
     Args:
       data: iterable of steps; each a batch pytree with leaves [num_workers, ...]; or a
-        `Sampler` (called with round = step index, step = 0).
+        `Sampler` (called with round = step index, step = 0). Rounds from
+        `dj.worker_rounds` are refused (`dj.sync_steps` gives their examples as steps); rounds
+        [M, H, B, ...] built by hand can't be told apart from steps and would train one step
+        per round on H x B examples each.
       num_steps: >= 0. num_workers: M >= 1. optimizer: default as DiLoCo's inner AdamW.
       method: or a `DiLoCo` spec whose `inner` is the optimizer (so a DiLoCo run and its
         baseline share one value); its other parts don't apply to data parallelism and are
@@ -556,6 +560,12 @@ def train_sync(
     _check_int("num_workers", num_workers, 1)
     _check_int("eval_every", eval_every, 1)
     _check_params(params)
+    if isinstance(data, Rounds):
+        raise ValueError(
+            "train_sync: data holds DiLoCo rounds from dj.worker_rounds (leaves [M, H, B, ...], "
+            "one item per round); train_sync takes one item per step (leaves [M, B, ...]): pass "
+            "dj.sync_steps(...) with the same arguments"
+        )
     if method is not None:
         if optimizer is not None:
             raise ValueError("train_sync: give either optimizer= or method=, not both")
@@ -970,13 +980,22 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _check_params(params: Any) -> None:
-    leaves = jax.tree.leaves(params)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError("params must be a pytree with at least one array leaf")
-    for leaf in leaves:
+    for path, leaf in leaves:
         dtype = np.dtype(jnp.result_type(leaf))
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"params leaves must be floating point, got a {dtype} leaf")
+        # JAX computes a float64 array as float32 unless x64 is on: the result would come
+        # back in another dtype than the params went in.
+        given = getattr(leaf, "dtype", None)
+        if given is not None and np.dtype(given) != dtype:
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is {np.dtype(given)}, which JAX runs as "
+                f"{dtype} while 64-bit mode is off: the run would train and return {dtype}; "
+                f"cast it to {dtype}, or call jax.config.update('jax_enable_x64', True) first"
+            )
 
 
 def _optimizer(name: str, optimizer, default) -> optax.GradientTransformation:

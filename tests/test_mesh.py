@@ -343,6 +343,33 @@ def test_make_backend_refuses_placement_options_it_cant_use(kwargs, match):
         dj.make_backend("auto", M, **kwargs)
 
 
+def test_a_spec_tree_missing_a_key_names_it():
+    common = dict(num_rounds=R, num_workers=M, inner_steps=H)
+    mesh = _mesh((2, 2, 2), ("workers", "fsdp", "tensor"))
+    cases = [
+        ({"w1": P("fsdp", "tensor"), "b1": P("tensor")}, r"\(missing: \['w2'\]\)$"),
+        ({"w1": P(), "b1": P(), "w2": P(), "w3": P("fsdp")}, r"\(extra: \['w3'\]\)$"),
+    ]
+    for specs, match in cases:
+        with pytest.raises(ValueError, match=r"param_sharding must be .*" + match):
+            dj.train_diloco(
+                mlp_loss, _params(), _rounds(), mesh=mesh, param_sharding=specs, **common
+            )
+
+
+def test_an_indivisible_batch_names_the_default_batch_sharding_as_the_default():
+    mesh = _mesh((2, 2, 2), ("workers", "fsdp", "tensor"))
+    odd = [jax.tree.map(lambda x: x[:, :, :6], r) for r in _rounds()]  # B = 6, 4 ways
+    common = dict(num_rounds=R, num_workers=M, inner_steps=H, mesh=mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"the default batch_sharding .*pass batch_sharding= .*size 6, not divisible by 4",
+    ):
+        dj.train_diloco(mlp_loss, _params(), odd, **common)
+    with pytest.raises(ValueError, match=r"^batch_sharding .*size 6, not divisible by 4"):
+        dj.train_diloco(mlp_loss, _params(), odd, batch_sharding=P(("tensor", "fsdp")), **common)
+
+
 def test_a_sharded_checkpoint_restores_onto_the_same_and_another_mesh(tmp_path):
     whole = _run("fsdp2xtensor2")
     shape, names, specs = MESHES["fsdp2xtensor2"]
