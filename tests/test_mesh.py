@@ -487,21 +487,40 @@ def test_train_sync_on_a_mesh_equals_vmap(mesh_name):
 
 def test_model_state_and_a_train_step_run_on_a_mesh():
     """Issue 23's parts on (workers, fsdp): a model state merged by its rules, and a worker
-    step, each equal to the vmap run."""
+    step, each equal to the vmap run. The model state sits where docs/devices.md says: each
+    worker's copy whole on its devices (a leaf shaped like b1, which fsdp splits, included),
+    the merged leaves whole on every device, the kept ones per worker."""
     shape, names, specs = MESHES["fsdp4"]
     mesh = _mesh(shape, names)
     inner = optax.sgd(0.05)
 
     def loss_ms(params, model_state, batch):
-        new = {"avg": 0.9 * model_state["avg"] + 0.1 * jnp.mean(batch["x"], axis=0)}
+        hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+        new = {
+            "avg": 0.9 * model_state["avg"] + 0.1 * jnp.mean(batch["x"], axis=0),
+            "hidden": jnp.mean(hidden, axis=0),  # b1's shape
+            "count": model_state["count"] + 1,  # an int: kept per worker
+        }
         return mlp_loss(params, batch), new
 
-    ms = {"avg": jnp.zeros(D_IN)}
+    ms = {"avg": jnp.zeros(D_IN), "hidden": jnp.zeros(D_HID), "count": jnp.int32(0)}
     common = dict(num_rounds=R, num_workers=M, inner_steps=H, model_state=ms, inner_optimizer=inner)
     ref = dj.train_diloco(loss_ms, _params(), _rounds(), backend="vmap", **common)
     got = dj.train_diloco(loss_ms, _params(), _rounds(), mesh=mesh, param_sharding=specs, **common)
     _close(ref.model_state, got.model_state, 1e-6)
     _close(ref.params, got.params, 1e-5)
+    assert specs["b1"] == P("fsdp")
+    assert {k: v.sharding.spec for k, v in got.state.model_state.items()} == {
+        "avg": P("workers"),
+        "hidden": P("workers"),
+        "count": P("workers"),
+    }
+    assert {k: v.sharding.spec for k, v in got.model_state.items()} == {
+        "avg": P(),
+        "hidden": P(),
+        "count": P("workers"),
+    }
+    assert got.model_state["count"].shape == (M,)
 
     def step(state, batch, info):
         params, opt_state = state
