@@ -300,6 +300,23 @@ def test_batches_placed_once_are_reused_not_copied_or_donated(backend):
     jax.tree.map(np.testing.assert_array_equal, placed, data)
 
 
+def test_backends_agree_to_float_rounding_of_one_reference():
+    """The README's sentence on backends: each computes the same rounds, equal to a float64
+    NumPy reference up to float32 rounding (not bit for bit among themselves)."""
+    rng = np.random.default_rng(12)
+    data = make_data(rng, num_rounds=3, num_workers=4, inner_steps=3)
+    params = {"w": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.float32(0.5)}
+    w, b, _ = diloco_sgd(params["w"], params["b"], data, 0.05, 0.7, 0.9)
+    for backend in ("vmap", "shard_map", "pmap"):
+        got = dj.train_diloco(
+            linear_loss, params, data, num_rounds=3, num_workers=4, inner_steps=3,
+            inner_optimizer=optax.sgd(0.05), outer_optimizer=optax.sgd(0.7, **NESTEROV),
+            backend=backend,
+        )  # fmt: skip
+        np.testing.assert_allclose(got.params["w"], w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.params["b"], b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dtypes_kept(dtype):
     rng = np.random.default_rng(8)
