@@ -236,7 +236,7 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--data", "s3://bucket"], "unknown data spec"),
         (
             ["compare", "--preset", "micro", "--sharding", "non_iid", "--workers", "5000"],
-            "--data stdlib",
+            "--data bundled",
         ),
         (["train", "--frobnicate"], "unrecognized arguments"),
         (["train", "--eager"], "Eager.rounds (outer_delay) must be >= 1"),
