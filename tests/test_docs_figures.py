@@ -16,7 +16,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("generate", ROOT / "docs" / "generate.py")
 generate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(generate)
-RECORDS = {"make_run": "default", "compare_quick": "quick"}
+# record -> (preset, stack)
+RECORDS = {
+    "make_run": ("default", "oldest"),
+    "compare_quick": ("quick", "oldest"),
+    "compare_quick_newest": ("quick", "newest"),
+}
 
 
 def test_every_generated_block_is_its_rendering():
@@ -29,8 +34,8 @@ def test_every_generated_block_is_its_rendering():
     assert used == set(generated)
 
 
-@pytest.mark.parametrize("name, preset", RECORDS.items())
-def test_a_record_renders_as_its_run_printed_and_is_of_the_current_code(name, preset):
+@pytest.mark.parametrize("name, preset, stack", [(k, *v) for k, v in RECORDS.items()])
+def test_a_record_renders_as_its_run_printed_and_is_of_the_current_code(name, preset, stack):
     record = generate.load(name)
     assert generate.printed_table(record) == record["printed"]
     config = record["summary"]["config"]
@@ -41,5 +46,5 @@ def test_a_record_renders_as_its_run_printed_and_is_of_the_current_code(name, pr
     if want["max_bytes"] == corpus.NUM_BYTES:
         assert data["sha256"] == corpus.SHA256
     pins = (ROOT / "constraints" / "oldest.txt").read_text()
-    assert f"jax=={config['jax_version']}\n" in pins
-    assert record["python"].startswith("3.11.")
+    oldest = f"jax=={config['jax_version']}\n" in pins and record["python"].startswith("3.11.")
+    assert oldest == (stack == "oldest")
