@@ -244,7 +244,8 @@ def test_make_backend_placement_rules():
     assert len(dj.make_backend("shard_map", 3).devices) == 3
     b = dj.make_backend("pmap", 16)
     assert (len(b.devices), b.workers_per_device) == (8, 2)
-    assert dj.make_backend("auto", 12).name == "vmap"  # 12 can't be split over 8 devices
+    with pytest.warns(UserWarning, match="can't be split evenly"):
+        assert dj.make_backend("auto", 12).name == "vmap"  # 12 can't be split over 8 devices
     assert dj.make_backend("auto", 4, devices=devices[:1]).name == "vmap"
 
 
@@ -302,12 +303,13 @@ def test_batches_placed_once_are_reused_not_copied_or_donated(backend):
 
 def test_backends_agree_to_float_rounding_of_one_reference():
     """The README's sentence on backends: each computes the same rounds, equal to a float64
-    NumPy reference up to float32 rounding (not bit for bit among themselves)."""
+    NumPy reference up to float32 rounding (not bit for bit among themselves). vmap's run is
+    test_matches_numpy_reference's."""
     rng = np.random.default_rng(12)
     data = make_data(rng, num_rounds=3, num_workers=4, inner_steps=3)
     params = {"w": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.float32(0.5)}
     w, b, _ = diloco_sgd(params["w"], params["b"], data, 0.05, 0.7, 0.9)
-    for backend in ("vmap", "shard_map", "pmap"):
+    for backend in ("shard_map", "pmap"):
         got = dj.train_diloco(
             linear_loss, params, data, num_rounds=3, num_workers=4, inner_steps=3,
             inner_optimizer=optax.sgd(0.05), outer_optimizer=optax.sgd(0.7, **NESTEROV),
