@@ -15,7 +15,7 @@ from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.donation import jit_round
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
 from diloco_jax.inner import StepInfo
-from diloco_jax.layout import worker_rounds
+from diloco_jax.layout import sync_steps, worker_rounds
 from diloco_jax.method import DiLoCo, default_inner_optimizer, default_outer_optimizer
 from diloco_jax.momentum_restart import restart_momentum
 from diloco_jax.nnx_model import nnx_model_fns
@@ -63,6 +63,7 @@ __all__ = [
     "make_backend",
     "Sampler",
     "worker_rounds",
+    "sync_steps",
     # your own model
     "StepInfo",
     "nnx_model_fns",

@@ -25,14 +25,23 @@ def check_int(name: str, value: Any, minimum: int) -> None:
 
 def check_params(params: Any) -> None:
     """Raises ValueError unless `params` is a pytree with at least one floating-point leaf and
-    no other kind."""
-    leaves = jax.tree.leaves(params)
+    no other kind, each in a dtype JAX runs as is (float64 needs x64 on)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError("params must be a pytree with at least one array leaf")
-    for leaf in leaves:
+    for path, leaf in leaves:
         dtype = np.dtype(jnp.result_type(leaf))
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"params leaves must be floating point, got a {dtype} leaf")
+        # JAX computes a float64 array as float32 unless x64 is on: the result would come
+        # back in another dtype than the params went in.
+        given = getattr(leaf, "dtype", None)
+        if given is not None and np.dtype(given) != dtype:
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is {np.dtype(given)}, which JAX runs as "
+                f"{dtype} while 64-bit mode is off: the run would train and return {dtype}; "
+                f"cast it to {dtype}, or call jax.config.update('jax_enable_x64', True) first"
+            )
 
 
 def checked_optimizer(name: str, optimizer: Any, default) -> optax.GradientTransformation:

@@ -158,13 +158,16 @@ def wire_bytes(compiled_or_text: Any, num_devices: int | None = None) -> float:
 def depends_on(compiled_or_text: Any, name: str, opcode: str) -> bool:
     """Whether instruction `name` (e.g. a collective from `collectives`) reads, through its
     operands' dataflow in its own computation, the result of an instruction of `opcode`
-    (e.g. "while": the inner loop). False means the two may run at the same time."""
+    (e.g. "while": the inner loop). An instruction that calls a computation holding one (XLA
+    0.12's CPU compiler outlines a while loop into a `call`) counts as one. False means the
+    two may run at the same time."""
     text = _hlo_text(compiled_or_text)
     for module in _split_modules(text):
         instrs = _parse_module(module)
         found = [ins for ins in instrs if ins.name == name]
         if not found:
             continue
+        holding = _computations_holding(instrs, opcode)
         computation = found[0].computation
         local = {ins.name: ins for ins in instrs if ins.computation == computation}
         seen, stack = set(), [found[0].name]
@@ -173,11 +176,33 @@ def depends_on(compiled_or_text: Any, name: str, opcode: str) -> bool:
             if ins is None or ins.name in seen:
                 continue
             seen.add(ins.name)
-            if ins.name != name and ins.opcode == opcode:
+            if ins.name != name and (ins.opcode == opcode or _called(ins) & holding):
                 return True
             stack.extend(op for op, _ in ins.operands)
         return False
     raise ValueError(f"no instruction named {name!r} in the module")
+
+
+def _called(ins: "_Instr") -> set[str]:
+    """Names of the computations `ins` calls (loop bodies, fusions, to_apply, branches)."""
+    names: set[str] = set()
+    for m in _CALLEES.finditer(ins.attrs):
+        names.update(n.strip().lstrip("%") for n in m.group(1).strip("{}").split(","))
+    return names - {""}
+
+
+def _computations_holding(instrs: list["_Instr"], opcode: str) -> set[str]:
+    """Computations that hold an instruction of `opcode`, directly or through their calls."""
+    holding = {ins.computation for ins in instrs if ins.opcode == opcode}
+    callers = [(ins.computation, _called(ins)) for ins in instrs]
+    grew = True
+    while grew:
+        grew = False
+        for computation, called in callers:
+            if computation not in holding and called & holding:
+                holding.add(computation)
+                grew = True
+    return holding
 
 
 # --------------------------------------------------------------------------- text access

@@ -22,6 +22,12 @@ import jax
 import numpy as np
 
 
+class Rounds(list):
+    """What `worker_rounds` returns: a list of DiLoCo rounds, each a pytree with leaves
+    [M, H, B, ...]. A list in every way; the type lets `train_sync`, whose items are steps
+    [M, B, ...], refuse it instead of training one step per round on H x B examples."""
+
+
 def worker_rounds(
     dataset: Any,
     num_workers: int,
@@ -31,8 +37,9 @@ def worker_rounds(
     iid: bool = True,
     seed: int = 0,
     num_rounds: int | None = None,
-) -> list[Any]:
-    """DiLoCo's rounds of `dataset`: a list of pytrees with leaves [M, H, B, ...] (NumPy).
+) -> Rounds:
+    """DiLoCo's rounds of `dataset`: a list (`Rounds`) of pytrees with leaves [M, H, B, ...]
+    (NumPy).
 
     num_rounds: how many; None: as many whole rounds as one epoch holds (a ValueError if that
     is none). More rounds than an epoch holds continue into the next epochs, each reshuffled.
@@ -65,7 +72,7 @@ def worker_rounds(
             idx = order_MxK[:, r * per_round : (r + 1) * per_round]
             idx = idx.reshape(num_workers, inner_steps, batch_size)
             rounds.append(jax.tree.map(lambda x, i=idx: x[i], data))
-    return rounds
+    return Rounds(rounds)
 
 
 def sync_steps(

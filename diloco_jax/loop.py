@@ -3,7 +3,7 @@ iterations (a round, a step, or an asynchronous arrival), evaluate when due, rec
 history entry per iteration, save checkpoints in the background, and finish.
 
 What differs between trainers is a `Job`: what one iteration runs, what it records, what a
-checkpoint holds. `train_diloco`, `train_diloco_step` and `train_sync` run `Rounds` (a jitted
+checkpoint holds. `train_diloco`, `train_diloco_step` and `train_sync` run `Steps` (a jitted
 step over batches placed on the backend); `train_async` its own job of simulated arrivals.
 The jitted steps are cached here too (`jitted`), so repeated runs reuse their compilations.
 """
@@ -158,7 +158,7 @@ def due(done: int, total: int, steps_each: int, eval_every: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rounds:
+class Steps:
     """The `Job` of the synchronous trainers: a jitted `step(state, batch)` per iteration on
     batches placed on the backend (`train_diloco`'s rounds, `train_sync`'s steps).
 

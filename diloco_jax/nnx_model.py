@@ -12,12 +12,21 @@ merges (`diloco_jax.model_state`) and a pure apply.
 The params are every `nnx.Param`, the model state everything else (`nnx.BatchStat`, RNG
 streams' keys and counts, any other variable), both as plain nested dicts of arrays. RNG keys
 travel as their uint32 key data (`jax.random.key_data`), so the model state is plain arrays
-that checkpoints, merges and stacking accept. `apply(..., rng=key)` reseeds every RNG stream
-of the module from `key` (stream i from `fold_in(key, i)`), so each (round, worker, step) of a
-run with `rng_seed` draws its own dropout masks; without `rng` the streams advance as the
-module's own do (and start equal on every worker).
+that checkpoints, merges and stacking accept.
+
+Randomness, both ways Flax NNX offers it. `apply(..., rng=key)`:
+  * reseeds every RNG stream stored in the module (`nnx.Dropout(rate, rngs=rngs)`) from
+    `key`: the n streams, sorted by name, stream i from `fold_in(key, i)`;
+  * and, when the module's `__call__` takes an `rngs` argument (today's Flax idiom: the
+    official MNIST tutorial's CNN, the NNX transformer examples) and the call does not pass
+    one, calls it with `rngs=nnx.Rngs(fold_in(key, n))`.
+So each (round, worker, step) of a run with `rng_seed` draws its own dropout masks either
+way. Without `rng` the stored streams advance as the module's own do (and start equal on
+every worker), and a module that wants call-time `rngs` gets none: Flax then refuses dropout
+in train mode, as it does when the module is called directly.
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,9 +39,11 @@ class NNXModelFns(NamedTuple):
     variable's value (RNG keys as key data); apply(params, model_state, *args, rng=None,
     train=True, **kwargs) -> (output, new model state): the module called in train mode
     (`model.train()`: batch statistics, dropout on) or with train=False in eval mode
-    (`model.eval()`: running statistics, no dropout); merge(params, model_state) -> a new
-    module with those values (model state leaves stacked [M, ...] by a "keep" rule: pass
-    one worker's)."""
+    (`model.eval()`: running statistics, no dropout); with `rng`, stored RNG streams are
+    reseeded and a `__call__` taking `rngs` gets `nnx.Rngs` from it (module docstring); any
+    other keyword (`deterministic=`, `rngs=` of your own) goes to the call as it is;
+    merge(params, model_state) -> a new module with those values (model state leaves stacked
+    [M, ...] by a "keep" rule: pass one worker's)."""
 
     params: Any
     model_state: Any
@@ -50,6 +61,7 @@ def nnx_model_fns(model: nnx.Module) -> NNXModelFns:
     copy.eval()
     eval_def = nnx.split(copy, nnx.Param, ...)[0]
     streams = sorted({n.tag for _, n in nnx.iter_graph(copy) if isinstance(n, nnx.RngStream)})
+    takes_rngs = "rngs" in inspect.signature(copy.__call__).parameters
     params_like, rest_like = params, rest
 
     def build(graphdef, params, model_state):
@@ -62,6 +74,8 @@ def nnx_model_fns(model: nnx.Module) -> NNXModelFns:
         module = build(train_def if train else eval_def, params, model_state)
         if rng is not None and streams:
             nnx.reseed(module, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
+        if rng is not None and takes_rngs and "rngs" not in kwargs:
+            kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
         out = module(*args, **kwargs)
         return out, _as_data(nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[2]))
 

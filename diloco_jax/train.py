@@ -29,7 +29,8 @@ from diloco_jax.comm import (
 )
 from diloco_jax.distributed import is_multiprocess
 from diloco_jax.inner import LossFn, StepInfo, check_loss_options
-from diloco_jax.loop import Loop, Record, Rounds, checkpoints, jitted, place_state, step_record
+from diloco_jax.layout import Rounds
+from diloco_jax.loop import Loop, Record, Steps, checkpoints, jitted, place_state, step_record
 from diloco_jax.method import DiLoCo, default_inner_optimizer, method_from_options, only_optimizers
 from diloco_jax.placement import Placement
 from diloco_jax.round import diloco_round, init_state
@@ -402,7 +403,7 @@ def _train_diloco(
         fingerprint["model_state_merge"] = list(rules)
     if step_options.get("params_of") is not None:
         fingerprint["worker_step"] = True
-    rounds = Rounds(
+    rounds = Steps(
         step=step,
         record_metrics=record,
         backend=backend,
@@ -520,7 +521,10 @@ def train_sync(
 
     Args:
       data: iterable of steps; each a batch pytree with leaves [num_workers, ...]; or a
-        `Sampler` (called with round = step index, step = 0).
+        `Sampler` (called with round = step index, step = 0). Rounds from
+        `dj.worker_rounds` are refused (`dj.sync_steps` gives their examples as steps); rounds
+        [M, H, B, ...] built by hand can't be told apart from steps and would train one step
+        per round on H x B examples each.
       num_steps: >= 0. num_workers: M >= 1. optimizer: default as DiLoCo's inner AdamW.
       method: or a `DiLoCo` spec whose `inner` is the optimizer (so a DiLoCo run and its
         baseline share one value); its other parts don't apply to data parallelism and are
@@ -546,6 +550,12 @@ def train_sync(
     check_int("num_steps", num_steps, 0)
     check_int("num_workers", num_workers, 1)
     check_int("eval_every", eval_every, 1)
+    if isinstance(data, Rounds):
+        raise ValueError(
+            "train_sync: data holds DiLoCo rounds from dj.worker_rounds (leaves [M, H, B, ...], "
+            "one item per round); train_sync takes one item per step (leaves [M, B, ...]): pass "
+            "dj.sync_steps(...) with the same arguments"
+        )
     if not process_local_data:  # before anything is built for them
         limits.check_first_item(data, (num_workers,), "[num_workers]")
     check_params(params)
@@ -595,7 +605,7 @@ def train_sync(
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
         return {"step": s, "steps": s + 1} | step_record(metrics) | bill.entries(s + 1)
 
-    rounds = Rounds(
+    rounds = Steps(
         step=step,
         record_metrics=record,
         backend=backend,

@@ -9,11 +9,12 @@ import numpy as np
 def per_leaf(tree: Any, values: Any, error: str) -> list:
     """`values`, a pytree with `tree`'s structure holding anything at its leaves (bools,
     strings, `PartitionSpec`s, None), as one entry per leaf of `tree` in `jax.tree.leaves`
-    order. ValueError(`error`) for another structure."""
+    order. ValueError(`error`, followed by the paths one has and the other lacks) for another
+    structure."""
     try:
         return jax.tree.structure(tree).flatten_up_to(values)
     except (ValueError, TypeError):
-        raise ValueError(error) from None
+        raise ValueError(error + _difference(tree, values)) from None
 
 
 def payload_bytes(tree: Any) -> int:
@@ -27,3 +28,22 @@ def payload_bytes(tree: Any) -> int:
             for x in jax.tree.leaves(tree)
         )
     )
+
+
+def _difference(tree: Any, values: Any) -> str:
+    """' (missing: ['b']; extra: ['c'])': the leaf paths of `tree` that `values`
+    lacks and the other way round, as far as plain dicts, lists and tuples tell them apart;
+    '' when they don't (the same paths, other containers)."""
+    ours = _paths(tree, lambda x: False)
+    # A value at a leaf may be anything (a PartitionSpec is a tuple), a None included.
+    theirs = _paths(values, lambda x: x is None or type(x) not in (dict, list, tuple))
+    missing, extra = sorted(ours - theirs), sorted(theirs - ours)
+    parts = ([f"missing: {', '.join(missing)}"] if missing else []) + (
+        [f"extra: {', '.join(extra)}"] if extra else []
+    )
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _paths(tree: Any, is_leaf) -> set[str]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return {jax.tree_util.keystr(path) for path, _ in flat}

@@ -29,6 +29,7 @@ must not use collectives over `WORKER_AXIS`: it names the devices, not the worke
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -270,8 +271,15 @@ class Backend:
                 f"has dims after the leading {lead}"
             )
         dim, ways = dim_ways
+        inner = tuple(name for name, _ in self.mesh_axes if name != WORKER_AXIS)
+        given = (
+            f"the default batch_sharding {spec} (the batch dim over every non-worker mesh "
+            "axis; pass batch_sharding= to split it otherwise)"
+            if spec == P(inner)
+            else f"batch_sharding {spec}"
+        )
         return (
-            f"batch_sharding {spec}: a batch leaf of shape {shape} has dim {dim + lead} of "
+            f"{given}: a batch leaf of shape {shape} has dim {dim + lead} of "
             f"size {shape[dim + lead]}, not divisible by {ways}"
         )
 
@@ -483,6 +491,14 @@ def make_backend(
     if backend == "auto":
         placeable = num_workers <= len(devices) or num_workers % len(devices) == 0
         backend = "shard_map" if len(devices) > 1 and num_workers > 1 and placeable else "vmap"
+        if not placeable and len(devices) > 1:
+            warnings.warn(
+                f"backend='auto': num_workers={num_workers} can't be split evenly over "
+                f"{len(devices)} devices, so all {num_workers} workers run on one device "
+                f"(vmap); use at most {len(devices)} workers or a multiple of {len(devices)} "
+                f"to use every device, or pass backend='vmap' to choose one device",
+                stacklevel=2,
+            )
     if backend in ("vmap", "sequential"):  # every worker on the first device
         return _BACKENDS[backend](num_workers, devices[:1])
     if num_workers <= len(devices):

@@ -10,7 +10,9 @@ DiLoCo round). It prints test accuracy and the bytes each worker sent.
 
 import argparse
 import json
+import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     M, H, R, B = args.workers, args.inner_steps, args.rounds, args.batch_size
 
+    start = time.perf_counter()
     train, test = split(args.seed)
     fns = dj.nnx_model_fns(CNN(nnx.Rngs(args.seed)))
 
@@ -80,7 +83,7 @@ def main(argv=None) -> dict:
         loss_fn, fns.params, rounds, num_rounds=R, inner_steps=H,
         method=dj.DiLoCo(inner=inner), **common,
     )  # fmt: skip
-    steps = dj.layout.sync_steps(train, M, H, B, seed=args.seed, num_rounds=R)
+    steps = dj.sync_steps(train, M, H, B, seed=args.seed, num_rounds=R)
     equal_steps = dj.train_sync(
         loss_fn, fns.params, steps, num_steps=R * H, optimizer=inner, **common
     )
@@ -108,8 +111,10 @@ def main(argv=None) -> dict:
             f"{row['test_accuracy']:>9.4f} {row['wire_bytes'] / 1e6:>15.3f}"
         )
     if args.out:
+        # The wall time of the three runs, compiles included, and the cores they had.
+        timing = {"seconds": time.perf_counter() - start, "cpus": len(os.sched_getaffinity(0))}
         with open(args.out, "w") as f:
-            json.dump({"config": vars(args), "results": results}, f, indent=2)
+            json.dump({"config": vars(args), "results": results, **timing}, f, indent=2)
     return results
 
 

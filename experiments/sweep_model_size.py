@@ -16,7 +16,7 @@ and uses the same inner AdamW (peak INNER_LR, warmup S / 10, cosine decay):
 
 As the paper does, the outer learning rate is tuned per size (and per M) over a small grid: the
 table keeps the lr with the lowest final eval loss and reports DiLoCo / data-parallel. Eval loss
-is nats per byte on the same held-out stdlib windows for every run and size.
+is nats per byte on the same held-out windows of the bundled corpus for every run and size.
 
   python sweep_model_size.py           # micro, mini, tiny, small at 0.5 tokens per parameter
   python sweep_model_size.py --quick   # micro, mini, tiny at 0.2 tokens per parameter
@@ -158,7 +158,7 @@ def runs_of(
 
 
 def load_corpus() -> experiment.Corpus:
-    """The stdlib corpus with the eval windows every run and size is measured on."""
+    """The bundled corpus with the eval windows every run and size is measured on."""
     cfg = make_config(
         "quick",
         max_bytes=MAX_BYTES,

@@ -14,7 +14,7 @@ from reference import linear_loss
 import diloco_jax as dj
 
 # The recorded bits hold for the programs a user's run compiles (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("users_compiler")
+pytestmark = [pytest.mark.usefixtures("users_compiler"), pytest.mark.xla_bits]
 FIXTURES = Path(__file__).parent / "data" / "checkpoints_v1"
 WRITE = os.environ.get("DILOCO_JAX_WRITE_GOLDEN") == "1"
 # Both compressed runs used the all-gather exchange, the only one then.

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import jax
+import matplotlib.colors
 import matplotlib.image
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from reference import assert_cli_refuses
@@ -210,6 +212,11 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
     for png in ("eval_loss_vs_tokens.png", "eval_loss_vs_bytes.png"):
         image = matplotlib.image.imread(out / png)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+        # Each run in its own colour, the same in both images (C0, C1, C2 in run order).
+        for i, _ in enumerate(runs):
+            rgb = np.asarray(matplotlib.colors.to_rgb(f"C{i}"))
+            painted = np.all(np.abs(image[..., :3] - rgb) < 1.5 / 255, axis=-1)
+            assert painted.sum() > 50, (png, i)
     records = _read_jsonl(out / "metrics.jsonl")
     assert {rec["run"] for rec in records} == {"pretrain", *runs}
     assert all(0 <= rec["accuracy"] <= 1 for rec in records)
@@ -244,7 +251,7 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--data", "s3://bucket"], "unknown data spec"),
         (
             ["compare", "--preset", "micro", "--sharding", "non_iid", "--workers", "5000"],
-            "--data stdlib",
+            "--data bundled",
         ),
         (["train", "--frobnicate"], "unrecognized arguments"),
         (["train", "--eager"], "Eager.rounds (outer_delay) must be >= 1"),

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diloco_jax.lm import data
+from diloco_jax.lm import corpus, data
 
 
 def _docs(*texts):
@@ -65,6 +65,35 @@ def test_stdlib_source_is_deterministic():
         assert doc.dtype == np.uint8 and doc.size > 0
         parts = name.split("/")
         assert not {"test", "tests", "site-packages", "__pycache__"} & set(parts[:-1])
+
+
+def test_the_bundled_corpus_is_the_same_bytes_on_every_python():
+    """The default source is pinned: 242 files, 4,000,000 bytes and this sha256 (of CPython
+    3.11.7's standard library, recorded when the archive was made) on whatever Python runs
+    the suite; on 3.11.7 itself it is what "stdlib" reads there, cut at 4,000,000 bytes."""
+    source = data.load_source("bundled")
+    assert (
+        source.info["sha256"] == "989ebbe92ce5794443537747f969e0f5b3c6237fffcc5fe93f445c10d0decf71"
+    )
+    assert (source.info["num_documents"], source.info["num_bytes"]) == (242, 4_000_000)
+    names = [n for n, _ in source.documents]
+    assert names[0] == "__future__.py" and names[-1] == "encodings/gb2312.py"
+    assert names == sorted(names)
+    if sys.version_info[:3] == (3, 11, 7) and sys.implementation.name == "cpython":
+        stdlib = data.load_source("stdlib", max_bytes=4_000_000)
+        assert stdlib.info["sha256"] == source.info["sha256"]
+
+
+def test_the_bundled_archive_round_trips_and_refuses_other_documents():
+    docs = [("a/b.py", b"x = 1\n"), ("c.py", b"\x00\xff" * 3)]
+    blob = corpus.write_archive(docs)
+    assert blob == corpus.write_archive(docs)  # bytes that depend on the documents only
+    assert corpus.read_archive(blob) == docs
+    shipped = corpus.load_documents()
+    assert corpus.verified(shipped) is shipped
+    damaged = [*shipped[:-1], (shipped[-1][0], shipped[-1][1][:-1])]
+    with pytest.raises(ValueError, match="bundled corpus .* is damaged"):
+        corpus.verified(damaged)
 
 
 def test_stdlib_limits_and_checksum_depend_on_contents():

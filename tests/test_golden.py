@@ -25,7 +25,7 @@ from diloco_jax.lm import model
 
 # Recorded bits hold for the programs a user's run compiles, not the suite's -O0 ones
 # (tests/conftest.py): every test here compiles as a user's run does.
-pytestmark = pytest.mark.usefixtures("users_compiler")
+pytestmark = [pytest.mark.usefixtures("users_compiler"), pytest.mark.xla_bits]
 
 DATA = Path(__file__).parent / "data"
 ARRAYS, HISTORIES = DATA / "golden_rounds.npz", DATA / "golden_histories.json"

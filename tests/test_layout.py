@@ -51,7 +51,7 @@ def test_more_rounds_than_an_epoch_reshuffle_the_next_epoch():
 
 def test_sync_steps_hold_the_same_examples_in_the_same_order():
     rounds = dj.worker_rounds(_dataset(), M, H, B, seed=1)
-    steps = dj.layout.sync_steps(_dataset(), M, H, B, seed=1)
+    steps = dj.sync_steps(_dataset(), M, H, B, seed=1)
     assert len(steps) == len(rounds) * H
     for r, rnd in enumerate(rounds):
         for h in range(H):
@@ -66,7 +66,7 @@ def _loss(params, batch):
 def test_both_trainers_see_the_same_examples():
     params = {"w": jnp.zeros(2)}
     rounds = dj.worker_rounds(_dataset(), M, H, B)
-    steps = dj.layout.sync_steps(_dataset(), M, H, B)
+    steps = dj.sync_steps(_dataset(), M, H, B)
     diloco = dj.train_diloco(
         _loss, params, rounds, num_rounds=2, num_workers=M, inner_steps=H, has_aux=True,
         inner_optimizer=optax.sgd(0.01),

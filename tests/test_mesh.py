@@ -343,6 +343,33 @@ def test_make_backend_refuses_placement_options_it_cant_use(kwargs, match):
         dj.make_backend("auto", M, **kwargs)
 
 
+def test_a_spec_tree_missing_a_key_names_it():
+    common = dict(num_rounds=R, num_workers=M, inner_steps=H)
+    mesh = _mesh((2, 2, 2), ("workers", "fsdp", "tensor"))
+    cases = [
+        ({"w1": P("fsdp", "tensor"), "b1": P("tensor")}, r"\(missing: \['w2'\]\)$"),
+        ({"w1": P(), "b1": P(), "w2": P(), "w3": P("fsdp")}, r"\(extra: \['w3'\]\)$"),
+    ]
+    for specs, match in cases:
+        with pytest.raises(ValueError, match=r"param_sharding must be .*" + match):
+            dj.train_diloco(
+                mlp_loss, _params(), _rounds(), mesh=mesh, param_sharding=specs, **common
+            )
+
+
+def test_an_indivisible_batch_names_the_default_batch_sharding_as_the_default():
+    mesh = _mesh((2, 2, 2), ("workers", "fsdp", "tensor"))
+    odd = [jax.tree.map(lambda x: x[:, :, :6], r) for r in _rounds()]  # B = 6, 4 ways
+    common = dict(num_rounds=R, num_workers=M, inner_steps=H, mesh=mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"the default batch_sharding .*pass batch_sharding= .*size 6, not divisible by 4",
+    ):
+        dj.train_diloco(mlp_loss, _params(), odd, **common)
+    with pytest.raises(ValueError, match=r"^batch_sharding .*size 6, not divisible by 4"):
+        dj.train_diloco(mlp_loss, _params(), odd, batch_sharding=P(("tensor", "fsdp")), **common)
+
+
 def test_a_sharded_checkpoint_restores_onto_the_same_and_another_mesh(tmp_path):
     whole = _run("fsdp2xtensor2")
     shape, names, specs = MESHES["fsdp2xtensor2"]
@@ -460,21 +487,40 @@ def test_train_sync_on_a_mesh_equals_vmap(mesh_name):
 
 def test_model_state_and_a_train_step_run_on_a_mesh():
     """Issue 23's parts on (workers, fsdp): a model state merged by its rules, and a worker
-    step, each equal to the vmap run."""
+    step, each equal to the vmap run. The model state sits where docs/devices.md says: each
+    worker's copy whole on its devices (a leaf shaped like b1, which fsdp splits, included),
+    the merged leaves whole on every device, the kept ones per worker."""
     shape, names, specs = MESHES["fsdp4"]
     mesh = _mesh(shape, names)
     inner = optax.sgd(0.05)
 
     def loss_ms(params, model_state, batch):
-        new = {"avg": 0.9 * model_state["avg"] + 0.1 * jnp.mean(batch["x"], axis=0)}
+        hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+        new = {
+            "avg": 0.9 * model_state["avg"] + 0.1 * jnp.mean(batch["x"], axis=0),
+            "hidden": jnp.mean(hidden, axis=0),  # b1's shape
+            "count": model_state["count"] + 1,  # an int: kept per worker
+        }
         return mlp_loss(params, batch), new
 
-    ms = {"avg": jnp.zeros(D_IN)}
+    ms = {"avg": jnp.zeros(D_IN), "hidden": jnp.zeros(D_HID), "count": jnp.int32(0)}
     common = dict(num_rounds=R, num_workers=M, inner_steps=H, model_state=ms, inner_optimizer=inner)
     ref = dj.train_diloco(loss_ms, _params(), _rounds(), backend="vmap", **common)
     got = dj.train_diloco(loss_ms, _params(), _rounds(), mesh=mesh, param_sharding=specs, **common)
     _close(ref.model_state, got.model_state, 1e-6)
     _close(ref.params, got.params, 1e-5)
+    assert specs["b1"] == P("fsdp")
+    assert {k: v.sharding.spec for k, v in got.state.model_state.items()} == {
+        "avg": P("workers"),
+        "hidden": P("workers"),
+        "count": P("workers"),
+    }
+    assert {k: v.sharding.spec for k, v in got.model_state.items()} == {
+        "avg": P(),
+        "hidden": P(),
+        "count": P("workers"),
+    }
+    assert got.model_state["count"].shape == (M,)
 
     def step(state, batch, info):
         params, opt_state = state

@@ -1,7 +1,12 @@
 """Flax NNX models, directly (`nnx_model_fns`): the split into params and model state, the pure
-apply in train and eval mode against NumPy BatchNorm, dropout keyed per step, and a DiLoCo run
-of a BatchNorm + Dropout model that repeats and resumes bit for bit; the bundled digits data
+apply in train and eval mode against NumPy BatchNorm, dropout keyed per step (from streams
+stored in the module, and from `rngs` passed at call time as Flax's tutorial and transformer
+examples pass them), docs/your-model.md's run of the MNIST tutorial's CNN, and a DiLoCo run of
+a BatchNorm + Dropout model that repeats and resumes bit for bit; the bundled digits data
 against scikit-learn's copy when it is installed."""
+
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +72,76 @@ def test_dropout_draws_from_the_step_key():
     a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
+
+
+class AttentionBlock(nnx.Module):
+    """The style of Flax's NNX transformer examples: dropout layers built without streams, and
+    a `__call__` taking `deterministic` and `rngs` for its layers (attention dropout too)."""
+
+    def __init__(self, rngs):
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=2, in_features=8, dropout_rate=0.5, decode=False, rngs=rngs
+        )
+        self.dropout = nnx.Dropout(0.5)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x, *, deterministic=False, rngs: nnx.Rngs | None = None):
+        y = self.attention(x, deterministic=deterministic, rngs=rngs)
+        return self.out(self.dropout(y, deterministic=deterministic, rngs=rngs))[..., 0]
+
+
+def test_call_time_rngs_draw_from_the_step_key():
+    fns = dj.nnx_model_fns(AttentionBlock(nnx.Rngs(0)))
+    # The attention layer keeps a stream of its own; the dropout layer none.
+    assert set(fns.model_state) == {"attention"}
+    x = np.random.default_rng(0).normal(size=(2, 4, 8)).astype(np.float32)
+    run = jax.jit(lambda k: fns.apply(fns.params, fns.model_state, x, rng=k)[0])
+    a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    # Flax's own call with nnx.Rngs(fold_in(key, n)), n = 1 stored stream, draws the same
+    # masks; deterministic=True draws none, whatever the key.
+    module = fns.merge(fns.params, fns.model_state)
+    want = module(x, rngs=nnx.Rngs(jax.random.fold_in(jax.random.key(1), 1)))
+    np.testing.assert_allclose(a, want, rtol=1e-6, atol=1e-6)
+    det = [
+        fns.apply(fns.params, fns.model_state, x, rng=jax.random.key(k), deterministic=True)[0]
+        for k in (1, 2)
+    ]
+    np.testing.assert_array_equal(det[0], det[1])
+    np.testing.assert_allclose(det[0], module(x, deterministic=True), rtol=1e-6, atol=1e-6)
+    # A call of your own rngs uses them, not the key.
+    mine = fns.apply(fns.params, fns.model_state, x, rng=jax.random.key(1), rngs=nnx.Rngs(7))[0]
+    np.testing.assert_allclose(mine, module(x, rngs=nnx.Rngs(7)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="no `rngs` argument was provided"):
+        fns.apply(fns.params, fns.model_state, x)  # train mode without a key: Flax's own refusal
+
+
+def _docs_block(heading: str) -> str:
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "your-model.md").read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S).group(1)
+
+
+def test_the_mnist_tutorials_cnn_trains_unchanged_as_the_docs_show():
+    """docs/your-model.md's block, run as written: the CNN of Flax's MNIST tutorial (dropout
+    `rngs` at call time) trains through `nnx_model_fns` with a key per worker and step (a
+    __call__ given no rngs in train mode would stop the run: Flax refuses dropout then)."""
+    ns = {}
+    exec(compile(_docs_block("### The official MNIST tutorial's CNN"), "your-model.md", "exec"), ns)
+    result, fns = ns["result"], ns["fns"]
+    assert jax.tree.structure(result.params) == jax.tree.structure(fns.params)
+    for got, want in zip(jax.tree.leaves(result.params), jax.tree.leaves(fns.params), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+    assert np.isfinite([h["loss"] for h in result.history]).all()
+    assert ns["predictions"].shape == (16,)
+    # The step key reaches the call: Flax's own call with nnx.Rngs(fold_in(key, 0)) (no
+    # stream stored in this CNN) draws the same dropout masks.
+    x, key = jnp.asarray(ns["images"][:8]), jax.random.key(3)
+    apply = jax.jit(lambda k: fns.apply(fns.params, fns.model_state, x, rng=k)[0])
+    flax_call = nnx.jit(lambda module, k: module(x, rngs=nnx.Rngs(k)))
+    want = flax_call(fns.merge(fns.params, fns.model_state), jax.random.fold_in(key, 0))
+    np.testing.assert_allclose(apply(key), want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(apply(key), apply(jax.random.key(4)))
 
 
 def _digits_run(rounds, num_rounds, checkpoint_dir=None):

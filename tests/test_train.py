@@ -1,6 +1,7 @@
 """train_diloco / train_sync / diloco_round against hand arithmetic and NumPy references."""
 
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -244,7 +245,8 @@ def test_make_backend_placement_rules():
     assert len(dj.make_backend("shard_map", 3).devices) == 3
     b = dj.make_backend("pmap", 16)
     assert (len(b.devices), b.workers_per_device) == (8, 2)
-    assert dj.make_backend("auto", 12).name == "vmap"  # 12 can't be split over 8 devices
+    with pytest.warns(UserWarning, match="can't be split evenly"):
+        assert dj.make_backend("auto", 12).name == "vmap"  # 12 can't be split over 8 devices
     assert dj.make_backend("auto", 4, devices=devices[:1]).name == "vmap"
 
 
@@ -300,6 +302,24 @@ def test_batches_placed_once_are_reused_not_copied_or_donated(backend):
     jax.tree.map(np.testing.assert_array_equal, placed, data)
 
 
+def test_backends_agree_to_float_rounding_of_one_reference():
+    """The README's sentence on backends: each computes the same rounds, equal to a float64
+    NumPy reference up to float32 rounding (not bit for bit among themselves). vmap's run is
+    test_matches_numpy_reference's."""
+    rng = np.random.default_rng(12)
+    data = make_data(rng, num_rounds=3, num_workers=4, inner_steps=3)
+    params = {"w": jnp.asarray([0.3, -0.2, 0.1]), "b": jnp.float32(0.5)}
+    w, b, _ = diloco_sgd(params["w"], params["b"], data, 0.05, 0.7, 0.9)
+    for backend in ("shard_map", "pmap"):
+        got = dj.train_diloco(
+            linear_loss, params, data, num_rounds=3, num_workers=4, inner_steps=3,
+            inner_optimizer=optax.sgd(0.05), outer_optimizer=optax.sgd(0.7, **NESTEROV),
+            backend=backend,
+        )  # fmt: skip
+        np.testing.assert_allclose(got.params["w"], w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.params["b"], b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dtypes_kept(dtype):
     rng = np.random.default_rng(8)
@@ -319,6 +339,40 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", False)
+
+
+def test_float64_params_without_x64_are_refused_naming_the_leaf():
+    """Without x64, JAX would run a float64 leaf as float32 and hand it back so: refused."""
+    params = {"w": np.zeros(3), "b": np.float32(0.0)}  # np.zeros: float64
+    rounds = make_data(np.random.default_rng(0), 1, 2, 2)
+    for train in (
+        lambda: dj.train_diloco(linear_loss, params, rounds, num_rounds=1, num_workers=2,
+                                inner_steps=2),
+        lambda: dj.train_sync(linear_loss, params, [], num_steps=0, num_workers=2),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=r"params\['w'\] is float64.*64-bit mode is off"):
+            train()
+
+
+def test_train_sync_refuses_diloco_rounds_from_worker_rounds():
+    dataset = {"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)}
+    rounds = dj.worker_rounds(dataset, 2, 2, 2, num_rounds=2)
+    params = {"w": jnp.zeros(3), "b": jnp.float32(0)}
+    with pytest.raises(ValueError, match=r"DiLoCo rounds from dj.worker_rounds.*dj.sync_steps"):
+        dj.train_sync(linear_loss, params, rounds, num_steps=2, num_workers=2)
+    steps = dj.sync_steps(dataset, 2, 2, 2, num_rounds=2)
+    assert len(dj.train_sync(linear_loss, params, steps, num_steps=4, num_workers=2).history) == 4
+
+
+def test_auto_warns_when_it_falls_back_to_one_device():
+    assert len(jax.devices()) == 8
+    with pytest.warns(UserWarning, match=r"num_workers=12 can't be split evenly over 8 devices"):
+        backend = dj.make_backend("auto", 12)
+    assert backend.name == "vmap" and len(backend.devices) == 1
+    for placeable in (1, 4, 16):  # one worker, at most the devices, a multiple of them
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dj.make_backend("auto", placeable)
 
 
 def test_float64_stays_float64_end_to_end(x64):

@@ -46,7 +46,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="M, number of DiLoCo / data-parallel workers")
     p.add_argument("--inner-steps", type=int, help="H, inner steps per round")
     p.add_argument("--rounds", type=int, help="R, communication rounds (steps = H x R)")
-    p.add_argument("--data", help="stdlib | text:PATH | hf:NAME[:CONFIG[:SPLIT]]")
+    p.add_argument("--data", help="bundled | stdlib | text:PATH | hf:NAME[:CONFIG[:SPLIT]]")
     p.add_argument(
         "--tokenizer",
         help="bytes (default) | bpe:VOCAB, byte-level BPE trained on the train split (cached)",

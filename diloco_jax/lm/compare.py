@@ -9,7 +9,7 @@ from typing import Any
 from diloco_jax import netsim
 from diloco_jax.lm import experiment, tblog
 from diloco_jax.lm.config import RunConfig
-from diloco_jax.lm.plots import plot_eval_vs_bytes, plot_eval_vs_tokens
+from diloco_jax.lm.plots import plot_eval_vs_bytes, plot_eval_vs_tokens, run_colors
 from diloco_jax.lm.runlog import RunLog, write_json
 
 Record = dict[str, Any]
@@ -44,7 +44,7 @@ def compare_command(
     metrics.unlink(missing_ok=True)
     summaries, histories = {}, {}
     with run_log(cfg.pretrain_steps, "pretrain M=1", "pretrain") as log:
-        params, _ = experiment.pretrain(cfg, corpus, on_record=log)
+        params, warm = experiment.pretrain(cfg, corpus, on_record=log)
     for name, (algo, workers) in runs_of(cfg).items():
         with run_log(cfg.total_steps, f"{name} M={workers}", name) as log:
             summaries[name], histories[name] = experiment.run(
@@ -60,8 +60,13 @@ def compare_command(
     table = summary_markdown(cfg, summaries) + "\n" + network_markdown(network)
     (out / "summary.md").write_text(table)
     unit = "nats / byte" if cfg.tokenizer == "bytes" else "nats / token"
-    plot_eval_vs_tokens(histories, out / "eval_loss_vs_tokens.png", unit)
-    plot_eval_vs_bytes(histories, out / "eval_loss_vs_bytes.png", unit)
+    # Every run starts from the warm start: its eval loss is each line's first point.
+    options = dict(
+        warm_start_loss=warm[-1].get("eval_loss") if warm else None,
+        colors=run_colors(list(runs_of(cfg))),
+    )
+    plot_eval_vs_tokens(histories, out / "eval_loss_vs_tokens.png", unit, **options)
+    plot_eval_vs_bytes(histories, out / "eval_loss_vs_bytes.png", unit, **options)
     print(table)
     print(f"wrote {out}/summary.json, summary.md, metrics.jsonl and 2 plots")
     return summary

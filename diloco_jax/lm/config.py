@@ -42,7 +42,9 @@ class RunConfig:
     """One LM experiment. Steps per worker = inner_steps x rounds for every algorithm."""
 
     model: str = "tiny"  # a diloco_jax.lm.model preset
-    data: str = "stdlib"  # "stdlib" | "text:PATH" | "hf:NAME[:CONFIG[:SPLIT]]"
+    # "bundled" (the package's 4 MB of Python source) | "stdlib" (the running Python's) |
+    # "text:PATH" | "hf:NAME[:CONFIG[:SPLIT]]"
+    data: str = "bundled"
     tokenizer: str = "bytes"  # "bytes" | "bpe:VOCAB" (diloco_jax.lm.tokenizer); sets the vocab
     max_bytes: int | None = 4_000_000  # read at most this many bytes of the source
     val_fraction: float = 0.05  # documents held out for evaluation
@@ -115,10 +117,12 @@ class RunConfig:
 
 # One H200 (141 GB) holding M = 4 workers in bf16 compute with float32 master weights:
 # per-worker batches read from compiled memory (benchmarks/memory.py, "Accelerator settings"
-# in benchmarks/README.md); the whole stdlib corpus (12 MB) so eval batches of 1024-byte
-# windows fit. 150m differs only in its model and batch. Not yet run on a GPU.
+# in benchmarks/README.md); the running Python's whole standard library (12 MB on 3.11, more
+# than the bundled 4 MB) so eval batches of 1024-byte windows fit. 150m differs only in its
+# model and batch. Not yet run on a GPU.
 _H200_60M = RunConfig(
     model="60m",
+    data="stdlib",
     max_bytes=None,
     workers=4,
     inner_steps=50,

@@ -2,7 +2,7 @@
 
 Pipeline:
 
-  source = load_source("stdlib")                        # ordered (name, uint8 bytes) docs
+  source = load_source("bundled")                       # ordered (name, uint8 bytes) docs
   train_docs, val_docs = split_documents(source.documents, 0.1, seed=0)
   train_N, train_starts_D = concat_documents(train_docs)  # int32 stream + doc offsets
   val_N, _ = concat_documents(val_docs)
@@ -14,8 +14,12 @@ by DOC_SEPARATOR (byte 0, NUL), which does not occur in ordinary text or source 
 the model sees an unambiguous end-of-document token.
 
 Source specs (`load_source`):
+  "bundled"  The default: 4,000,000 bytes of Python source shipped inside the package
+            (`diloco_jax.lm.corpus`): what "stdlib" reads on CPython 3.11.7, cut at that
+            size, so the same bytes on every Python version.
   "stdlib"  The .py files of the running interpreter's standard library
-            (sysconfig stdlib path), one document per file, sorted by relative path.
+            (sysconfig stdlib path), one document per file, sorted by relative path; a
+            different text on each Python version.
             Skipped, so the corpus is the same on any install of a Python version:
             site-packages/dist-packages (third-party), directories named test/tests/
             idle_test (test suites, some with deliberately odd encodings), __pycache__,
@@ -42,7 +46,6 @@ import codecs
 import dataclasses
 import functools
 import glob
-import hashlib
 import os
 import platform
 import re
@@ -54,6 +57,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from diloco_jax.lm import corpus
+from diloco_jax.lm.corpus import checksum
 
 VOCAB_SIZE = 256
 DOC_SEPARATOR = 0
@@ -114,7 +120,8 @@ class Source:
     Attributes:
       documents: [(name, uint8 array of the document's bytes)], non-empty documents only.
       info: spec, num_documents, num_bytes, sha256 (over names and contents, in order),
-        the limits used, and source-specific fields (python_version for "stdlib").
+        the limits used, and source-specific fields (python_version for "stdlib", corpus
+        for "bundled").
     """
 
     documents: list[Document]
@@ -127,7 +134,7 @@ def load_source(
     """Loads documents from `spec` (see the module docstring for the grammar).
 
     Args:
-      spec: "stdlib", "text:PATH" or "hf:NAME[:CONFIG[:SPLIT]]".
+      spec: "bundled", "stdlib", "text:PATH" or "hf:NAME[:CONFIG[:SPLIT]]".
       max_documents: keep only the first this-many (non-empty) documents; None = all.
       max_bytes: stop once this many bytes are collected, truncating the last document;
         None = all. Only those bytes are read: a text file's documents are cut from its
@@ -142,14 +149,18 @@ def load_source(
     for name, value in (("max_documents", max_documents), ("max_bytes", max_bytes)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    if spec == "stdlib":
+    if spec == "bundled":
+        docs, extra = _bundled_documents()
+    elif spec == "stdlib":
         docs, extra = _stdlib_documents(max_bytes)
     elif spec.startswith("text:"):
         docs, extra = _text_documents(spec, spec[len("text:") :], max_bytes)
     elif spec.startswith("hf:"):
         docs, extra = _hf_documents(spec)
     else:
-        raise ValueError(f"unknown data spec {spec!r}; use 'stdlib', 'text:PATH' or 'hf:NAME'")
+        raise ValueError(
+            f"unknown data spec {spec!r}; use 'bundled', 'stdlib', 'text:PATH' or 'hf:NAME'"
+        )
     documents = _take(docs, max_documents, max_bytes)
     if not documents:
         raise ValueError(f"data spec {spec!r} gave no non-empty documents")
@@ -163,16 +174,6 @@ def load_source(
         **extra,
     }
     return Source(documents=documents, info=info)
-
-
-def checksum(documents: Sequence[Document]) -> str:
-    """sha256 hex digest over, per document in order: name (UTF-8), NUL, 8-byte length, bytes."""
-    h = hashlib.sha256()
-    for name, data in documents:
-        h.update(name.encode("utf-8") + b"\0")
-        h.update(int(data.size).to_bytes(8, "little"))
-        h.update(np.ascontiguousarray(data, dtype=np.uint8).tobytes())
-    return h.hexdigest()
 
 
 def _take(
@@ -193,6 +194,10 @@ def _take(
         ):
             break
     return out
+
+
+def _bundled_documents() -> tuple[Iterator[tuple[str, bytes]], dict[str, Any]]:
+    return iter(corpus.load_documents()), {"corpus": corpus.DESCRIPTION}
 
 
 def _stdlib_documents(max_bytes: int | None) -> tuple[Iterator[tuple[str, bytes]], dict[str, Any]]:

@@ -304,7 +304,21 @@ def _embed(c: ModelConfig, table_VxD: jax.Array, inputs_BxL: jax.Array) -> jax.A
         )
     # Gather from the table in its own dtype and cast the rows: the gradient's scatter-add
     # then accumulates in param_dtype (float32), not in bfloat16.
-    return jnp.take(table_VxD, inputs_BxL, axis=0).astype(c.jnp_dtype)
+    return jnp.take(_whole_on_each_device(table_VxD), inputs_BxL, axis=0).astype(c.jnp_dtype)
+
+
+def _whole_on_each_device(table_VxD: jax.Array) -> jax.Array:
+    """The table gathered whole onto each of a worker's devices before a lookup, when the
+    lookup is traced on a mesh whose automatic axes split it (as FSDP gathers each matrix
+    before its matmul). Left to XLA, a lookup into a table split over an automatic axis inside
+    the workers' shard_map aborts the process in XLA's SPMD partitioner (jaxlib 0.12.0.1:
+    "Check failed: partition_group_list.num_replica_groups() ..."); gathered first, it is a
+    local lookup. Off a mesh, or on one with explicit axes, the table is returned as is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = [name for name in mesh.auto_axes if mesh.shape[name] > 1] if not mesh.empty else []
+    if not split or mesh.explicit_axes:
+        return table_VxD
+    return jax.lax.with_sharding_constraint(table_VxD, PartitionSpec())
 
 
 def _rotary(x_BxLxHxK: jax.Array) -> jax.Array:
