@@ -56,6 +56,10 @@ if os.environ.get("DILOCO_JAX_TEST_CACHE", "1") != "0" and not os.environ.get(
 if os.environ.get("DILOCO_JAX_TEST_FULL_OPT", "0") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+# The MFU fields' peak, given rather than timed (a 2048^3 matmul, ~2 s in each CLI process the
+# suite starts); tests/test_mfu.py times it.
+os.environ.setdefault("DILOCO_JAX_PEAK_FLOPS", "5e10")
+
 
 MIMALLOC = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib" / "libmimalloc.so"
 if (

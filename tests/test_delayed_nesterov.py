@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import diloco_jax as dj
+from diloco_jax.delayed_nesterov import DelayedNesterovState
 
 
 def dn_reference(deltas, lr, beta, n, c, theta0):
@@ -112,7 +113,7 @@ def test_state_and_update_keep_dtypes_and_structure():
     opt = dj.delayed_nesterov(0.1, buffer_size=2)
     params = {"x": jnp.zeros((2,), jnp.float32), "y": jnp.zeros((), jnp.bfloat16)}
     state = opt.init(params)
-    assert isinstance(state, dj.delayed_nesterov.DelayedNesterovState)
+    assert isinstance(state, DelayedNesterovState)
     updates, state = opt.update(params, state)
     assert jax.tree.map(lambda u: u.dtype, updates) == jax.tree.map(lambda p: p.dtype, params)
     assert jax.tree.structure(state.buffer) == jax.tree.structure(params)

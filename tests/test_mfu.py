@@ -35,7 +35,8 @@ def _device(platform, kind):
     return types.SimpleNamespace(platform=platform, device_kind=kind)
 
 
-def test_peak_flops_scales_with_chips_and_measures_cpus():
+def test_peak_flops_scales_with_chips_and_measures_cpus(monkeypatch):
+    monkeypatch.delenv(mfu.PEAK_ENV, raising=False)  # the suite sets one (tests/conftest.py)
     h200 = _device("gpu", "NVIDIA H200")
     assert mfu.peak_flops("bfloat16", 4, h200) == pytest.approx(4 * 989e12, rel=1e-3)
     assert mfu.peak_flops("bfloat16", 1, _device("gpu", "Some Future GPU")) is None
@@ -46,6 +47,16 @@ def test_peak_flops_scales_with_chips_and_measures_cpus():
     assert mfu.peak_flops("bfloat16", 8, cpu) == measured == mfu.matmul_flops()
     with pytest.raises(ValueError, match="num_devices"):
         mfu.peak_flops("float32", 0, cpu)
+
+
+def test_a_given_peak_replaces_the_table_and_the_measurement(monkeypatch):
+    monkeypatch.setenv(mfu.PEAK_ENV, "2.5e14")
+    assert mfu.peak_flops("bfloat16", 4, _device("gpu", "Some Future GPU")) == 4 * 2.5e14
+    assert mfu.peak_flops("float32", 8, _device("cpu", "cpu")) == 2.5e14  # the host's
+    for bad in ("fast", "0", "-1", "inf", "nan"):
+        monkeypatch.setenv(mfu.PEAK_ENV, bad)
+        with pytest.raises(ValueError, match=mfu.PEAK_ENV):
+            mfu.peak_flops("float32", 1, _device("cpu", "cpu"))
 
 
 def test_time_matmul_measures_afresh():

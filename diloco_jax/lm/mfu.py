@@ -8,9 +8,14 @@ by `device_kind` in `PEAK_FLOPS` (dense, no sparsity), times the chips the run u
 no datasheet figure that XLA can reach, so there the peak is the FLOP/s of one large float32
 matmul measured in this process (once, then cached): MFU on CPU reads "fraction of what this
 machine's matmul kernel does", the same yardstick as the benchmarks.
+
+`DILOCO_JAX_PEAK_FLOPS` (a number of FLOP/s, e.g. `4.5e14`) sets the peak instead: per chip
+on an accelerator (for one missing from `PEAK_FLOPS`, or another yardstick), for the whole
+host on CPU (no matmul is timed then).
 """
 
 import functools
+import os
 import time
 
 import jax
@@ -93,10 +98,28 @@ def peak_flops(dtype: str, num_devices: int = 1, device: jax.Device | None = Non
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
     device = jax.devices()[0] if device is None else device
+    given = _given_peak()
     if device.platform == "cpu":
-        return matmul_flops()
-    per_chip = table_peak_flops(device.device_kind, dtype)
+        return matmul_flops() if given is None else given
+    per_chip = table_peak_flops(device.device_kind, dtype) if given is None else given
     return None if per_chip is None else per_chip * num_devices
+
+
+PEAK_ENV = "DILOCO_JAX_PEAK_FLOPS"
+
+
+def _given_peak() -> float | None:
+    """`DILOCO_JAX_PEAK_FLOPS` as a number > 0 (None when unset); ValueError naming it."""
+    text = os.environ.get(PEAK_ENV)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{PEAK_ENV} must be a number of FLOP/s > 0, got {text!r}")
+    return value
 
 
 def mfu(flops_per_token: float, tokens_per_second: float, peak: float | None) -> float | None:
