@@ -1,4 +1,5 @@
-# Quickstart targets: `make run` (main job) and `make test` (the suite). Each makes .venv first:
+# Quickstart targets: `make run` (main job) and `make test` (the suite but its tests marked slow;
+# `make test-slow` runs those, CI runs both). Each makes .venv first:
 # Python 3.11 and the oldest stack the package supports (constraints/oldest.txt).
 # `make test-newest`: the suite on the newest supported Python found (.ci/newest-python) with
 # the newest JAX and Flax pip resolves there, in .venv-newest; the tests held to the bits of
@@ -8,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 NEWEST := .venv-newest
 
-.PHONY: setup run test lint test-newest
+.PHONY: setup run test test-slow lint test-newest
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +25,10 @@ run: setup
 	$(BIN)/diloco-jax compare
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m 'not slow'
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow
 
 lint: setup
 	$(BIN)/ruff check .

@@ -452,6 +452,7 @@ def _async_records(out):
     return [r for r in records if r["run"] == "async"]
 
 
+@pytest.mark.slow
 def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
     argv, out = _async_cli(tmp_path)
     argv += ["--dynamic-steps", "--outer-optimizer", "delayed_nesterov", "--dn-c", "0.1"]

@@ -541,6 +541,7 @@ def test_an_intact_checkpoint_of_another_run_is_never_skipped(tmp_path):
             ckpt.restore(tmp_path, like, meta(like.params))
 
 
+@pytest.mark.slow
 def test_a_save_writes_as_much_at_step_200_as_at_step_10(tmp_path):
     """Finding 3: the history is appended (one line a save), not rewritten into every
     checkpoint's metadata, so a save's metadata is the same size at step 10 and step 200."""

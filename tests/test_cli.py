@@ -165,6 +165,7 @@ def test_checkpoints_resume_only_the_run_that_wrote_them(tmp_path, capsys):
     assert_cli_refuses(sync, "(algo 'diloco' -> 'sync')", capsys)
 
 
+@pytest.mark.slow
 def test_compare_writes_summary_table_and_plots(tmp_path):
     out = tmp_path / "cmp"
     assert main(["compare", "--preset", "micro", "--out", str(out), "--no-progress"]) == 0

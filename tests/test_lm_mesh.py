@@ -381,6 +381,7 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
     assert [spec.tree()["tokens"] for spec in streams] == [P()] * 2
 
 
+@pytest.mark.slow
 def test_compare_on_a_mesh_counts_what_each_device_sends(tmp_path):
     """`compare --mesh workers=2,fsdp=2,tensor=2`: DiLoCo, the one-worker baseline and data
     parallelism all train on the mesh, and each run's summary holds what a device sends: its
@@ -409,7 +410,9 @@ def test_compare_on_a_mesh_counts_what_each_device_sends(tmp_path):
         assert np.isfinite(run["final_eval_loss"])
 
 
-@pytest.mark.parametrize("pretrain_steps", ["0", "2"], ids=["cold", "warm-start"])
+@pytest.mark.parametrize(
+    "pretrain_steps", ["0", pytest.param("2", marks=pytest.mark.slow)], ids=["cold", "warm-start"]
+)
 def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
     """tiny (float32) with 2 workers, each over fsdp=2 x tensor=2 of the 8 devices: the same
     losses as the vmap / shard_map run, up to the partitioned matmuls' rounding. The warm
@@ -490,6 +493,7 @@ def test_a_fresh_loss_traces_first_inside_a_mesh_round():
     assert np.isfinite(result.history[0]["loss"])
 
 
+@pytest.mark.slow
 def test_a_compressed_run_on_a_sharded_mesh(tmp_path):
     """--compression int8 with each worker's params over fsdp=4: each device encodes its
     shards (tests/test_sharded_compression.py has the exact checks); the run trains and

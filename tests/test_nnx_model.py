@@ -122,6 +122,7 @@ def _docs_block(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S).group(1)
 
 
+@pytest.mark.slow
 def test_the_mnist_tutorials_cnn_trains_unchanged_as_the_docs_show():
     """docs/your-model.md's block, run as written: the CNN of Flax's MNIST tutorial (dropout
     `rngs` at call time) trains through `nnx_model_fns` with a key per worker and step (a

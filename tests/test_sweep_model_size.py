@@ -64,6 +64,7 @@ def test_best_lr_and_ratio(sweep):
     assert "| micro | 4 | - | 2.5000 |" in table  # M=4 ran at lr 0.2 only
 
 
+@pytest.mark.slow
 def test_main_end_to_end_and_resume(sweep, tmp_path, monkeypatch):
     argv = ["--sizes", "micro", "--workers", "2", "--lr-grid", "0.2", "--tokens-per-param",
             "0.1", "--out", str(tmp_path)]  # fmt: skip

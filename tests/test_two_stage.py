@@ -201,7 +201,7 @@ def _compiled_wire_bytes(num_workers, compression, fragments=None, exclude=False
 SPECS = [None, "bf16", "fp8", "int8", "int4", "e3m0", "topk:0.01", "sign_prune:0.5"]
 
 
-@pytest.mark.parametrize("num_workers", [2, 4, 8])
+@pytest.mark.parametrize("num_workers", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_wire_bytes_formula_is_the_compiled_program(num_workers):
     # Every codec at M = 8; at M = 2 and 4 one of each exchange (compiles are the cost).
     specs = SPECS + ["int8,exchange=gather"] if num_workers == 8 else [None, "int4", "topk:0.01"]
@@ -221,7 +221,7 @@ def test_a_delay_moves_the_exchange_but_sends_the_same_bytes(delay):
         assert got == comm.round_wire_bytes(WIRE_PARAMS, "int4", 4, fragments=fragments)
 
 
-@pytest.mark.parametrize("num_workers", [4, 8])
+@pytest.mark.parametrize("num_workers", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_quantized_rounds_send_a_fraction_of_the_exact_bytes(num_workers):
     # The layouts of the formula test above: most of these programs are its own.
     for fragments, exclude in LAYOUTS:
