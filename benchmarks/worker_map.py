@@ -165,10 +165,16 @@ def main() -> None:
     headers = ["workload", "M x H", "vmap s", "sequential s", "train_sync s",
                "vmap / sequential", "vmap / sync", "sequential / sync"]  # fmt: skip
     table = [
-        [r["workload"], f"{r['workers']} x {r['inner_steps']}", f"{r['vmap_s']:.3f}",
-         f"{r['sequential_s']:.3f}", f"{r['train_sync_s']:.3f}",
-         f"{r['vmap_over_sequential']:.2f}", f"{r['vmap_over_sync']:.2f}",
-         f"{r['sequential_over_sync']:.2f}"]  # fmt: skip
+        [
+            r["workload"],
+            f"{r['workers']} x {r['inner_steps']}",
+            f"{r['vmap_s']:.3f}",
+            f"{r['sequential_s']:.3f}",
+            f"{r['train_sync_s']:.3f}",
+            f"{r['vmap_over_sequential']:.2f}",
+            f"{r['vmap_over_sync']:.2f}",
+            f"{r['sequential_over_sync']:.2f}",
+        ]  # fmt: skip
         for r in rows
     ]
     print(common.markdown_table(headers, table))
