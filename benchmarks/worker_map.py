@@ -8,9 +8,10 @@ of `diloco_jax.lm.model`. Each row runs M workers for H inner steps (one round, 
 the state donated as `train_diloco` runs it) and, for the same M x H worker-steps, H steps of
 `train_sync`'s step over M workers; samples interleave (A B C, C B A, ...) and the table gives
 the median seconds per round and the ratios. The ratios, not the seconds, carry over between
-machines.
+machines. Last, why a CNN's round lags `train_sync` on CPU: a convolution's steps as one
+program each against the same steps in one `lax.scan`, as a round runs its inner steps.
 
-  python benchmarks/worker_map.py [--workers M] [--steps H] [--reps N] [--lm tiny,60m]
+  python benchmarks/worker_map.py [--workers M] [--steps H] [--reps N] [--lm tiny,small]
 """
 
 import argparse
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import lax
 
 import diloco_jax as dj
 from diloco_jax import sync
@@ -146,12 +148,56 @@ def measure(case: dict, num_workers: int, inner_steps: int, reps: int) -> dict:
     return row
 
 
+def conv_in_loop(reps: int, steps: int = 4) -> dict:
+    """Why the CNN lags `train_sync`: `steps` SGD steps of a two-convolution model (the
+    tutorial's convolutions, batch 32, 28x28) as one jitted program per step against the same
+    steps in one program under `lax.scan`, as a round runs its inner steps."""
+    key = jax.random.key(0)
+    weights = (
+        jax.random.normal(key, (3, 3, 1, 32)) * 0.1,
+        jax.random.normal(key, (3, 3, 32, 64)) * 0.05,
+    )
+    images_SxBxHxWxC = jax.random.normal(key, (steps, 32, 28, 28, 1))
+    conv = partial(
+        jax.lax.conv_general_dilated,
+        window_strides=(1, 1),
+        padding="SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
+
+    def loss(w, x):
+        return jnp.mean(conv(jax.nn.relu(conv(x, w[0])), w[1]) ** 2)
+
+    def sgd_step(w, x):
+        return jax.tree.map(lambda p, g: p - 0.01 * g, w, jax.grad(loss)(w, x)), None
+
+    one_step = jax.jit(lambda w, x: sgd_step(w, x)[0])
+    scanned = jax.jit(lambda w, xs: lax.scan(sgd_step, w, xs)[0])
+
+    def per_step():
+        w = weights
+        for x in images_SxBxHxWxC:
+            w = one_step(w, x)
+        return w
+
+    runs = {"per_step": per_step, "scan": lambda: scanned(weights, images_SxBxHxWxC)}
+    for run in runs.values():
+        common.time_once(run)
+    times = common.interleaved(runs, reps)
+    return {
+        "steps": steps,
+        "per_step_s": statistics.median(times["per_step"]),
+        "scan_s": statistics.median(times["scan"]),
+        "scan_over_per_step": common.median_ratio(times["scan"], times["per_step"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="inner steps H of a round")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--lm", default="tiny,60m", help="LM presets, comma-separated ('' none)")
+    parser.add_argument("--lm", default="tiny,small", help="LM presets, comma-separated ('' none)")
     parser.add_argument("--lm-batch", type=int, default=4, help="sequences per worker and step")
     args = parser.parse_args()
     print(common.header() + "\n")
@@ -178,7 +224,15 @@ def main() -> None:
         for r in rows
     ]
     print(common.markdown_table(headers, table))
-    path = common.write_results("worker_map", {"reps": args.reps, "rows": rows})
+    common.progress("a convolution's steps: one program each, and in one loop")
+    loop = conv_in_loop(args.reps)
+    print(
+        f"\n{loop['steps']} SGD steps of two convolutions: {loop['per_step_s']:.3f} s as one "
+        f"program per step, {loop['scan_s']:.3f} s in one lax.scan "
+        f"({loop['scan_over_per_step']:.1f} x)"
+    )
+    payload = {"reps": args.reps, "rows": rows, "conv_in_loop": loop}
+    path = common.write_results("worker_map", payload)
     print(f"\nwrote {path}")
 
 

@@ -107,7 +107,8 @@ def train_diloco(
         merge_alpha, outer_delay, eager, state_sync, outer_state_dtype (e.g. "bfloat16":
         the outer momentum stored in it, lossy). `train_diloco(..., fragments=2)` is
         exactly `method=DiLoCo(schedule=Streaming(2))`; giving both is a ValueError.
-      backend: "auto" | "vmap" | "shard_map" | "pmap" (see `diloco_jax.workers`).
+      backend: "auto" | "vmap" | "sequential" | "shard_map" | "pmap" (see
+        `diloco_jax.workers`; "auto" on one device: "sequential" on a CPU, else "vmap").
       devices: devices for the device backends (default `jax.devices()`).
       data_parallel: devices per worker (shard_map): each worker's batch (the dim after
         [M, H]) is split over its devices and its gradients averaged there every inner step;

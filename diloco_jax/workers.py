@@ -24,7 +24,8 @@ must not use collectives over `WORKER_AXIS`: it names the devices, not the worke
   device count) each device runs M / D workers under a local vmap.
 - "pmap": the same layout through `jax.pmap`.
 - "auto": "shard_map" when more than one device is available and M > 1 can be placed
-  (M <= devices, or M a multiple of devices); otherwise "vmap".
+  (M <= devices, or M a multiple of devices); otherwise one device: "sequential" on a CPU,
+  "vmap" on an accelerator or for one worker (`one_device_backend`).
 """
 
 import dataclasses
@@ -437,6 +438,14 @@ def _put(tree: Any, sharding: Any) -> Any:
     return jax.device_put(tree, sharding)
 
 
+def one_device_backend(device: jax.Device, num_workers: int) -> str:
+    """What `backend="auto"` runs M workers with on one device: "sequential" on a CPU (XLA's
+    CPU kernels ran one worker's shapes at a time faster than a batch of M, for a CNN and for
+    the LM transformers: benchmarks/worker_map.py, docs/devices.md), "vmap" for one worker
+    and on an accelerator (one batched kernel for all M workers)."""
+    return "sequential" if device.platform == "cpu" and num_workers > 1 else "vmap"
+
+
 def make_backend(
     backend: "str | Backend",
     num_workers: int,
@@ -490,13 +499,17 @@ def make_backend(
     devices = tuple(jax.devices() if devices is None else devices)
     if backend == "auto":
         placeable = num_workers <= len(devices) or num_workers % len(devices) == 0
-        backend = "shard_map" if len(devices) > 1 and num_workers > 1 and placeable else "vmap"
+        if len(devices) > 1 and num_workers > 1 and placeable:
+            backend = "shard_map"
+        else:
+            backend = one_device_backend(devices[0], num_workers)
         if not placeable and len(devices) > 1:
             warnings.warn(
                 f"backend='auto': num_workers={num_workers} can't be split evenly over "
                 f"{len(devices)} devices, so all {num_workers} workers run on one device "
-                f"(vmap); use at most {len(devices)} workers or a multiple of {len(devices)} "
-                f"to use every device, or pass backend='vmap' to choose one device",
+                f"({backend}); use at most {len(devices)} workers or a multiple of "
+                f"{len(devices)} to use every device, or pass backend={backend!r} to choose "
+                "one device",
                 stacklevel=2,
             )
     if backend in ("vmap", "sequential"):  # every worker on the first device

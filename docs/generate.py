@@ -18,6 +18,8 @@ The results files and the commands that made them:
       python docs/generate.py --record compare_quick_newest OUT SECONDS CLONE .venv-newest
 - docs/results/digits.json: the digits example, `python examples/digits.py --out
   docs/results/digits.json` (it records its own time).
+- benchmarks/results/worker_map.json: `python benchmarks/worker_map.py` (one device: the vmap
+  and sequential backends against `train_sync`'s steps), for docs/devices.md.
 
 A record holds the run's summary.json, the tables it printed (its summary.md), the wall
 seconds, the machine's load, the clone's commit and the date. tests/test_docs_figures.py
@@ -39,7 +41,13 @@ from diloco_jax.lm.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-DOCS = (ROOT / "README.md", ROOT / "docs" / "lm.md", ROOT / "docs" / "your-model.md")
+DOCS = (
+    ROOT / "README.md",
+    ROOT / "docs" / "lm.md",
+    ROOT / "docs" / "your-model.md",
+    ROOT / "docs" / "devices.md",
+)
+BENCHMARK_RESULTS = ROOT / "benchmarks" / "results"
 BLOCK = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 
@@ -121,6 +129,39 @@ def digits_table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def worker_map_table(record: dict) -> str:
+    """docs/devices.md's one-device backends: seconds per round and their ratios."""
+    env = record["environment"]
+    lines = [
+        "| workload | M x H | vmap s | sequential s | train_sync s | vmap / sequential "
+        "| vmap / train_sync |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in record["rows"]:
+        lines.append(
+            f"| {r['workload']} | {r['workers']} x {r['inner_steps']} | {r['vmap_s']:.3f} | "
+            f"{r['sequential_s']:.3f} | {r['train_sync_s']:.3f} | "
+            f"{r['vmap_over_sequential']:.2f} | {r['vmap_over_sync']:.2f} |"
+        )
+    lines += [
+        "",
+        f"`python benchmarks/worker_map.py` (median of {record['reps']} interleaved rounds; "
+        f"jax {env['jax']}, one CPU device on {env['cpu_count']} cores, 1-minute load "
+        f"{env['load_average_1m']:g}); train_sync is M x H worker-steps as H jitted steps.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def conv_in_loop(record: dict) -> str:
+    """docs/devices.md's sentence on a convolution's steps in one loop, from the same run."""
+    loop = record["conv_in_loop"]
+    return (
+        f"{loop['steps']} SGD steps of two convolutions took {loop['scan_s']:.2f} s in one "
+        f"`lax.scan` against {loop['per_step_s']:.2f} s as one program per step "
+        f"({loop['scan_over_per_step']:.0f} x, the same run).\n"
+    )
+
+
 def newest_losses(oldest: dict, newest: dict) -> str:
     """The quick preset's final eval losses on both stacks, for the README's stacks."""
     losses = lambda record: " / ".join(  # noqa: E731
@@ -137,6 +178,7 @@ def newest_losses(oldest: dict, newest: dict) -> str:
 def blocks() -> dict[str, str]:
     """NAME -> the text of its generated block."""
     make_run, quick = load("make_run"), load("compare_quick")
+    worker_map = json.loads((BENCHMARK_RESULTS / "worker_map.json").read_text())
     table = lambda record, command: (  # noqa: E731
         "```text\n"
         + printed_table(record).rstrip("\n")
@@ -146,8 +188,8 @@ def blocks() -> dict[str, str]:
     )
     return {
         "make-run-time": (
-            f"In a fresh clone on {make_run['machine']} shared with other jobs (a 15-minute "
-            f"load of {make_run['load_15min']:g}), `make run` took "
+            f"In a fresh clone on {make_run['machine']} (a 15-minute load of "
+            f"{make_run['load_15min']:g} when it ended), `make run` took "
             f"{duration(make_run['seconds'])}, the venv's install included; `.venv/bin/diloco-jax "
             f"compare --preset quick` (a smaller model, fewer rounds; the same three runs) took "
             f"{duration(quick['seconds'])} there.\n"
@@ -155,6 +197,8 @@ def blocks() -> dict[str, str]:
         "make-run-table": table(make_run, "make run"),
         "quick-table": table(quick, "diloco-jax compare --preset quick"),
         "digits-table": digits_table(load("digits")),
+        "worker-map-table": worker_map_table(worker_map),
+        "conv-in-loop": conv_in_loop(worker_map),
         "newest-losses": newest_losses(quick, load("compare_quick_newest")),
         "gap-share": (
             f"the gap left to data parallelism is {gap_share(make_run):.0f}% (default preset) "

@@ -1,6 +1,7 @@
 """train_diloco / train_sync / diloco_round against hand arithmetic and NumPy references."""
 
 import time
+import types
 import warnings
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 from reference import diloco_sgd, linear_loss, make_data
 
 import diloco_jax as dj
+from diloco_jax.workers import one_device_backend
 
 NESTEROV = dict(momentum=0.9, nesterov=True)
 
@@ -245,9 +247,13 @@ def test_make_backend_placement_rules():
     assert len(dj.make_backend("shard_map", 3).devices) == 3
     b = dj.make_backend("pmap", 16)
     assert (len(b.devices), b.workers_per_device) == (8, 2)
+    # One CPU device: the workers one after another (benchmarks/worker_map.py measured it).
     with pytest.warns(UserWarning, match="can't be split evenly"):
-        assert dj.make_backend("auto", 12).name == "vmap"  # 12 can't be split over 8 devices
-    assert dj.make_backend("auto", 4, devices=devices[:1]).name == "vmap"
+        assert dj.make_backend("auto", 12).name == "sequential"  # 12 over 8 devices: one
+    assert dj.make_backend("auto", 4, devices=devices[:1]).name == "sequential"
+    assert dj.make_backend("auto", 1, devices=devices[:1]).name == "vmap"  # nothing to map
+    # An accelerator batches the M workers into one kernel instead.
+    assert one_device_backend(types.SimpleNamespace(platform="gpu"), 4) == "vmap"
 
 
 def test_inputs_unchanged_usable_and_runs_bit_identical():
@@ -368,7 +374,7 @@ def test_auto_warns_when_it_falls_back_to_one_device():
     assert len(jax.devices()) == 8
     with pytest.warns(UserWarning, match=r"num_workers=12 can't be split evenly over 8 devices"):
         backend = dj.make_backend("auto", 12)
-    assert backend.name == "vmap" and len(backend.devices) == 1
+    assert backend.name == "sequential" and len(backend.devices) == 1
     for placeable in (1, 4, 16):  # one worker, at most the devices, a multiple of them
         with warnings.catch_warnings():
             warnings.simplefilter("error")

@@ -129,7 +129,7 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         help="eager outer updates: each worker's fresh delta stands in for its stale share",
     )
     p.add_argument("--seed", type=int)
-    p.add_argument("--backend", help="auto | vmap | shard_map | pmap")
+    p.add_argument("--backend", help="auto | vmap | sequential | shard_map | pmap")
     p.add_argument(
         "--mesh",
         help="a device mesh, e.g. workers=2,fsdp=2,tensor=2: the workers axis holds the M "
