@@ -71,7 +71,7 @@ def _lm_batch(seq_len: int, rng: np.random.Generator, lead: tuple[int, ...]) -> 
     return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
 
 
-def _lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
+def lm_sampler(batch_size: int, seq_len: int, num_workers: int) -> Sampler:
     """In-graph iid windows of a synthetic token stream, built the way `experiment.make_sampler`
     builds them (every worker samples the whole stream with its own key)."""
     rng = np.random.default_rng(1)
@@ -104,7 +104,7 @@ def lm_workload(
         make_batch=functools.partial(_lm_batch, seq_len),
         flops_per_example=model_lib.flops_per_token(config) * seq_len,
         tokens_per_example=seq_len,
-        sampler_fn=functools.partial(_lm_sampler, batch_size, seq_len),
+        sampler_fn=functools.partial(lm_sampler, batch_size, seq_len),
     )
 
 

@@ -58,7 +58,7 @@ def step_runner(module: Any, config: Any, batch_size: int, steps: int):
     opt = dj.default_inner_optimizer()
     fn = functools.partial(dj.sync.sync_step, loss_fn, optimizer=opt, backend="vmap", num_workers=1)
     step = jax.jit(fn, donate_argnums=0)
-    sampler = common._lm_sampler(batch_size, config.seq_len, 1)
+    sampler = common.lm_sampler(batch_size, config.seq_len, 1)
     holder = [dj.sync.init_sync_state(params, opt)]
 
     def run():

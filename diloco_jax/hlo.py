@@ -353,7 +353,9 @@ def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _dtype_bits(dtype: str) -> int:
+def dtype_bits(dtype: str) -> int:
+    """Bits per element of an HLO element type ("f32", "bf16", "s8", "f8e4m3fn", ...); a
+    ValueError naming an unknown one."""
     if dtype in _DTYPE_BITS:
         return _DTYPE_BITS[dtype]
     m = re.fullmatch(r"f(\d+)e\d+m\d+\w*", dtype)  # f8e4m3fn, f8e5m2, f6e2m3fn, f4e2m1fn, ...
@@ -363,7 +365,7 @@ def _dtype_bits(dtype: str) -> int:
 
 
 def _nbytes(arrays: Iterable[tuple[str, tuple[int, ...]]]) -> int:
-    return sum(math.ceil(math.prod(dims) * _dtype_bits(dt) / 8) for dt, dims in arrays)
+    return sum(math.ceil(math.prod(dims) * dtype_bits(dt) / 8) for dt, dims in arrays)
 
 
 def _ints(text: str) -> list[int]:

@@ -256,7 +256,7 @@ def collective_seconds(
 def operand_sizes(c: "hlo.Collective") -> list[int]:
     """Bytes of each operand of a collective (the same widths `hlo` counts with)."""
     return [
-        math.ceil(math.prod(shape) * hlo._dtype_bits(dtype) / 8)
+        math.ceil(math.prod(shape) * hlo.dtype_bits(dtype) / 8)
         for dtype, shape in zip(c.operand_dtypes, c.operand_shapes, strict=True)
     ]
 

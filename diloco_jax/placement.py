@@ -31,8 +31,8 @@ def map_fields(state: Any, fn: Callable[[type, str, Any, bool], Any]) -> Any:
     """`state` (a DiLoCoState or SyncState, of arrays or shapes) with each field replaced by
     `fn(owner, name, value, per_worker)`: `owner` the NamedTuple type the field belongs to
     (the state's, or a part state's in `DiLoCoState.parts`), `per_worker` whether its
-    leaves hold one entry per worker, as the owner's `PER_WORKER` declares. The state's
-    schema is read here and nowhere else."""
+    leaves hold one entry per worker, as the owner's `PER_WORKER` declares (the schema is
+    declared once, on each state type; `round.split_state` reads the same declaration)."""
     per_worker = set(type(state).PER_WORKER)
     out = {}
     for name, value in state._asdict().items():
