@@ -1,6 +1,6 @@
 """All workers on one device: `backend="vmap"` (the workers batched) against
-`backend="sequential"` (one after another, `lax.map`), and `train_sync`'s step at the same
-inner steps.
+`backend="sequential"` (one after another, `lax.map`), vmap with the inner steps unrolled
+(`unroll_inner_steps=True`), and `train_sync`'s step at the same inner steps.
 
 Workloads: the CNN of Flax's NNX MNIST tutorial (docs/your-model.md: two 3x3 convolutions,
 BatchNorm, dropout, 28x28 inputs; batch 32 per worker and step) and the LM transformer presets
@@ -90,12 +90,13 @@ def lm_case(preset: str, num_workers: int, inner_steps: int, batch: int) -> dict
     }
 
 
-def round_runner(case: dict, backend: str, num_workers: int):
+def round_runner(case: dict, backend: str, num_workers: int, unroll: bool = False):
     """A callable running one round of `case` on `backend` (state donated, rebuilt each
-    time from a kept copy so every sample starts alike)."""
+    time from a kept copy so every sample starts alike); `unroll`: its inner steps unrolled
+    (`unroll_inner_steps=True`)."""
     optimizer = optax.adamw(1e-3)
     method = dj.DiLoCo(inner=optimizer)
-    options = {"backend": backend}
+    options = {"backend": backend, "unroll_inner_steps": unroll}
     if case["rng_seed"] is not None:
         options["rng_seed"] = case["rng_seed"]
     step = dj.jit_round(case["loss_fn"], method, **options)
@@ -133,6 +134,7 @@ def measure(case: dict, num_workers: int, inner_steps: int, reps: int) -> dict:
     runs = {
         "vmap": round_runner(case, "vmap", num_workers),
         "sequential": round_runner(case, "sequential", num_workers),
+        "vmap_unrolled": round_runner(case, "vmap", num_workers, unroll=True),
         "train_sync": sync_runner(case, num_workers, inner_steps),
     }
     for name, run in runs.items():  # compile, and one warm run
@@ -145,6 +147,7 @@ def measure(case: dict, num_workers: int, inner_steps: int, reps: int) -> dict:
     row["vmap_over_sequential"] = common.median_ratio(times["vmap"], times["sequential"])
     row["vmap_over_sync"] = common.median_ratio(times["vmap"], times["train_sync"])
     row["sequential_over_sync"] = common.median_ratio(times["sequential"], times["train_sync"])
+    row["unrolled_over_sync"] = common.median_ratio(times["vmap_unrolled"], times["train_sync"])
     return row
 
 
@@ -208,18 +211,21 @@ def main() -> None:
         if preset
     ]
     rows = [measure(case, args.workers, args.steps, args.reps) for case in cases]
-    headers = ["workload", "M x H", "vmap s", "sequential s", "train_sync s",
-               "vmap / sequential", "vmap / sync", "sequential / sync"]  # fmt: skip
+    headers = ["workload", "M x H", "vmap s", "sequential s", "vmap unrolled s", "train_sync s",
+               "vmap / sequential", "vmap / sync", "sequential / sync",
+               "unrolled / sync"]  # fmt: skip
     table = [
         [
             r["workload"],
             f"{r['workers']} x {r['inner_steps']}",
             f"{r['vmap_s']:.3f}",
             f"{r['sequential_s']:.3f}",
+            f"{r['vmap_unrolled_s']:.3f}",
             f"{r['train_sync_s']:.3f}",
             f"{r['vmap_over_sequential']:.2f}",
             f"{r['vmap_over_sync']:.2f}",
             f"{r['sequential_over_sync']:.2f}",
+            f"{r['unrolled_over_sync']:.2f}",
         ]  # fmt: skip
         for r in rows
     ]

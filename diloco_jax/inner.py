@@ -362,10 +362,12 @@ def run_steps(
     first_step: int = 0,
     round_: Any = None,
     worker: Any = None,
+    unroll: bool = False,
 ) -> tuple[Any, Any, Any, jax.Array, Aux]:
     """H steps of one worker under `lax.scan` (see `inner_loop`; `step` is any `Step`):
     returns (params, opt_state, model_state, losses_H float32 [H], aux dict of float32 [H]).
-    Step h's `StepInfo` holds `round_`, `worker`, first_step + h and its key."""
+    Step h's `StepInfo` holds `round_`, `worker`, first_step + h and its key. `unroll`: the
+    H steps as straight-line code, no loop (`lax.scan(..., unroll=True)`)."""
     if callable(batches_H):
         if num_steps is None:
             raise ValueError("num_steps is required when batches_H is a function")
@@ -386,7 +388,9 @@ def run_steps(
         *carry, loss, aux = masked_step(step, *carry, batch_of(x), info, active)
         return tuple(carry), (loss, aux)
 
-    carry, (losses_H, aux_H) = lax.scan(body, (params, opt_state, model_state), xs)
+    carry, (losses_H, aux_H) = lax.scan(
+        body, (params, opt_state, model_state), xs, unroll=True if unroll else 1
+    )
     return *carry, losses_H, aux_H
 
 
@@ -399,9 +403,10 @@ class PlainSteps(Role):
     name = "steps"
 
     def __init__(self, step: Step, batches: Any, num_steps: int, masked: bool,
-                 rng_seed: int | None, worker_map: Callable):  # fmt: skip
+                 rng_seed: int | None, worker_map: Callable, unroll: bool = False):  # fmt: skip
         self.step, self.batches, self.num_steps = step, batches, num_steps
         self.masked, self.rng_seed, self.worker_map = masked, rng_seed, worker_map
+        self.unroll = unroll
 
     def begin(self, c: Any, ctx: Any) -> Any:
         keys_k = None  # each worker's base key of this round's steps (`worker_key`)
@@ -444,6 +449,7 @@ class PlainSteps(Role):
             first_step=start,
             round_=None if worker is None else ctx.round,
             worker=worker,
+            unroll=self.unroll,
         )
 
 

@@ -49,6 +49,7 @@ class Build(NamedTuple):
     outer_shards: Any = None  # per sync `outer_sharding.SyncShards` (ZeRO-1), or None
     host: bool = False
     param_specs: Any = None
+    unroll_inner_steps: bool = False  # the inner steps as straight-line code (no loop)
 
 
 def build_plan(b: Build) -> Plan:
@@ -71,6 +72,7 @@ def build_plan(b: Build) -> Plan:
             method.weights.worker_steps is not None,
             b.rng_seed,
             b.backend.worker_map,
+            b.unroll_inner_steps,
         ),  # fmt: skip
         "delta": DeltaFromTheta(memory),
         "model": model_state.KeepModelState(),

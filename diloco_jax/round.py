@@ -36,6 +36,7 @@ from diloco_jax import model_state as model_states
 from diloco_jax import outer_sharding as outer_shards_lib
 from diloco_jax import placement as placement_lib
 from diloco_jax.body import Local, Shared, round_body
+from diloco_jax.checks import check_bool
 from diloco_jax.compression import Residuals
 from diloco_jax.inner import LossFn, check_loss_options, loss_step, step_means, train_step
 from diloco_jax.method import DiLoCo, method_from_options
@@ -227,6 +228,7 @@ def diloco_round(
     outer_shards: "outer_shards_lib.OuterShards | None" = None,
     outer_state_memory: str = "device",
     param_specs: "tuple[jax.sharding.PartitionSpec, ...] | None" = None,
+    unroll_inner_steps: bool = False,
     **options,
 ) -> tuple[DiLoCoState, dict[str, jax.Array]]:
     """One DiLoCo communication round (Algorithm 1, one outer iteration). Pure; jit it.
@@ -272,6 +274,11 @@ def diloco_round(
         each device encodes and exchanges its own shards (the codec's blocks per shard).
         None: the backend's `make_backend(param_sharding=)`, resolved against the state's
         params; without one, the leaves are taken as replicated inside a worker.
+      unroll_inner_steps: True compiles each worker's H inner steps as straight-line code
+        (`lax.scan(..., unroll=True)`) instead of one loop: the same arithmetic (up to
+        float rounding), a program H times the step's size that takes longer to compile.
+        Worth it where a loop slows the step: XLA's CPU backend runs a convolution's
+        gradient many times slower inside a loop (docs/devices.md). False: one loop.
 
     A weights part with fault options on (exclusion, drops, worker steps, weighting, anomaly)
     leaves workers out of a sync's mean or weighs them (`diloco_jax.faults`); a delay applies
@@ -323,6 +330,7 @@ def diloco_round(
             _sync_shards(outer_shards, method, backend, schedule, leaves, treedef, state),
             _check_host(outer_state_memory, method, backend),
             _checked_specs(param_specs, len(leaves)),
+            check_bool("unroll_inner_steps", unroll_inner_steps),
         )
     )  # fmt: skip
     ids_M = None

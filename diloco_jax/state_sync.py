@@ -104,6 +104,7 @@ def synced_scan(
     first_step: jax.Array,
     syncs: Syncs,
     average: Callable[[Any], Any],
+    unroll: bool = False,
 ) -> tuple[Any, Any, jax.Array]:
     """S inner steps of this device's k workers under one `lax.scan`.
 
@@ -111,7 +112,7 @@ def synced_scan(
     once (x: one entry of `xs_S`, leading dim S). After the step with global index
     s = first_step + i + 1, every field due (s % K == 0) is replaced by `average` of it
     (the mean over all M workers, given to each, leaves [k, ...]). Returns (params_k, opt_k,
-    the outputs' leaves as [k, S])."""
+    the outputs' leaves as [k, S]). `unroll`: the S steps as straight-line code."""
 
     def body(carry, x):
         params_k, opt_k, step = carry
@@ -124,7 +125,9 @@ def synced_scan(
         return (params_k, opt_k, step), out_k
 
     start = jnp.asarray(first_step, jnp.int32)
-    (params_k, opt_k, _), out_Sxk = lax.scan(body, (params_k, opt_k, start), xs_S)
+    (params_k, opt_k, _), out_Sxk = lax.scan(
+        body, (params_k, opt_k, start), xs_S, unroll=True if unroll else 1
+    )
     return params_k, opt_k, jax.tree.map(lambda x: x.T, out_Sxk)
 
 
@@ -132,8 +135,9 @@ class SyncedSteps(PlainSteps):
     """DES-LOC's inner steps: every worker steps under one scan (`synced_scan`), the inner
     state's fields averaged over all M workers when due."""
 
-    def __init__(self, step, batches, num_steps, masked, rng_seed, worker_map, syncs: Syncs):
-        super().__init__(step, batches, num_steps, masked, rng_seed, worker_map)
+    def __init__(self, step, batches, num_steps, masked, rng_seed, worker_map, syncs: Syncs,
+                 unroll: bool = False):  # fmt: skip
+        super().__init__(step, batches, num_steps, masked, rng_seed, worker_map, unroll)
         self.syncs = syncs
 
     @classmethod
@@ -141,7 +145,7 @@ class SyncedSteps(PlainSteps):
         """`steps` run under the synced scan."""
         return cls(
             steps.step, steps.batches, steps.num_steps, steps.masked, steps.rng_seed,
-            steps.worker_map, syncs,
+            steps.worker_map, syncs, steps.unroll,
         )  # fmt: skip
 
     def run(self, c: Any, ctx: Any, params: Any, axis: Any, start: int, stop: int) -> Any:
@@ -175,6 +179,7 @@ class SyncedSteps(PlainSteps):
             ctx.round * self.num_steps + start,
             self.syncs,
             average,
+            self.unroll,
         )
         return c._replace(
             workers=w._replace(params=params_k, opt=opt_k, model=model_k),

@@ -81,6 +81,7 @@ def train_diloco(
     process_local_data: bool = False,
     shard_outer_over_workers: bool = False,
     outer_state_memory: str = "device",
+    unroll_inner_steps: bool = False,
     **options: Any,
 ) -> TrainResult:
     """Trains with DiLoCo for `num_rounds` communication rounds.
@@ -141,6 +142,10 @@ def train_diloco(
         `TrainResult.params` is copied back to device memory, `TrainResult.state` keeps
         them in host memory. With shard_outer_over_workers, each device's shards of the outer
         state. Not with a delay, eager updates or pmap.
+      unroll_inner_steps: the H inner steps compiled as straight-line code, not one loop:
+        the same arithmetic up to float rounding, a longer compile. For a CNN on a CPU with
+        a small H (XLA's CPU backend runs a convolution's gradient many times slower inside
+        a loop; docs/devices.md). Not part of a checkpoint's identity.
       has_aux: `loss_fn` returns (loss, aux), aux a dict of scalars (e.g. accuracy): each
         joins the history like "loss" / "worker_loss", as history[r][name] (mean over the
         round's steps and workers) and history[r]["worker_" + name] ([M]); a name that
@@ -238,6 +243,7 @@ def train_diloco_step(
     process_local_data: bool = False,
     shard_outer_over_workers: bool = False,
     outer_state_memory: str = "device",
+    unroll_inner_steps: bool = False,
     **options: Any,
 ) -> TrainResult:
     """DiLoCo around your own train step: `train_diloco` with the inner step replaced.
@@ -311,6 +317,7 @@ class _RunOptions(NamedTuple):
     process_local_data: bool
     shard_outer_over_workers: bool = False  # train_sync has no outer state
     outer_state_memory: str = "device"
+    unroll_inner_steps: bool = False  # train_sync has no inner loop
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> "_RunOptions":
@@ -338,6 +345,7 @@ def _train_diloco(
     check_int("num_workers", num_workers, 1)
     check_int("inner_steps", inner_steps, 1)
     check_int("eval_every", run.eval_every, 1)
+    unroll = check_bool("unroll_inner_steps", run.unroll_inner_steps)
     limits.check_steps("num_rounds x inner_steps", num_rounds, inner_steps)
     check_params(params)
     backend = _check_processes(_backend(run, num_workers))
@@ -383,6 +391,7 @@ def _train_diloco(
         **({"outer_state_memory": offload.HOST} if placed is not None and placed.host else {}),
         # A compressed exchange encodes each device's own shards.
         **({"param_specs": placed.specs} if placed is not None and backend.mesh_axes else {}),
+        **({"unroll_inner_steps": True} if unroll else {}),
         placement=placed,
     )
     inner_like = None if worker_state is None else inner_state
