@@ -19,6 +19,7 @@ from diloco_jax.layout import sync_steps, worker_rounds
 from diloco_jax.method import DiLoCo, default_inner_optimizer, default_outer_optimizer
 from diloco_jax.momentum_restart import restart_momentum
 from diloco_jax.nnx_model import nnx_model_fns
+from diloco_jax.noloco import NoLoCo
 from diloco_jax.optimizers import muon_inner_optimizer
 from diloco_jax.outer import clip_outer_norm
 from diloco_jax.round import DiLoCoState, diloco_round, init_state
@@ -48,6 +49,7 @@ __all__ = [
     "Delayed",
     "Eager",
     "StateSync",
+    "NoLoCo",
     # outer and inner rules (optax transformations)
     "default_inner_optimizer",
     "default_outer_optimizer",

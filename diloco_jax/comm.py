@@ -37,6 +37,7 @@ def ring_wire_bytes(op: str, operand_bytes: float, n: int) -> float:
         "all-gather": n - 1,
         "all-to-all": (n - 1) / n,
         "reduce-scatter": (n - 1) / n,
+        "collective-permute": 1,  # point to point: the operand, to one peer
     }
     if op not in factors:
         raise ValueError(f"no ring cost for collective {op!r}")
@@ -89,6 +90,7 @@ def round_wire_bytes(
     softmax: bool = False,
     frozen: tuple[int, ...] = (),
     specs: "tuple | None" = None,
+    gossip: Any = None,
 ) -> float:
     """Bytes each worker sends on the wire in one DiLoCo round, under ring algorithms over
     the M workers, for every collective the round runs, as if every worker had its own link
@@ -100,7 +102,9 @@ def round_wire_bytes(
     0 when M = 1. `fragments` is Streaming's P or pytree (None: one sync); `frozen` leaves
     (`diloco_jax.trainable`) send nothing. `specs`: each leaf's PartitionSpec, `params` being
     one device's shards of them: a compressed exchange then runs once per group of leaves
-    split over the same axes (`exchange.shard_groups`), what that device sends."""
+    split over the same axes (`exchange.shard_groups`), what that device sends. `gossip`
+    (`noloco.NoLoCo`) exchanges with a group instead (`NoLoCo.transfers`), plus the all-reduce
+    of its "outer_grad_norm" metric, 2(M-1)/M x 4."""
     if num_workers <= 1:
         return 0.0
     c = parse_compression(compression)
@@ -117,7 +121,11 @@ def round_wire_bytes(
                 for _, positions in shard_groups([specs[i] for i in indices])
             ]
         for group in groups:
-            entries = transfers(c, [leaves[i] for i in group], num_workers, weighted)
+            if gossip is not None:
+                entries = gossip.transfers([leaves[i] for i in group])
+                entries.append(("all-reduce", LOSS_BYTES))
+            else:
+                entries = transfers(c, [leaves[i] for i in group], num_workers, weighted)
             total += wire_bytes(entries, num_workers)
         total += wire_bytes(weights.sync_transfers(), num_workers)
     return total

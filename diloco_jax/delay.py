@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.carry import Carry, Part, Role, SyncRole, set_leaves
+from diloco_jax.noloco import GOSSIP
 from diloco_jax.outer import mean_norm, outer_update, widen, worker_delta
 from diloco_jax.schedule import OwnParams, leaf_indices, merged, part
 from diloco_jax.workers import stack_workers
@@ -175,14 +176,18 @@ def initial(
 
 
 DELAY, EAGER = "delay", "eager"  # their states' names in `DiLoCoState.parts`
+# The parts whose state holds each worker's own θ (`.theta`, leaves [M, ...]) when the state
+# has no global one: eager updates' and NoLoCo's.
+OWN_THETA = (EAGER, GOSSIP)
 
 
 def global_params(state: Any) -> Any:
-    """The params a run's state stands for: θ, or under eager updates (params None) the mean
-    of the workers' θ_m (in float32 or wider, cast back to each leaf's dtype)."""
+    """The params a run's state stands for: θ, or where each worker holds its own (params
+    None: eager updates, NoLoCo) the mean of the workers' θ_m (in float32 or wider, cast back
+    to each leaf's dtype)."""
     if state.params is not None:
         return state.params
-    own = state.parts[EAGER].theta
+    own = next(s.theta for name, s in state.parts.items() if name in OWN_THETA)
     return jax.tree.map(lambda x: jnp.mean(widen(x), axis=0).astype(x.dtype), own)
 
 

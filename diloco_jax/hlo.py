@@ -17,6 +17,9 @@ Counting rules:
   instruction counts once per *static* occurrence: a collective in a ``lax.scan`` body of length
   100 counts once, not 100 times. ``Collective.in_loop`` tells that it sits (transitively) in a
   while body or condition, so callers can multiply by their own trip count.
+* A ``conditional``'s branches (``lax.cond``/``lax.switch``) are alternatives: one runs.
+  ``Collective.branch`` names the outermost conditional and branch a collective sits in, and
+  `wire_bytes` counts, for each conditional, its costliest branch.
 * Dtypes are what XLA actually communicates. On CPU, XLA widens some collectives before they
   run (jax 0.10.2: bf16 -> f32 for all-reduce, all-gather, reduce-scatter and
   collective-permute; f8 -> f16; u4/s4 -> 8 bits), so byte counts taken on CPU describe the CPU
@@ -86,6 +89,9 @@ class Collective(NamedTuple):
     replica_groups: tuple[tuple[int, ...], ...]
     computation: str  # name of the computation the instruction sits in
     in_loop: bool  # its computation is (transitively) called from a while body or condition
+    # (conditional instruction, branch index) of the outermost conditional branch it sits in
+    # (transitively); None outside every conditional.
+    branch: tuple[str, int] | None = None
 
 
 def collectives(compiled_or_text: Any) -> list[Collective]:
@@ -139,20 +145,26 @@ def wire_bytes(compiled_or_text: Any, num_devices: int | None = None) -> float:
     under ring algorithms over each collective's group of n devices: all-reduce 2(n-1)/n x
     its operand, all-gather (n-1) x its (local) operand, all-to-all and reduce-scatter
     (n-1)/n x their operand, collective-permute its operand. A collective printed with no
-    replica groups spans `num_devices` (required then). In-loop collectives raise: their
-    trip count is the caller's to know."""
-    total = 0.0
+    replica groups spans `num_devices` (required then). Of a conditional's branches only the
+    costliest counts (one runs). In-loop collectives raise: their trip count is the caller's
+    to know."""
+    total, branches = 0.0, {}
     for c in collectives(compiled_or_text):
         if c.in_loop:
             raise ValueError(f"collective {c.name} sits in a loop: multiply it yourself")
         if c.op == "collective-permute":
-            total += c.operand_bytes
-            continue
-        n = len(c.replica_groups[0]) if c.replica_groups else num_devices
-        if n is None:
-            raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
-        total += ring_wire_bytes(c.op, c.operand_bytes, n)
-    return total
+            cost = float(c.operand_bytes)
+        else:
+            n = len(c.replica_groups[0]) if c.replica_groups else num_devices
+            if n is None:
+                raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
+            cost = ring_wire_bytes(c.op, c.operand_bytes, n)
+        if c.branch is None:
+            total += cost
+        else:
+            per_branch = branches.setdefault(c.branch[0], {})
+            per_branch[c.branch[1]] = per_branch.get(c.branch[1], 0.0) + cost
+    return total + sum(max(costs.values()) for costs in branches.values())
 
 
 def depends_on(compiled_or_text: Any, name: str, opcode: str) -> bool:
@@ -441,6 +453,37 @@ def _mesh_groups(mesh: str, iota: str | None, perm: str | None, explicit: str | 
     return devices.reshape(dims).transpose(rest + grouped).reshape(-1, group_size)
 
 
+def _branches(instrs: list["_Instr"], callees: dict[str, set[str]]) -> dict:
+    """Computation -> (conditional, branch index) of the outermost conditional branch that
+    calls it, transitively (a conditional nested in a branch counts as part of that branch:
+    its own branches then add up, an upper bound)."""
+    reach: dict[tuple[str, int], set[str]] = {}
+    where: dict[str, str] = {}  # conditional -> the computation it sits in
+    for ins in instrs:
+        if ins.opcode != "conditional":
+            continue
+        where[ins.name] = ins.computation
+        m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+        if m:
+            names = [n.strip().lstrip("%") for n in m.group(1).split(",")]
+        else:  # lax.cond's two-branch form
+            names = re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", ins.attrs)
+        for index, root in enumerate(names):
+            seen, stack = set(), [root]
+            while stack:
+                comp = stack.pop()
+                if comp not in seen:
+                    seen.add(comp)
+                    stack.extend(callees.get(comp, ()))
+            reach[(ins.name, index)] = seen
+    inside = set().union(*reach.values()) if reach else set()
+    out = {}
+    for (cond, index), comps in reach.items():
+        if where[cond] not in inside:  # outermost
+            out |= {comp: (cond, index) for comp in comps}
+    return out
+
+
 def _module_collectives(text: str) -> list[Collective]:
     instrs = _parse_module(text)
     by_name = {ins.name: ins for ins in instrs}
@@ -466,6 +509,8 @@ def _module_collectives(text: str) -> list[Collective]:
         if c not in in_loop:
             in_loop.add(c)
             stack.extend(callees.get(c, ()))
+
+    branch_of = _branches(instrs, callees)
 
     # "-done" result shapes, keyed by the start they complete (through any "-update").
     done_types: dict[str, str] = {}
@@ -506,6 +551,7 @@ def _module_collectives(text: str) -> list[Collective]:
                 replica_groups=_groups(ins.attrs, key),
                 computation=ins.computation,
                 in_loop=ins.computation in in_loop,
+                branch=branch_of.get(ins.computation),
             )
         )
     return out

@@ -12,7 +12,9 @@ built and owns its rules with the other parts (`check_with`, called once here):
 - weights: `Weights` (`diloco_jax.faults`): exclusion, drops, per-worker steps, weighting,
   anomaly skip;
 - delay: None, `Delayed(d)` or `Eager(d)` (`diloco_jax.delay`);
-- state_sync: None or `StateSync(mu=K_u, nu=K_v)` (`diloco_jax.state_sync`).
+- state_sync: None or `StateSync(mu=K_u, nu=K_v)` (`diloco_jax.state_sync`);
+- gossip: None or `NoLoCo` (`diloco_jax.noloco`): each worker averages with a random group,
+  not all M.
 
 What needs the params, M or H (fragments against the leaves, H a multiple of P, worker steps
 per worker, state-sync fields of the inner state) is checked by `check_run` when a round is
@@ -31,6 +33,8 @@ from diloco_jax.comm import round_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.faults import NormSoftmax, Weights
+from diloco_jax.noloco import NoLoCo
+from diloco_jax.noloco import default_outer as noloco_outer
 from diloco_jax.outer import cast_state, checked_state_dtype, clip_outer_norm
 from diloco_jax.schedule import Schedule, Streaming, fragment_of, make_schedule
 from diloco_jax.state_sync import StateSync
@@ -59,6 +63,7 @@ class DiLoCo:
     weights: Weights = Weights()
     delay: Delayed | None = None
     state_sync: StateSync | None = None
+    gossip: NoLoCo | None = None
     # The outer state's dtype (e.g. "bfloat16": half the momentum's bytes, lossy); None keeps
     # `delta_dtype` (float32 or wider). Deltas are averaged in float32 either way.
     outer_state_dtype: str | None = None
@@ -78,6 +83,7 @@ class DiLoCo:
             ("weights", Weights),
             ("delay", Delayed),
             ("state_sync", StateSync),
+            ("gossip", NoLoCo),
         ):
             value = getattr(self, name)
             if not (isinstance(value, kind) or (value is None and name != "weights")):
@@ -110,7 +116,7 @@ class DiLoCo:
 
     def _default_weights(self) -> Weights:
         """Weights() as resolved for this spec's compression and delay."""
-        exact = self.compression.kind == "none" and not self.eager
+        exact = self.compression.kind == "none" and not self.owns_theta
         return Weights(exclude_nonfinite=exact)
 
     @property
@@ -126,7 +132,11 @@ class DiLoCo:
 
     @property
     def outer_optimizer(self) -> optax.GradientTransformation:
-        outer = default_outer_optimizer() if self.outer is None else self.outer
+        """The outer rule: `outer`, or the paper's Nesterov (NoLoCo's heavy-ball with
+        `gossip`); its state cast to `outer_state_dtype` when that is set."""
+        outer = self.outer
+        if outer is None:
+            outer = default_outer_optimizer() if self.gossip is None else noloco_outer()
         if self.outer_state_dtype is not None:
             return cast_state(outer, self.outer_state_dtype)
         return outer
@@ -139,6 +149,12 @@ class DiLoCo:
     @property
     def eager(self) -> bool:
         return self.delay is not None and self.delay.eager
+
+    @property
+    def owns_theta(self) -> bool:
+        """Whether each worker holds its own θ and outer state (eager updates, NoLoCo): no
+        global θ in the state."""
+        return self.eager or self.gossip is not None
 
     @property
     def fragmented(self) -> bool:
@@ -202,6 +218,7 @@ class DiLoCo:
             softmax=self.weights.scheme == "norm_softmax",
             frozen=frozen,
             specs=specs,
+            gossip=self.gossip,
         )
 
 
@@ -227,6 +244,7 @@ SHORTHAND = (
     "outer_delay",
     "eager",
     "state_sync",
+    "gossip_group_size",
     "outer_state_dtype",
 )
 
@@ -279,6 +297,7 @@ def method_from_options(
     if d != 0 or eager:
         delay = (Eager if eager else Delayed)(d)
     state_sync = o.pop("state_sync", None)
+    group_size = o.pop("gossip_group_size", None)
     weights = Weights(
         exclude_nonfinite=o.pop("exclude_nonfinite", None),
         drop_probability=o.pop("drop_probability", None),
@@ -295,6 +314,7 @@ def method_from_options(
         weights=weights,
         delay=delay,
         state_sync=None if state_sync is None else StateSync(state_sync),
+        gossip=None if group_size is None else NoLoCo(group_size),
         outer_state_dtype=o.pop("outer_state_dtype", None),
     )
 
@@ -320,6 +340,7 @@ __all__ = [
     "DiLoCo",
     "Delayed",
     "Eager",
+    "NoLoCo",
     "NormSoftmax",
     "StateSync",
     "Streaming",

@@ -195,7 +195,7 @@ def init_state(
         check_model_state(model_state)
         model_state = stack_workers(model_state, num_workers)
     parts = _initial_parts(params, outer_opt_state, num_workers, method)
-    if method.eager:  # every worker holds its own θ and outer state (`parts["eager"]`)
+    if method.owns_theta:  # every worker holds its own θ and outer state (eager, NoLoCo)
         params = outer_opt_state = None
     inner_opt_state = stack_workers(worker_state, num_workers)
     zero = jnp.zeros((), jnp.int32)
@@ -404,6 +404,8 @@ def _check_host(memory, method, backend) -> bool:
     why = None
     if method.outer_delay:
         why = "a delayed or eager outer update (its mean is ready before the inner steps)"
+    elif method.gossip is not None:
+        why = "NoLoCo (gossip=: each worker holds its own outer weights and state)"
     else:
         why = backend.host_memory_refusal
     if why is not None:
@@ -423,6 +425,8 @@ def _sync_shards(shards, method, backend, schedule, leaves, treedef, state):
         why = "a delayed or eager outer update (its means are launched a round early)"
     elif method.compression.kind != "none":
         why = "compression (its exchange decodes the whole mean on every worker)"
+    elif method.gossip is not None:
+        why = "NoLoCo (gossip=: each worker holds its own outer weights and state)"
     else:
         why = backend.zero_refusal
     if why is not None:
