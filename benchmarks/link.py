@@ -1,14 +1,14 @@
 """Measured on a shaped link: M training processes (JAX's multi-process runtime, gloo CPU
 collectives over TCP, one device each), each in a network namespace of its own, linked by
 devices of a known rate and delay; wall-clock per round against `diloco_jax.netsim`'s
-prediction, for data parallelism and five DiLoCo methods. See benchmarks/README.md,
+prediction, for data parallelism and six DiLoCo methods. See benchmarks/README.md,
 "link.py".
 
     sudo .venv/bin/python benchmarks/link.py [--quick] [--links 1gbit:5ms,100mbit:20ms,10mbit:50ms]
-        [--methods dp,diloco,streaming,int4,sparseloco,eager] [--preset tiny] [--batch-size 8]
-        [--workers 2] [--rounds 4] [--dp-steps 4] [--cycles 2] [--inner-steps H] [--mtu 1500]
-        [--delay-impl auto|netem|relay] [--out benchmarks/results/link.json] [--plot PATH]
-        [--workdir DIR] [--reanalyze DIR]
+        [--methods dp,diloco,streaming,int4,sparseloco,eager,noloco] [--preset tiny]
+        [--batch-size 8] [--workers 2] [--rounds 4] [--dp-steps 4] [--cycles 2] [--inner-steps H]
+        [--mtu 1500] [--delay-impl auto|netem|relay] [--out benchmarks/results/link.json]
+        [--plot PATH] [--workdir DIR] [--reanalyze DIR]
 
     # several hosts, no shaping (the real link between them), on host I of N:
     .venv/bin/python benchmarks/link.py --links none --coordinator HOST:PORT \\
@@ -98,6 +98,7 @@ METHODS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
     "int4": ("int4 two-stage + EF", "diloco", 25, {"compression": "int4,ef=1"}),
     "sparseloco": ("SparseLoCo", "diloco", 25, {"compression": "sparseloco"}),
     "eager": ("eager d=1", "diloco", 25, {"outer_delay": 1, "eager": True}),
+    "noloco": ("NoLoCo pairs", "diloco", 25, {"gossip_group_size": 2}),
 }
 OVERLAPPING = ("eager",)  # methods whose exchange may run under the next round's inner steps
 

@@ -53,7 +53,10 @@ def wire_bytes(entries: list, num_workers: int) -> float:
 
 
 def round_bytes(
-    params: Any, compression: "str | Compression | None" = None, frozen: tuple[int, ...] = ()
+    params: Any,
+    compression: "str | Compression | None" = None,
+    frozen: tuple[int, ...] = (),
+    gossip: Any = None,
 ) -> int:
     """Bytes one worker sends in one DiLoCo round's outer-gradient exchange.
 
@@ -66,6 +69,9 @@ def round_bytes(
       scales, int32 indices / packed masks, block padding included; SparseLoCo's per-block
       offsets, packed 2-bit codes and float32 levels (`compression.tree_payload_bytes`).
 
+    * NoLoCo (`gossip`, a `noloco.NoLoCo`): its Δ and φ in float32, once per stage of its
+      group mean (`NoLoCo.transfers`).
+
     Not included: the 4-byte all-reduce of the round's mean loss, and the 1 / M of the
     gathered result a worker receives back from each peer. With k workers on a device the
     device's all_gather operand is k times this (an exact all-reduce stays |θ| x itemsize,
@@ -75,6 +81,8 @@ def round_bytes(
     deltas = [
         x for i, x in enumerate(jax.tree.leaves(jax.eval_shape(widen, params))) if i not in frozen
     ]
+    if gossip is not None:
+        return sum(e[1] * e[2] for e in gossip.transfers(deltas))
     if c.kind == "none":
         return payload_bytes(deltas)
     return tree_payload_bytes(deltas, c)

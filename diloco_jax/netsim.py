@@ -270,9 +270,9 @@ def program_seconds(
     """Seconds a compiled program spends in its collectives (`hlo.collectives(compiled)`),
     one after another: each operand of a combined all-reduce / all-gather its own call, an
     all-to-all's operands (one per peer) one call. A collective printed without replica
-    groups spans `num_devices`. In-loop collectives raise (their trip count is the
-    caller's)."""
-    total = 0.0
+    groups spans `num_devices`. Of a conditional's branches only the slowest counts (one
+    runs). In-loop collectives raise (their trip count is the caller's)."""
+    total, branches = 0.0, {}
     for c in collectives:
         if c.in_loop:
             raise ValueError(f"collective {c.name} sits in a loop: multiply it yourself")
@@ -281,12 +281,14 @@ def program_seconds(
             n = 2
         if n is None:
             raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
-        if c.op == "all-to-all":
-            total += collective_seconds(c.op, c.operand_bytes, n, link, transport)
-            continue
-        for size in operand_sizes(c):
-            total += collective_seconds(c.op, size, n, link, transport)
-    return total
+        sizes = [c.operand_bytes] if c.op == "all-to-all" else operand_sizes(c)
+        seconds = sum(collective_seconds(c.op, size, n, link, transport) for size in sizes)
+        if c.branch is None:
+            total += seconds
+        else:  # a conditional's branches are alternatives: its slowest one counts
+            per_branch = branches.setdefault(c.branch[0], {})
+            per_branch[c.branch[1]] = per_branch.get(c.branch[1], 0.0) + seconds
+    return total + sum(max(times.values()) for times in branches.values())
 
 
 def predict_round_seconds(

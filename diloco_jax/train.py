@@ -671,7 +671,9 @@ def _diloco_bill(
     own_state = worker_state is not None  # a worker step's state, not the inner optimizer's
     inner_state = worker_state if own_state else jax.eval_shape(inner.init, params)
     # A lone worker has no one to send to: its mean over workers is local.
-    payload = round_bytes(params, method.compression, frozen) if num_workers > 1 else 0
+    payload = (
+        round_bytes(params, method.compression, frozen, method.gossip) if num_workers > 1 else 0
+    )
     split = placed is not None and placed.outer is not None  # the mean's norm, per sync
     extra = split_outer_wire_bytes(method.num_syncs(params), num_workers) if split else 0.0
     wire = method.round_wire_bytes(params, num_workers, frozen)

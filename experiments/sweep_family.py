@@ -14,6 +14,9 @@ Methods (each with its paper's own knobs where they differ from DiLoCo's):
 - edit_clip: EDiT's clip of the mean delta (Cheng et al. 2024) at the median delta norm of a
   DiLoCo round here;
 - eager: eager outer updates with a one-round delay (Kale et al. 2025);
+- noloco: NoLoCo (Kolehmainen et al. 2025): each worker averages with a random partner (pairs),
+  heavy-ball outer SGD(0.7, momentum 0.5), the authors' configs; diloco_heavy_ball: DiLoCo
+  with that outer rule, the all-reduce it replaces;
 - async_dn_dylu: asynchronous DiLoCo with Delayed Nesterov and dynamic local updates (Liu et
   al. 2024) at the paper's step times, to DiLoCo's total inner steps;
 - sync_1worker, sync_data_parallel: the baselines.
@@ -41,6 +44,7 @@ from diloco_jax.lm.config import make_config
 
 STEP_SECONDS = (0.58, 0.75, 1.51, 3.33)
 BANDWIDTHS = {"1 Gbit/s": 1e9, "100 Mbit/s": 100e6}
+HEAVY_BALL = {"outer_optimizer": "heavy_ball", "outer_momentum": 0.5}  # NoLoCo's outer rule
 
 
 def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -67,6 +71,8 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
         ),
         "edit_clip": ("diloco", {}),  # outer_clip: set from the DiLoCo run (see main)
         "eager": ("diloco", {"outer_delay": 1, "eager": True}),
+        "diloco_heavy_ball": ("diloco", HEAVY_BALL),
+        "noloco": ("diloco", {"gossip_group_size": 2, **HEAVY_BALL}),
         "async_dn_dylu": (
             "async",
             {
@@ -128,7 +134,11 @@ def main() -> None:
         )
     table = _table(base, summaries, step_seconds)
     (out / "family.md").write_text(table)
-    record = {"step_seconds": step_seconds, "clip": clip, "runs": summaries}
+    curves = {  # what the figure draws, so it can be redrawn from this file
+        label: [[h["tokens_per_worker"], h["eval_loss"]] for h in history if "eval_loss" in h]
+        for label, history in histories.items()
+    }
+    record = {"step_seconds": step_seconds, "clip": clip, "runs": summaries, "curves": curves}
     (out / "family.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     plot_eval_loss(
         "The DiLoCo family, equal inner steps",

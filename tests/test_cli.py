@@ -316,6 +316,20 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--preset", "micro", "--workers", "1000000"], "--workers 1000000 (each"),
         # Finding 8: drops with probability 1 would train nothing.
         (["train", "--drop-probability", "1"], "drop_probability must be below 1"),
+        # NoLoCo: groups need M a power of 2; its own rules, and DiLoCo's alone.
+        (
+            ["train", "--workers", "6", "--gossip-group-size", "2"],
+            "NoLoCo needs num_workers a power of 2",
+        ),
+        (["train", "--gossip-group-size", "3"], "NoLoCo.group_size must be a power of 2"),
+        (
+            ["train", "--gossip-group-size", "2", "--fragments", "5"],
+            "NoLoCo (gossip=) can't be combined with schedule",
+        ),
+        (
+            ["train", "--algo", "sync", "--gossip-group-size", "2"],
+            "--gossip-group-size needs --algo diloco",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path, capsys):

@@ -206,6 +206,7 @@ def test_the_history_reports_the_exchange_bytes():
     # and the outer grad norm's all-reduce (2 (M-1)/M x 4 bytes each).
     want = 2 * 4 * 4 + 2 * (2 * 3 / 4 * 4)
     assert got.history[-1]["wire_bytes"] == round(2 * want)
+    assert got.history[-1]["bytes_communicated"] == 2 * 2 * 4 * 4  # Δ and φ, 2 rounds
 
 
 def test_a_resumed_noloco_run_is_the_uninterrupted_one(tmp_path):
@@ -288,3 +289,18 @@ def test_the_shorthand_builds_the_part_and_heavy_ball_is_its_default_outer_rule(
                          gossip=NoLoCo(2))  # fmt: skip
         explicit = _train(rounds, spec, np.float64, backend="vmap")
         np.testing.assert_array_equal(default.params["w"], explicit.params["w"])
+
+
+def test_the_lm_config_builds_noloco_with_a_heavy_ball_outer_rule():
+    from diloco_jax.lm.config import make_config, method, outer_optimizer
+
+    cfg = make_config(
+        "micro", gossip_group_size=2, outer_optimizer="heavy_ball", outer_momentum=0.5
+    )
+    assert method(cfg).gossip == NoLoCo(2)
+    opt = outer_optimizer(cfg)
+    state = opt.init(np.zeros(1, np.float32))
+    first, state = opt.update(np.ones(1, np.float32), state)
+    second, _ = opt.update(np.ones(1, np.float32), state)
+    # Heavy ball, lr 0.7 (the default), momentum 0.5: trace 1 then 1 + 0.5; update -lr trace.
+    np.testing.assert_allclose([first[0], second[0]], [-0.7, -0.7 * 1.5], rtol=1e-6)

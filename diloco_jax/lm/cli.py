@@ -119,6 +119,11 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         help="EDiT: leave out a worker whose delta norm is an EWMA z-score outlier",
     )
     p.add_argument("--state-sync", help="DES-LOC: average inner state fields, e.g. mu=75,nu=150")
+    p.add_argument(
+        "--gossip-group-size",
+        type=int,
+        help="NoLoCo: each worker averages with a random group of this many (a power of 2)",
+    )
     p.add_argument("--fragments", type=int, help="Streaming DiLoCo: sync P fragments in turn")
     p.add_argument("--overlap-steps", type=int, help="Streaming DiLoCo: tau")
     p.add_argument("--merge-alpha", type=float, help="Streaming DiLoCo: alpha")
@@ -223,6 +228,7 @@ _DILOCO_FLAGS = (
     "temperature",
     "anomaly_skip",
     "state_sync",
+    "gossip_group_size",
     "fragments",
     "overlap_steps",
     "merge_alpha",

@@ -18,7 +18,7 @@ from diloco_jax.optimizers import muon_inner_optimizer
 from diloco_jax.schedule import check_schedule
 
 SHARDINGS = ("iid", "non_iid")
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "delayed_nesterov")
+OUTER_OPTIMIZERS = ("nesterov", "heavy_ball", "sgd", "adam", "delayed_nesterov")
 INNER_OPTIMIZERS = ("adamw", "muon")
 ALGOS = ("diloco", "sync", "async")
 # Compute and parameter dtypes the CLI offers (the model also takes float16, on GPUs only and
@@ -27,7 +27,14 @@ DTYPES = ("float32", "bfloat16")
 # The outer learning rate each outer optimizer gets unless one is given: the paper's
 # Nesterov(0.7, 0.9); plain SGD at 1.0 is parameter averaging (FedAvg); Adam rescales the
 # delta per coordinate, so it wants a step of the inner learning rate's order.
-DEFAULT_OUTER_LR = {"nesterov": 0.7, "sgd": 1.0, "adam": 1e-3, "delayed_nesterov": 0.7}
+DEFAULT_OUTER_LR = {
+    "nesterov": 0.7,
+    "heavy_ball": 0.7,
+    "sgd": 1.0,
+    "adam": 1e-3,
+    "delayed_nesterov": 0.7,
+}
+MOMENTUM_OPTIMIZERS = ("nesterov", "heavy_ball", "delayed_nesterov")  # take outer_momentum
 # The mesh axis (`RunConfig.mesh`, --mesh) that holds the DiLoCo workers; every other axis
 # partitions each worker (`diloco_jax.lm.model.param_specs` names "fsdp" and "tensor").
 WORKER_AXIS = "workers"
@@ -72,7 +79,9 @@ class RunConfig:
     inner_optimizer: str = "adamw"
     muon_lr: float = 0.02
     outer_optimizer: str = "nesterov"
-    outer_momentum: float = 0.9  # of nesterov / delayed_nesterov (MuLoCo's recipe: 0.6)
+    # of nesterov / heavy_ball / delayed_nesterov (MuLoCo's recipe: 0.6; NoLoCo's: heavy_ball
+    # with 0.5)
+    outer_momentum: float = 0.9
     outer_lr: float | None = None  # None: DEFAULT_OUTER_LR[outer_optimizer]
     eval_batches: int = 8
     compression: str = "none"  # how DiLoCo's deltas travel (diloco_jax.compression)
@@ -85,6 +94,8 @@ class RunConfig:
     temperature: float = 1.0  # of weighting "norm_softmax": weights exp(-norm / temperature)
     anomaly_skip: bool = False  # EDiT's EWMA z-score skip of outlier workers
     state_sync: str | None = None  # DES-LOC, e.g. "mu=75,nu=150" (diloco_jax.state_sync)
+    # NoLoCo: each worker averages with a random group of this many (diloco_jax.noloco)
+    gossip_group_size: int | None = None
     fragments: int | None = None  # Streaming DiLoCo's P (diloco_jax.schedule); None: off
     overlap_steps: int = 0  # its tau
     merge_alpha: float = 0.0  # its alpha
@@ -302,10 +313,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("dn_buffer and dn_c apply to outer_optimizer 'delayed_nesterov' only")
     if not 0 <= cfg.outer_momentum < 1:
         raise ConfigError(f"outer_momentum must be in [0, 1), got {cfg.outer_momentum!r}")
-    if cfg.outer_momentum != 0.9 and cfg.outer_optimizer not in ("nesterov", "delayed_nesterov"):
+    if cfg.outer_momentum != 0.9 and cfg.outer_optimizer not in MOMENTUM_OPTIMIZERS:
         raise ConfigError(
-            "outer_momentum applies to outer_optimizer 'nesterov' or 'delayed_nesterov' only, "
-            f"got {cfg.outer_optimizer!r}"
+            "outer_momentum applies to outer_optimizer 'nesterov', 'heavy_ball' or "
+            f"'delayed_nesterov' only, got {cfg.outer_optimizer!r}"
         )
     if cfg.state_sync is not None:
         state_sync_of(cfg)
@@ -322,6 +333,8 @@ def validate(cfg: RunConfig) -> None:
         spec = method(cfg)
         if spec.schedule is not None:
             check_schedule(cfg.fragments, cfg.inner_steps, cfg.overlap_steps)
+        if spec.gossip is not None:  # its groups need M a power of 2
+            spec.gossip.check_run(None, cfg.workers, cfg.inner_steps, None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.mesh is not None:
@@ -467,6 +480,7 @@ def method(cfg: RunConfig) -> DiLoCo:
             temperature=cfg.temperature if softmax or cfg.temperature != 1.0 else None,
             anomaly=cfg.anomaly_skip or None,
             state_sync=state_sync_of(cfg),
+            gossip_group_size=cfg.gossip_group_size,
             fragments=cfg.fragments,
             overlap_steps=cfg.overlap_steps,
             merge_alpha=cfg.merge_alpha,
@@ -541,7 +555,8 @@ def pretrain_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 
 def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """The outer optimizer: Nesterov SGD (momentum cfg.outer_momentum, 0.9), plain SGD, Adam
+    """The outer optimizer: Nesterov SGD (momentum cfg.outer_momentum, 0.9), heavy-ball SGD
+    (the same momentum, NoLoCo's rule), plain SGD, Adam
     (b2 0.95), or Delayed Nesterov (momentum cfg.outer_momentum, buffer dn_buffer or the
     number of workers, c = dn_c)."""
     lr = cfg.resolved_outer_lr
@@ -551,6 +566,8 @@ def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
         )
     if cfg.outer_optimizer == "nesterov":
         return optax.sgd(lr, momentum=cfg.outer_momentum, nesterov=True)
+    if cfg.outer_optimizer == "heavy_ball":
+        return optax.sgd(lr, momentum=cfg.outer_momentum)
     if cfg.outer_optimizer == "sgd":
         return optax.sgd(lr)
     return optax.adam(lr, b1=0.9, b2=0.95)

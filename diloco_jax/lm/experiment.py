@@ -20,6 +20,7 @@ from diloco_jax.lm import mfu as mfu_lib
 from diloco_jax.lm import model as model_lib
 from diloco_jax.lm import tokenizer as tokenizer_lib
 from diloco_jax.lm.config import (
+    MOMENTUM_OPTIMIZERS,
     WORKER_AXIS,
     ConfigError,
     RunConfig,
@@ -503,8 +504,10 @@ def _fingerprint_option(fingerprint: dict[str, Any] | None) -> dict[str, Any]:
 def _outer_label(cfg: RunConfig) -> str:
     """e.g. "nesterov 0.7", "nesterov 0.7, delay 1", "nesterov 0.7, eager 2"."""
     label = f"{cfg.outer_optimizer} {cfg.resolved_outer_lr:g}"
-    if cfg.outer_optimizer in ("nesterov", "delayed_nesterov") and cfg.outer_momentum != 0.9:
+    if cfg.outer_optimizer in MOMENTUM_OPTIMIZERS and cfg.outer_momentum != 0.9:
         label += f" (momentum {cfg.outer_momentum:g})"
+    if cfg.gossip_group_size is not None:
+        label += f", noloco groups of {cfg.gossip_group_size}"
     if cfg.outer_delay:
         label += f", {'eager' if cfg.eager else 'delay'} {cfg.outer_delay}"
     return label
