@@ -37,10 +37,10 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.carry import Carry, Part, Role, SyncRole, set_leaves
+from diloco_jax.carry import Carry, Part, Role, set_leaves
 from diloco_jax.noloco import GOSSIP
-from diloco_jax.outer import mean_norm, outer_update, widen, worker_delta
-from diloco_jax.schedule import OwnParams, leaf_indices, merged, part
+from diloco_jax.outer import mean_norm, outer_update, widen
+from diloco_jax.schedule import OwnParams, OwnThetaSync, leaf_indices, merged, part
 from diloco_jax.workers import stack_workers
 
 MAX_DELAY = 2
@@ -281,7 +281,7 @@ class _Flight(NamedTuple):
     older: tuple
 
 
-class EagerSync(SyncRole):
+class EagerSync(OwnThetaSync):
     """Eager updates at a sync: each worker's delta against its own θ_m, and its own outer
     step on Δ̃_m = Δ̄_{t-d} + (Δ_m^t - Δ_m^{t-d}) / M (`eager_delta`; the stale mean from
     `DelayedExchange`). Without fragments the worker then continues from its new θ_m; with
@@ -302,20 +302,6 @@ class EagerSync(SyncRole):
             return c
         # Without fragments a worker restarts each round from its θ_m.
         return c._replace(workers=c.workers._replace(params=own.theta))
-
-    # There is no global θ nor a global outer state: each worker holds its own (`OwnTheta`).
-    def theta_in(self, theta: Any, treedef: Any) -> None:
-        return None
-
-    def theta_out(self, c: Carry, treedef: Any) -> None:
-        return None
-
-    def outer_carried(self, shared: Any) -> None:
-        return None
-
-    def delta(self, c: Carry, ctx: Any, sync: Any, snapshot_k: Any) -> tuple[Any, Carry]:
-        old_k = part(sync, c.own[self.name].theta, ctx.treedef)
-        return jax.vmap(worker_delta)(old_k, snapshot_k), c
 
     def apply(self, c: Carry, ctx: Any, sync: Any, delta_k: Any, weighed: Any) -> Carry:
         local_leaves = ctx.treedef.flatten_up_to(c.workers.params)

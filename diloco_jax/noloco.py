@@ -52,9 +52,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from diloco_jax.carry import Carry, Part, SyncRole, set_leaves
-from diloco_jax.outer import outer_update, widen, worker_delta
-from diloco_jax.schedule import OwnParams, leaf_indices, part
+from diloco_jax.carry import Carry, Part, set_leaves
+from diloco_jax.outer import outer_update, widen
+from diloco_jax.schedule import OwnParams, OwnThetaSync, leaf_indices, part
 from diloco_jax.trees import payload_bytes
 from diloco_jax.workers import WORKER_AXIS, stack_workers
 
@@ -217,7 +217,7 @@ def _from_device(h: int, num_devices: int):
     return lambda x: lax.ppermute(x, WORKER_AXIS, pairs)
 
 
-class GossipSync(SyncRole):
+class GossipSync(OwnThetaSync):
     """NoLoCo's sync: each worker's delta against its own φ_m, its group's means of Δ and φ
     (`group_mean`), and its own outer step on g_m (see the module docstring)."""
 
@@ -232,20 +232,6 @@ class GossipSync(SyncRole):
         theta = tuple(ctx.treedef.flatten_up_to(own.theta))
         c = c.with_own(self.name, _Own(theta, own.outer, ()))
         return c._replace(workers=c.workers._replace(params=own.theta))
-
-    # There is no global θ nor a global outer state: each worker holds its own (`OwnOuter`).
-    def theta_in(self, theta: Any, treedef: Any) -> None:
-        return None
-
-    def theta_out(self, c: Carry, treedef: Any) -> None:
-        return None
-
-    def outer_carried(self, shared: Any) -> None:
-        return None
-
-    def delta(self, c: Carry, ctx: Any, sync: Any, snapshot_k: Any) -> tuple[Any, Carry]:
-        old_k = part(sync, c.own[self.name].theta, ctx.treedef)
-        return jax.vmap(worker_delta)(old_k, snapshot_k), c
 
     def apply(self, c: Carry, ctx: Any, sync: Any, delta_k: Any, weighed: Any) -> Carry:
         own, spec = c.own[self.name], self.spec

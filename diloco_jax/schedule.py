@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from diloco_jax.carry import Carry, Context, Part, Role, Segment
+from diloco_jax.carry import Carry, Context, Part, Role, Segment, SyncRole
+from diloco_jax.outer import worker_delta
 from diloco_jax.workers import stack_workers
 
 
@@ -283,6 +284,26 @@ class OwnParams(Role):
 
     def start(self, c: Carry, ctx: Context, theta: Any) -> tuple[Any, Any]:
         return c.workers.params, 0
+
+
+class OwnThetaSync(SyncRole):
+    """The base of a sync under which each worker holds its own θ_m and outer state (eager
+    updates, NoLoCo): no global θ nor global outer state, and each worker's delta taken
+    against its own θ_m, which the subclass keeps as `c.own[name].theta` (a tuple of leaves
+    [k, ...])."""
+
+    def theta_in(self, theta: Any, treedef: Any) -> None:
+        return None
+
+    def theta_out(self, c: Carry, treedef: Any) -> None:
+        return None
+
+    def outer_carried(self, shared: Any) -> None:
+        return None
+
+    def delta(self, c: Carry, ctx: Context, sync: "Sync", snapshot_k: Any) -> tuple[Any, Carry]:
+        old_k = part(sync, c.own[self.name].theta, ctx.treedef)
+        return jax.vmap(worker_delta)(old_k, snapshot_k), c
 
 
 class RestartFromTheta(Role):
