@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 
 from diloco_jax.carry import Carry, Part, Role, set_leaves
-from diloco_jax.noloco import GOSSIP
 from diloco_jax.outer import mean_norm, outer_update, widen
 from diloco_jax.schedule import OwnParams, OwnThetaSync, leaf_indices, merged, part
 from diloco_jax.workers import stack_workers
@@ -144,6 +143,7 @@ class OwnTheta(NamedTuple):
     outer: Any
 
     PER_WORKER = ("theta", "outer")
+    OWNS_THETA = True  # `theta` stands in for the global θ (`global_params`)
 
 
 def initial(
@@ -176,9 +176,6 @@ def initial(
 
 
 DELAY, EAGER = "delay", "eager"  # their states' names in `DiLoCoState.parts`
-# The parts whose state holds each worker's own θ (`.theta`, leaves [M, ...]) when the state
-# has no global one: eager updates' and NoLoCo's.
-OWN_THETA = (EAGER, GOSSIP)
 
 
 def global_params(state: Any) -> Any:
@@ -187,7 +184,7 @@ def global_params(state: Any) -> Any:
     to each leaf's dtype)."""
     if state.params is not None:
         return state.params
-    own = next(s.theta for name, s in state.parts.items() if name in OWN_THETA)
+    own = next(s.theta for s in state.parts.values() if getattr(s, "OWNS_THETA", False))
     return jax.tree.map(lambda x: jnp.mean(widen(x), axis=0).astype(x.dtype), own)
 
 

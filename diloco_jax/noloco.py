@@ -155,6 +155,7 @@ class OwnOuter(NamedTuple):
     outer: Any
 
     PER_WORKER = ("theta", "outer")
+    OWNS_THETA = True  # `theta` stands in for the global θ (`delay.global_params`)
 
 
 def group_masks(seed: int, sync: Any, num_workers: int, group_size: int) -> jax.Array:

@@ -7,16 +7,18 @@ of `DiLoCo`'s fields, puts its own (`carry.Part.plan`): a part is registered by 
 of `DiLoCo`. The points and who may fill them:
 
 - starts (where a segment's workers start): `schedule.FromTheta`, or `schedule.OwnParams`
-  (Streaming, drops, eager updates);
+  (Streaming, drops, eager updates, NoLoCo);
 - steps: `inner.PlainSteps`, or `state_sync.SyncedSteps` (DES-LOC);
-- delta: `body.DeltaFromTheta`, or `delay.EagerSync`;
+- delta: `body.DeltaFromTheta`, or `delay.EagerSync` / `noloco.GossipSync` (against each
+  worker's own θ);
 - weights: `faults.UniformWeights`, or `faults.WeighedRule` (the weights part);
 - exchange: `exchange.ExchangeRole` (the compression part), or `delay.DelayedExchange`
   around it;
 - merge (into the workers after a sync): `schedule.RestartFromTheta`, or
   `schedule.MergeIntoOwn` (Streaming, drops);
-- sync: `body.SyncNow` on the points above, `delay.EagerSync`, or, with the outer state split
-  over the workers (a run option), `outer_sharding.SplitOuterSync`;
+- sync: `body.SyncNow` on the points above, `delay.EagerSync`, `noloco.GossipSync` (NoLoCo's
+  group means), or, with the outer state split over the workers (a run option),
+  `outer_sharding.SplitOuterSync`;
 - memory (where θ and the outer state live, a run option): `offload.DeviceMemory` or
   `offload.HostMemory`;
 - model (a run option): `model_state.KeepModelState` or `model_state.MergeModelState`.

@@ -60,11 +60,11 @@ class DiLoCoState(NamedTuple):
     """Everything a DiLoCo run carries between rounds.
 
     params: global θ, the caller's structure, shapes and dtypes (with fragments: each
-      fragment's values as of its last sync). None under eager updates (each worker holds its
-      own: `parts["eager"]`).
+      fragment's values as of its last sync). None under eager updates and NoLoCo (each
+      worker holds its own: `parts["eager"]`, `parts["gossip"]`).
     outer_opt_state: outer optimizer state in `delta_dtype` (float32 or wider): over θ; with
       fragments, a tuple of P states, fragment p's over the list of its leaves. None under
-      eager updates.
+      eager updates and NoLoCo.
     inner_opt_state: each worker's inner optimizer state, leaves stacked [M, ...] (with a
       worker step, `train_diloco_step`, each worker's whole worker state).
     round: int32 scalar, rounds completed.
@@ -75,7 +75,8 @@ class DiLoCoState(NamedTuple):
       under Streaming DiLoCo and simulated drops), "compression" (`exchange.Residuals`: the
       error-feedback residuals), "weights" (`faults.Anomalies`: EDiT's norm statistics),
       "delay" (`delay.InFlight`: the deltas and means in flight), "eager" (`delay.OwnTheta`:
-      each worker's own θ and outer state).
+      each worker's own θ and outer state), "gossip" (`noloco.OwnOuter`: NoLoCo's, the
+      same).
     """
 
     params: Any
