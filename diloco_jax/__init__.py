@@ -9,6 +9,7 @@ model's adapter. The building blocks live in named submodules (docs/api.md lists
 """
 
 from diloco_jax.async_train import AsyncResult, async_schedule, dynamic_local_steps, train_async
+from diloco_jax.cgad import adam_decay, cgad
 from diloco_jax.compression import Compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.delayed_nesterov import delayed_nesterov
@@ -56,6 +57,8 @@ __all__ = [
     "clip_outer_norm",
     "restart_momentum",
     "delayed_nesterov",
+    "cgad",
+    "adam_decay",
     "muon_inner_optimizer",
     # the state and the round, for your own loop
     "DiLoCoState",

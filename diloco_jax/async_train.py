@@ -436,8 +436,8 @@ class _Arrivals:
             jnp.int32(e.worker),
             num_steps=e.steps,
         )
-        theta, outer_state = self.apply_delta(
-            state.theta, state.outer_state, self.where.arrived(delta)
+        theta, outer_state = self.apply_delta(  # the delta's age: its job's staleness
+            state.theta, state.outer_state, self.where.arrived(delta), jnp.int32(e.staleness)
         )
         if self.waiting[e.update + 1]:
             starts[e.update + 1] = theta
@@ -553,8 +553,8 @@ def _job(
     return worker_delta(params, new_params), opt_state, means
 
 
-def _apply(outer_optimizer, params, outer_state, delta):
-    return outer_update(outer_optimizer, params, outer_state, delta)
+def _apply(outer_optimizer, params, outer_state, delta, age):
+    return outer_update(outer_optimizer, params, outer_state, delta, age)
 
 
 @functools.lru_cache(maxsize=32)

@@ -172,8 +172,11 @@ class SyncNow(SyncRole):
 
     name = "sync"
 
-    def __init__(self, outer_optimizer, exchange: Role, memory: Role, weights: Role, merge: Role):
-        self.apply_outer = functools.partial(outer_update, outer_optimizer)
+    def __init__(
+        self, outer_optimizer, exchange: Role, memory: Role, weights: Role, merge: Role, age=None
+    ):
+        # `age`: the rounds the applied mean waited (a delay's d; None: none).
+        self.apply_outer = functools.partial(outer_update, outer_optimizer, age=age)
         self.exchange, self.memory, self.weights, self.merge = exchange, memory, weights, merge
 
     def begin(self, c: Carry, ctx: Context) -> Carry:

@@ -112,8 +112,9 @@ class Eager(Delayed):
         delayed = DelayedExchange(roles["exchange"], roles["weights"], schedule.fragmented, True)
         roles["kept"] += [roles["exchange"], delayed]
         roles["sync"] = roles["delta"] = EagerSync(
-            build.method.outer_optimizer, delayed, schedule.merge_alpha, schedule.fragmented
-        )
+            build.method.outer_optimizer, delayed, schedule.merge_alpha, schedule.fragmented,
+            self.rounds,
+        )  # fmt: skip
         roles["starts"] = OwnParams()
 
 
@@ -286,8 +287,11 @@ class EagerSync(OwnThetaSync):
 
     name = EAGER
 
-    def __init__(self, outer_optimizer, delayed: DelayedExchange, alpha: float, fragmented: bool):
-        self.apply_outer = jax.vmap(functools.partial(outer_update, outer_optimizer))
+    def __init__(
+        self, outer_optimizer, delayed: DelayedExchange, alpha: float, fragmented: bool, age: int
+    ):
+        # `age`: d, the rounds the stale mean waited (the outer rule's extra argument).
+        self.apply_outer = jax.vmap(functools.partial(outer_update, outer_optimizer, age=age))
         self.delayed, self.alpha, self.fragmented = delayed, alpha, fragmented
 
     def begin(self, c: Carry, ctx: Any) -> Carry:

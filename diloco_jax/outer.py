@@ -34,15 +34,27 @@ def outer_init(outer_optimizer: optax.GradientTransformation, params: Any) -> An
 
 
 def outer_update(
-    outer_optimizer: optax.GradientTransformation, params: Any, outer_opt_state: Any, delta: Any
+    outer_optimizer: optax.GradientTransformation,
+    params: Any,
+    outer_opt_state: Any,
+    delta: Any,
+    age: Any = None,
 ) -> tuple[Any, Any]:
     """θ ← θ + outer_update(Δ), with Δ (the worker-mean delta) taken as the gradient.
 
     The update is applied in the delta dtype and the result cast back to each param's dtype.
-    Returns (new params, new outer_opt_state).
+    `age`: the outer updates applied since Δ's params (an int or int32 scalar; None: none, a
+    fresh Δ), passed to the optimizer as optax's extra argument `age` (`diloco_jax.cgad`
+    reads it; a transformation without extra arguments ignores it). Returns (new params,
+    new outer_opt_state).
     """
     wide = widen(params)
-    updates, outer_opt_state = outer_optimizer.update(delta, outer_opt_state, wide)
+    if age is None:
+        updates, outer_opt_state = outer_optimizer.update(delta, outer_opt_state, wide)
+    else:
+        updates, outer_opt_state = optax.with_extra_args_support(outer_optimizer).update(
+            delta, outer_opt_state, wide, age=age
+        )
     new_params = jax.tree.map(
         lambda p, w, u: (w + u).astype(jnp.result_type(p)), params, wide, updates
     )

@@ -91,8 +91,9 @@ def build_plan(b: Build) -> Plan:
         )  # fmt: skip
     if "sync" not in roles:
         roles["sync"] = SyncNow(
-            method.outer_optimizer, roles["exchange"], memory, roles["weights"], roles["merge"]
-        )
+            method.outer_optimizer, roles["exchange"], memory, roles["weights"], roles["merge"],
+            method.outer_delay or None,
+        )  # fmt: skip
     # Every role once, in the order their `begin` runs: a wrapped role before its wrapper,
     # the workers' own params loaded before a sync that reads them.
     order = [memory, roles["weights"], *roles["kept"], roles["exchange"], roles["merge"]]
