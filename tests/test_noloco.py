@@ -95,11 +95,17 @@ def test_float64_noloco_is_the_numpy_reference(num_workers, group_size, consensu
         assert got.state.params is None
 
 
-@pytest.mark.parametrize("backend", ["vmap", "sequential", "shard_map", "pmap"])
+@pytest.mark.parametrize("backend", ["vmap", "sequential", "shard_map", "pmap", "two_a_device"])
 def test_float32_noloco_is_the_numpy_reference_on_every_backend(backend):
+    """Eight workers: alone on one device, one per device, or two on each of 4 devices (a
+    partner on the same device or another one)."""
     rounds = make_data(np.random.default_rng(2), 3, 8, 3)
-    w, b = _np_noloco([0.3, -0.2, 0.1], 0.5, rounds, 2, 1.0, seed=3)
-    got = _train(rounds, _method(seed=3), backend=backend)
+    # Seed 1's partners are m ^ 5, m ^ 1, m ^ 3: with two workers a device, a partner on
+    # another device in the other slot, the other slot on the same device, and both.
+    w, b = _np_noloco([0.3, -0.2, 0.1], 0.5, rounds, 2, 1.0, seed=1)
+    if backend == "two_a_device":
+        backend = dj.make_backend("shard_map", 8, jax.devices()[:4])
+    got = _train(rounds, _method(seed=1), backend=backend)
     own = got.state.parts["gossip"].theta
     np.testing.assert_allclose(np.asarray(own["w"]), w, rtol=0, atol=3e-5)
     np.testing.assert_allclose(np.asarray(own["b"]), b, rtol=0, atol=3e-5)
