@@ -148,22 +148,37 @@ def wire_bytes(compiled_or_text: Any, num_devices: int | None = None) -> float:
     replica groups spans `num_devices` (required then). Of a conditional's branches only the
     costliest counts (one runs). In-loop collectives raise: their trip count is the caller's
     to know."""
+    return one_path_total(
+        collectives(compiled_or_text),
+        lambda c: ring_wire_bytes(c.op, c.operand_bytes, participants(c, num_devices)),
+    )
+
+
+def participants(c: Collective, num_devices: int | None) -> int:
+    """How many devices take part in `c` as the ring formula counts them: its group's size
+    (2 for a collective-permute, a send to one peer), or `num_devices` for a collective
+    printed without groups (ValueError when that is None)."""
+    if c.op == "collective-permute":
+        return 2
+    n = len(c.replica_groups[0]) if c.replica_groups else num_devices
+    if n is None:
+        raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
+    return n
+
+
+def one_path_total(found: Iterable[Collective], cost) -> float:
+    """The sum of `cost(c)` over the collectives one run of the program executes: every one
+    outside conditionals, and of each conditional the costliest branch (one runs). In-loop
+    collectives raise ValueError: their trip count is the caller's to know."""
     total, branches = 0.0, {}
-    for c in collectives(compiled_or_text):
+    for c in found:
         if c.in_loop:
             raise ValueError(f"collective {c.name} sits in a loop: multiply it yourself")
-        if c.op == "collective-permute":
-            cost = float(c.operand_bytes)
-        else:
-            n = len(c.replica_groups[0]) if c.replica_groups else num_devices
-            if n is None:
-                raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
-            cost = ring_wire_bytes(c.op, c.operand_bytes, n)
         if c.branch is None:
-            total += cost
+            total += cost(c)
         else:
             per_branch = branches.setdefault(c.branch[0], {})
-            per_branch[c.branch[1]] = per_branch.get(c.branch[1], 0.0) + cost
+            per_branch[c.branch[1]] = per_branch.get(c.branch[1], 0.0) + cost(c)
     return total + sum(max(costs.values()) for costs in branches.values())
 
 

@@ -272,23 +272,13 @@ def program_seconds(
     all-to-all's operands (one per peer) one call. A collective printed without replica
     groups spans `num_devices`. Of a conditional's branches only the slowest counts (one
     runs). In-loop collectives raise (their trip count is the caller's)."""
-    total, branches = 0.0, {}
-    for c in collectives:
-        if c.in_loop:
-            raise ValueError(f"collective {c.name} sits in a loop: multiply it yourself")
-        n = len(c.replica_groups[0]) if c.replica_groups else num_devices
-        if c.op == "collective-permute":
-            n = 2
-        if n is None:
-            raise ValueError(f"collective {c.name} spans all devices: pass num_devices")
+
+    def seconds(c: "hlo.Collective") -> float:
+        n = hlo.participants(c, num_devices)
         sizes = [c.operand_bytes] if c.op == "all-to-all" else operand_sizes(c)
-        seconds = sum(collective_seconds(c.op, size, n, link, transport) for size in sizes)
-        if c.branch is None:
-            total += seconds
-        else:  # a conditional's branches are alternatives: its slowest one counts
-            per_branch = branches.setdefault(c.branch[0], {})
-            per_branch[c.branch[1]] = per_branch.get(c.branch[1], 0.0) + seconds
-    return total + sum(max(times.values()) for times in branches.values())
+        return sum(collective_seconds(c.op, size, n, link, transport) for size in sizes)
+
+    return hlo.one_path_total(collectives, seconds)
 
 
 def predict_round_seconds(

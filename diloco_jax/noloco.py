@@ -231,28 +231,29 @@ class GossipSync(OwnThetaSync):
     def begin(self, c: Carry, ctx: Any) -> Carry:
         own = ctx.local[self.name]
         theta = tuple(ctx.treedef.flatten_up_to(own.theta))
-        c = c.with_own(self.name, _Own(theta, own.outer, ()))
+        c = c.with_own(self.name, _Own(theta, own.outer, None))
         return c._replace(workers=c.workers._replace(params=own.theta))
 
     def apply(self, c: Carry, ctx: Any, sync: Any, delta_k: Any, weighed: Any) -> Carry:
         own, spec = c.own[self.name], self.spec
         old_k = part(sync, own.theta, ctx.treedef)
+        phi_k = widen(old_k)
         masks = group_masks(spec.seed, ctx.round, self.num_workers, spec.group_size)
-        mean_k, phibar_k = group_mean((delta_k, widen(old_k)), masks, self.num_workers)
+        mean_k, phibar_k = group_mean((delta_k, phi_k), masks, self.num_workers)
         grad_k = jax.tree.map(
-            lambda d, pbar, p: d - spec.consensus * (pbar - widen(p)), mean_k, phibar_k, old_k
+            lambda d, pbar, p: d - spec.consensus * (pbar - p), mean_k, phibar_k, phi_k
         )
         new_k, outer_k = self.apply_outer(old_k, own.outer, grad_k)
         theta = tuple(set_leaves(own.theta, leaf_indices(sync, len(own.theta)), new_k))
         norm = ctx.collectives.reduce(
             functools.partial(_mean_norm, num_workers=self.num_workers), mean_k
         )
-        c = c.with_own(self.name, _Own(theta, outer_k, (*own.norms, norm)))
+        c = c.with_own(self.name, _Own(theta, outer_k, norm))
         params_k = jax.tree.unflatten(ctx.treedef, theta)  # frozen leaves as they were
         return c._replace(workers=c.workers._replace(params=params_k))
 
     def grad_norm(self, c: Carry) -> jax.Array:
-        return c.own[self.name].norms[0]
+        return c.own[self.name].norm
 
     def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
         own = c.own[self.name]
@@ -267,8 +268,8 @@ def _mean_norm(mean_k: Any, num_workers: int) -> jax.Array:
 
 class _Own(NamedTuple):
     """What `GossipSync` keeps through a round: each worker's φ_m leaves [k, ...], its outer
-    state [k, ...], and the sync's "outer_grad_norm"."""
+    state [k, ...], and the round's one sync's "outer_grad_norm" (None before it)."""
 
     theta: tuple
     outer: Any
-    norms: tuple
+    norm: Any
