@@ -127,8 +127,13 @@ class Part:
     - transfers_through(steps, inner_state): the collectives it runs on its own schedule in
       a worker's first `steps` inner steps, beyond each sync's (`comm.wire_bytes` entries);
     - fingerprint(), variant(): its identity in a checkpoint's metadata (top-level fields,
-      and entries of the shared "variant" field).
+      and entries of the shared "variant" field);
+    - host_memory_refusal, zero_refusal: why the run options outer_state_memory="pinned_host"
+      and shard_outer_over_workers can't run with it (None: they can), as a backend says.
     """
+
+    host_memory_refusal: str | None = None
+    zero_refusal: str | None = None
 
     def check_with(self, method: Any) -> None:
         """No rule with the other parts."""

@@ -169,6 +169,13 @@ class Compression(Part):
         body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown + extra)
         return f"{type(self).__name__}({body})"
 
+    @property
+    def zero_refusal(self) -> str | None:
+        """Why the outer state can't be split over the workers with this codec, or None."""
+        if self.kind == "none":
+            return None
+        return "compression (its exchange decodes the whole mean on every worker)"
+
     def fingerprint(self) -> dict:
         out = {"compression": repr(self)}
         # Runs from before the two-stage exchange have no such field (all "gather").

@@ -53,6 +53,12 @@ class Delayed(Part):
     rounds: int = 1
 
     eager: ClassVar[bool] = False
+    host_memory_refusal: ClassVar[str] = (
+        "a delayed or eager outer update (its mean is ready before the inner steps)"
+    )
+    zero_refusal: ClassVar[str] = (
+        "a delayed or eager outer update (its means are launched a round early)"
+    )
 
     def __post_init__(self):
         d, name = self.rounds, type(self).__name__

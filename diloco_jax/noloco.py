@@ -44,7 +44,7 @@ workers of |Δ̄_G|, a float32 each); the exchange is not.
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,7 @@ from diloco_jax.trees import payload_bytes
 from diloco_jax.workers import WORKER_AXIS, stack_workers
 
 GOSSIP = "gossip"  # its state's name in `DiLoCoState.parts`
+_OWN_STATE = "NoLoCo (gossip=: each worker holds its own outer weights and state)"
 
 
 def default_outer() -> optax.GradientTransformation:
@@ -83,6 +84,9 @@ class NoLoCo(Part):
     group_size: int = 2
     consensus: float = 1.0
     seed: int = 0
+
+    host_memory_refusal: ClassVar[str] = _OWN_STATE
+    zero_refusal: ClassVar[str] = _OWN_STATE
 
     def __post_init__(self):
         g = self.group_size

@@ -402,16 +402,17 @@ def _check_host(memory, method, backend) -> bool:
     outer_state_memory for what it can't run with."""
     if offload.check_memory(memory) != offload.HOST:
         return False
-    why = None
-    if method.outer_delay:
-        why = "a delayed or eager outer update (its mean is ready before the inner steps)"
-    elif method.gossip is not None:
-        why = "NoLoCo (gossip=: each worker holds its own outer weights and state)"
-    else:
-        why = backend.host_memory_refusal
+    why = _refusal("host_memory_refusal", method, backend)
     if why is not None:
         raise ValueError(f"outer_state_memory='pinned_host' does not run with {why}")
     return True
+
+
+def _refusal(name: str, method: DiLoCo, backend: Backend) -> str | None:
+    """The first of the method's parts' (in field order), then the backend's, reasons `name`
+    ("host_memory_refusal" or "zero_refusal") why a run option can't run; None if none."""
+    reasons = [getattr(part, name) for part in method.parts] + [getattr(backend, name)]
+    return next((why for why in reasons if why is not None), None)
 
 
 def _sync_shards(shards, method, backend, schedule, leaves, treedef, state):
@@ -421,15 +422,7 @@ def _sync_shards(shards, method, backend, schedule, leaves, treedef, state):
         return None
     if not isinstance(shards, outer_shards_lib.OuterShards):
         raise ValueError(f"outer_shards must be an OuterShards, got {shards!r}")
-    why = None
-    if method.outer_delay:
-        why = "a delayed or eager outer update (its means are launched a round early)"
-    elif method.compression.kind != "none":
-        why = "compression (its exchange decodes the whole mean on every worker)"
-    elif method.gossip is not None:
-        why = "NoLoCo (gossip=: each worker holds its own outer weights and state)"
-    else:
-        why = backend.zero_refusal
+    why = _refusal("zero_refusal", method, backend)
     if why is not None:
         raise ValueError(f"shard_outer_over_workers does not run with {why}")
     if shards.num_workers != backend.num_workers or len(shards.dims) != len(leaves):
