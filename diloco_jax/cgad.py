@@ -27,12 +27,13 @@ The age reaches the transformation as the `age` keyword of its update (optax's e
 arguments); an update without one is at age 0.
 """
 
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from diloco_jax.checks import check_number, check_rate
 
 
 def age_gate(age: Any, decay: float, cutoff: float | None, dtype: Any = jnp.float32) -> Any:
@@ -55,9 +56,9 @@ def scale_by_age_gate(
 ) -> optax.GradientTransformationExtraArgs:
     """Scales the updates by `age_gate(age, decay, cutoff)`, `age` the update's keyword (0
     when absent). `decay` >= 0 and finite; `cutoff` None or > 0 and finite."""
-    _check_number("decay", decay, 0.0)
+    check_number("decay", decay, lambda x: x >= 0, ">= 0")
     if cutoff is not None:
-        _check_number("cutoff", cutoff, 0.0, strict=True)
+        check_number("cutoff", cutoff, lambda x: x > 0, "> 0")
 
     def init(params):
         del params
@@ -81,7 +82,8 @@ def cgad(
     eps: float = 1e-8,
 ) -> optax.GradientTransformationExtraArgs:
     """CGAD: Adam (`optax.adam(learning_rate, b1, b2, eps)`) on pseudo-gradients scaled by
-    their age's gate (`scale_by_age_gate(decay, cutoff)`)."""
+    their age's gate (`scale_by_age_gate(decay, cutoff)`); ValueError naming a bad argument."""
+    _check_adam(learning_rate, b1, b2, eps)
     return optax.chain(scale_by_age_gate(decay, cutoff), optax.adam(learning_rate, b1, b2, eps))
 
 
@@ -89,16 +91,12 @@ def adam_decay(
     learning_rate: float, decay: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> optax.GradientTransformationExtraArgs:
     """Adam-Decay: CGAD without the cutoff (σ(τ) = exp(-decay τ))."""
+    _check_adam(learning_rate, b1, b2, eps)
     return optax.chain(scale_by_age_gate(decay, None), optax.adam(learning_rate, b1, b2, eps))
 
 
-def _check_number(name: str, value: Any, low: float, strict: bool = False) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value > low if strict else value >= low)
-    )
-    if not ok:
-        bound = f"> {low:g}" if strict else f">= {low:g}"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+def _check_adam(learning_rate: Any, b1: Any, b2: Any, eps: Any) -> None:
+    check_rate("learning_rate", learning_rate)
+    for name, value in (("b1", b1), ("b2", b2)):
+        check_number(name, value, lambda x: 0 <= x < 1, "in [0, 1)")
+    check_number("eps", eps, lambda x: x > 0, "> 0")

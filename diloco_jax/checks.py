@@ -1,5 +1,7 @@
 """Argument checks shared by the trainers: each raises a ValueError naming the argument."""
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,6 +23,23 @@ def check_int(name: str, value: Any, minimum: int) -> None:
     """Raises ValueError naming `name` unless `value` is an integer (not a bool) >= minimum
     and within the int32 the run counts in (`limits.check_count`)."""
     limits.check_count(name, value, minimum)
+
+
+def check_number(name: str, value: Any, ok: Callable[[float], bool], what: str) -> None:
+    """Raises ValueError naming `name` unless `value` is a finite real number (not a bool)
+    with ok(value); `what` says the range in the message (e.g. "> 0")."""
+    try:
+        good = not isinstance(value, bool) and math.isfinite(float(value)) and ok(float(value))
+    except (TypeError, ValueError):
+        good = False
+    if not good:
+        raise ValueError(f"{name} must be a finite number {what}, got {value!r}")
+
+
+def check_rate(name: str, value: Any) -> None:
+    """A learning rate is an optax schedule (a callable of the step) or a number > 0."""
+    if not callable(value):
+        check_number(name, value, lambda x: x > 0, "> 0")
 
 
 def check_params(params: Any) -> None:

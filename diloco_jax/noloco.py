@@ -53,6 +53,7 @@ import optax
 from jax import lax
 
 from diloco_jax.carry import Carry, Part, set_leaves
+from diloco_jax.checks import check_number
 from diloco_jax.outer import outer_update, widen
 from diloco_jax.schedule import OwnParams, OwnThetaSync, leaf_indices, part
 from diloco_jax.trees import payload_bytes
@@ -92,10 +93,8 @@ class NoLoCo(Part):
         g = self.group_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g & (g - 1):
             raise ValueError(f"NoLoCo.group_size must be a power of 2 >= 2, got {g!r}")
-        c = self.consensus
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
-            raise ValueError(f"NoLoCo.consensus must be a finite number >= 0, got {c!r}")
-        object.__setattr__(self, "consensus", float(c))
+        check_number("NoLoCo.consensus", self.consensus, lambda x: x >= 0, ">= 0")
+        object.__setattr__(self, "consensus", float(self.consensus))
         s = self.seed
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32:
             raise ValueError(f"NoLoCo.seed must be an integer in [0, 2**32), got {s!r}")

@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import optax
 
+from diloco_jax.checks import check_number, check_rate
+
 MUON, ADAMW = "muon", "adamw"
 
 # The Newton-Schulz quintic f(X) = a·X + b·(XXᵀ)X + c·(XXᵀ)²X, one (a, b, c) per iteration, as in
@@ -135,22 +137,6 @@ def _matrix_dims(updates: Any) -> Any:
     return jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(0, 1), updates)
 
 
-def _check_number(name: str, value: Any, ok: Callable[[float], bool], what: str) -> None:
-    """Raises ValueError naming `name` unless `value` is a finite real number with ok(value)."""
-    try:
-        good = not isinstance(value, bool) and math.isfinite(float(value)) and ok(float(value))
-    except (TypeError, ValueError):
-        good = False
-    if not good:
-        raise ValueError(f"{name} must be a finite number {what}, got {value!r}")
-
-
-def _check_rate(name: str, value: Any) -> None:
-    """A learning rate is an optax schedule (a callable of the step) or a number > 0."""
-    if not callable(value):
-        _check_number(name, value, lambda x: x > 0, "> 0")
-
-
 def muon_inner_optimizer(
     learning_rate: optax.ScalarOrSchedule = 0.02,
     *,
@@ -188,15 +174,15 @@ def muon_inner_optimizer(
       (Muon leaves) and Adam's two moments (AdamW leaves). Raises ValueError naming the
       argument for a bad value.
     """
-    _check_rate("learning_rate", learning_rate)
+    check_rate("learning_rate", learning_rate)
     if adamw_learning_rate is not None:
-        _check_rate("adamw_learning_rate", adamw_learning_rate)
+        check_rate("adamw_learning_rate", adamw_learning_rate)
     for name, value in (("momentum", momentum), ("adamw_b1", adamw_b1), ("adamw_b2", adamw_b2)):
-        _check_number(name, value, lambda x: 0 <= x < 1, "in [0, 1)")
+        check_number(name, value, lambda x: 0 <= x < 1, "in [0, 1)")
     for name, value in (("weight_decay", weight_decay), ("adamw_weight_decay", adamw_weight_decay)):
         if value is not None:
-            _check_number(name, value, lambda x: x >= 0, ">= 0")
-    _check_number("eps", eps, lambda x: x > 0, "> 0")
+            check_number(name, value, lambda x: x >= 0, ">= 0")
+    check_number("eps", eps, lambda x: x > 0, "> 0")
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
         raise ValueError(f"ns_steps must be an integer >= 1, got {ns_steps!r}")
     if is_hidden_matrix is not None and not callable(is_hidden_matrix):

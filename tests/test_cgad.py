@@ -146,3 +146,22 @@ def test_a_cutoff_below_the_delay_gates_every_mean_out(delay):
 def test_bad_hyperparameters_are_refused(args, message):
     with pytest.raises(ValueError, match=message):
         scale_by_age_gate(**args)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (dict(learning_rate=0.0), "learning_rate must be a finite number > 0"),
+        (dict(b1=1.0), r"b1 must be a finite number in \[0, 1\)"),
+        (dict(b2=-0.1), r"b2 must be a finite number in \[0, 1\)"),
+        (dict(eps=0.0), "eps must be a finite number > 0"),
+        (dict(cutoff=float("nan")), "cutoff must be a finite number > 0"),
+    ],
+)
+def test_bad_adam_arguments_are_refused(args, message):
+    full = dict(learning_rate=LR, decay=DECAY, cutoff=CUTOFF) | args
+    with pytest.raises(ValueError, match=message):
+        dj.cgad(**full)
+    if "cutoff" not in args:
+        with pytest.raises(ValueError, match=message):
+            dj.adam_decay(**{k: v for k, v in full.items() if k != "cutoff"})
