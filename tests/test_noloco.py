@@ -126,6 +126,9 @@ def test_noloco_on_a_user_mesh_keeps_the_params_sharding():
     on_vmap = run(backend="vmap")
     own = on_mesh.state.parts["gossip"].theta["w"]
     assert own.sharding.spec == P("workers", "fsdp")
+    # Each worker's outer state too (the momentum of w), and the result's params.
+    assert on_mesh.state.parts["gossip"].outer[0].trace["w"].sharding.spec == P("workers", "fsdp")
+    assert on_mesh.params["w"].sharding.spec == P("fsdp")
     np.testing.assert_allclose(
         np.asarray(own), np.asarray(on_vmap.state.parts["gossip"].theta["w"]), atol=3e-6
     )
