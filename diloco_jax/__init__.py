@@ -11,10 +11,12 @@ model's adapter. The building blocks live in named submodules (docs/api.md lists
 from diloco_jax.async_train import AsyncResult, async_schedule, dynamic_local_steps, train_async
 from diloco_jax.cgad import adam_decay, cgad
 from diloco_jax.compression import Compression
+from diloco_jax.decoupled import DecoupledDiLoCo
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.donation import jit_round
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
+from diloco_jax.halos import HALoS
 from diloco_jax.inner import StepInfo
 from diloco_jax.layout import sync_steps, worker_rounds
 from diloco_jax.method import DiLoCo, default_inner_optimizer, default_outer_optimizer
@@ -40,6 +42,9 @@ __all__ = [
     "AsyncResult",
     "async_schedule",
     "dynamic_local_steps",
+    # the servers train_async may talk to instead of its one server
+    "DecoupledDiLoCo",
+    "HALoS",
     # the method and its parts
     "DiLoCo",
     "Streaming",

@@ -228,6 +228,7 @@ def train_async(
     checkpoint_every: int = 1,
     keep_checkpoints: int = 3,
     checkpoint_fingerprint: dict[str, Any] | None = None,
+    server: Any = None,
 ) -> AsyncResult:
     """Trains with asynchronous DiLoCo for `num_updates` server updates (simulated clock).
 
@@ -275,6 +276,12 @@ def train_async(
         history then keeps the shorter run's evaluation after its last update, as
         `train_diloco`'s does). A second run into it while this one runs is refused.
       checkpoint_fingerprint: as `train_diloco`'s.
+      server: None (one server applying each arrival, as above), or another server part
+        running the same workers on the same clock: `dj.DecoupledDiLoCo(...)` (learners that
+        never wait, a syncer merging a quorum of pushes; `diloco_jax.decoupled`) or
+        `dj.HALoS(...)` (a server per region under a global one; `diloco_jax.halos`). Their
+        history entries and results are described there; they run on one device, without
+        `checkpoint_dir`, `grace_seconds` (a syncer has its own window) or a mesh.
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has
@@ -307,6 +314,14 @@ def train_async(
     outer_optimizer = checked_optimizer("outer_optimizer", method.outer, default_outer_optimizer)
     where = _where(backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params,
                    num_workers)  # fmt: skip
+    if server is not None:
+        return _other_server(
+            server,
+            AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
+                     dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
+                     eval_every, callback, getattr(where, "device", None)),
+            mesh=mesh, checkpoint_dir=checkpoint_dir, grace_seconds=grace_seconds,
+        )  # fmt: skip
     # Every worker's inner state (and, in a checkpoint, its job's start) on these devices.
     per_worker = limits.nbytes(params) + limits.nbytes(jax.eval_shape(inner_optimizer.init, params))
     on = (
@@ -376,6 +391,46 @@ def train_async(
     )
     theta, state = where.results((running.theta, state))
     return AsyncResult(theta, state, history, schedule.elapsed_seconds, schedule.utilization)
+
+
+class AsyncRun(NamedTuple):
+    """What a `server=` part of `train_async` trains with: the call's checked arguments (the
+    inner optimizer already masked by `trainable`), and the one device the run is on."""
+
+    loss_fn: Any
+    params: Any
+    data: Any
+    num_workers: int
+    inner_steps: int
+    num_updates: int
+    step_seconds: tuple[float, ...]
+    dynamic_steps: bool
+    has_aux: bool
+    rng_seed: int | None
+    inner_optimizer: optax.GradientTransformation
+    outer_optimizer: optax.GradientTransformation
+    eval_fn: Callable | None
+    eval_every: int
+    callback: Callable | None
+    device: Any
+
+
+def _other_server(server: Any, run: AsyncRun, *, mesh, checkpoint_dir, grace_seconds):
+    """Runs a `server=` part (its `train(run)`), after refusing what it doesn't take."""
+    if not callable(getattr(server, "train", None)):
+        raise ValueError(
+            f"server must be None, dj.DecoupledDiLoCo(...) or dj.HALoS(...), got {server!r}"
+        )
+    name = type(server).__name__
+    if mesh is not None:
+        raise ValueError(f"server={name}(...) runs on one device: it takes no mesh=")
+    if checkpoint_dir is not None:
+        raise ValueError(f"server={name}(...) does not save checkpoints: leave checkpoint_dir out")
+    if _checked_grace(grace_seconds):
+        raise ValueError(
+            f"grace_seconds belongs to the single server; server={name}(...) sets its own timing"
+        )
+    return server.train(run)
 
 
 class _Running(NamedTuple):

@@ -45,6 +45,12 @@ def linear_loss(params, batch):
     return 0.5 * jnp.mean(err**2)
 
 
+def np_adam(g, m, v, t, lr, b1=0.9, b2=0.999, eps=1e-8):
+    """One optax.adam step at count t (1-based): (update, new m, new v)."""
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    return -lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps), m, v
+
+
 def linear_grads(w, b, x, y):
     err = x @ w + b - y
     return x.T @ err / len(y), err.mean(), 0.5 * np.mean(err**2)

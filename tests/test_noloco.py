@@ -11,18 +11,13 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from reference import linear_loss, make_data, precision
+from reference import linear_loss, make_data, np_adam, precision
 
 import diloco_jax as dj
 from diloco_jax import NoLoCo, hlo
 from diloco_jax.noloco import groups
 
 INNER_LR, OUTER_LR, MOMENTUM = 0.05, 0.7, 0.5
-
-
-def _np_adam(g, m, v, t, lr, b1=0.9, b2=0.999, eps=1e-8):
-    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-    return -lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps), m, v
 
 
 def _np_noloco(w0, b0, rounds, group_size, consensus, seed):
@@ -43,7 +38,7 @@ def _np_noloco(w0, b0, rounds, group_size, consensus, seed):
             for m in range(num_workers):
                 err = x[m, h] @ theta[m, :3] + theta[m, 3] - y[m, h]
                 grad = np.append(x[m, h].T @ err / len(err), err.mean())
-                upd, adam_m[m], adam_v[m] = _np_adam(grad, adam_m[m], adam_v[m], t, INNER_LR)
+                upd, adam_m[m], adam_v[m] = np_adam(grad, adam_m[m], adam_v[m], t, INNER_LR)
                 theta[m] += upd
         delta = phi - theta
         grad = np.empty_like(phi)

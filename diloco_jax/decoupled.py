@@ -1,0 +1,449 @@
+"""Decoupled DiLoCo (Douillard et al. 2026, arXiv 2604.21428): learners that never wait, and a
+syncer that merges a quorum of them, as the `server=` part of `train_async`.
+
+On `train_async`'s simulated clock (learner m takes `step_seconds[m]` per inner step and never
+stops):
+
+- the params split into P fragments (leaf i -> fragment i % P); learner m pushes fragment p
+  after its own inner steps k H + (p + 1) H / P (k = 0, 1, ...), for the syncer's sync k of
+  that fragment, with c_steps (its inner steps since it last received fragment p) and
+  c_tokens = c_steps x its tokens per step;
+- the syncer merges sync (p, k) at T = the K-th push's time plus a grace window (fixed, or
+  adaptive: gamma x max(0, tau x s_q - (K-th push time - first push time)), s_q the step time
+  of the learner whose push made the quorum); pushes made by T are merged, later ones are
+  dropped and counted as late;
+- the merge: Delta_m = Theta_p - theta_m,p against the syncer's own fragment, weighted by
+  w_m = c_tokens^2 / c_steps (normalised), averaged (or RDA: the weighted mean of the norms
+  times the direction of the weighted mean of unit deltas, per leaf, with plain averaging for
+  the leaves named in `average_leaves`); fragment p's own outer state takes one step;
+- every learner overwrites fragment p with the new Theta_p at its first step boundary at or
+  after T (after its push at that boundary, if any) and resets its counters of p.
+
+K = M, no grace and equal speeds and tokens is synchronous DiLoCo (one fragment) or
+Streaming DiLoCo with tau = 0 and alpha = 0 (P fragments). The syncer's broadcasts are not
+counted as bytes; every push is (late ones too: they were sent).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import sampler as sampler_lib
+from diloco_jax.checks import check_int, check_number
+from diloco_jax.inner import inner_loop, worker_key
+from diloco_jax.outer import outer_init, outer_update, worker_delta
+from diloco_jax.sampler import Sampler
+from diloco_jax.schedule import fragment_of
+
+MERGES = ("average", "rda")
+
+
+def _at_least_0(x: float) -> bool:
+    return x >= 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoupledDiLoCo:
+    """The `server=` part of `train_async` for Decoupled DiLoCo (see the module docstring).
+
+    quorum: K >= 1 pushes a sync waits for (at most M). grace_seconds: a fixed window >= 0
+    after the K-th push. adaptive_grace: gamma in (0, 1), the paper's adaptive window instead
+    of a fixed one, budgeted on `overlap_steps` (tau >= 1) steps of the quorum's learner.
+    fragments: P >= 1 (H a multiple of P; at most the number of param leaves). merge:
+    "average" or "rda". average_leaves: with "rda", key-path substrings of leaves merged by
+    plain averaging (the paper keeps embeddings so). tokens_per_step: one positive number per
+    learner (default 1 each: weights then follow the steps)."""
+
+    quorum: int = 1
+    grace_seconds: float = 0.0
+    adaptive_grace: float | None = None
+    overlap_steps: int = 0
+    fragments: int = 1
+    merge: str = "average"
+    average_leaves: tuple[str, ...] = ()
+    tokens_per_step: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        check_int("DecoupledDiLoCo.quorum", self.quorum, 1)
+        check_int("DecoupledDiLoCo.fragments", self.fragments, 1)
+        check_int("DecoupledDiLoCo.overlap_steps", self.overlap_steps, 0)
+        check_number("DecoupledDiLoCo.grace_seconds", self.grace_seconds, _at_least_0, ">= 0")
+        gamma = self.adaptive_grace
+        if gamma is not None:
+            check_number("DecoupledDiLoCo.adaptive_grace", gamma, lambda g: 0 < g < 1, "in (0, 1)")
+            if self.grace_seconds:
+                raise ValueError("DecoupledDiLoCo takes grace_seconds or adaptive_grace, not both")
+            if self.overlap_steps < 1:
+                raise ValueError(
+                    "DecoupledDiLoCo.adaptive_grace needs overlap_steps >= 1 (the steps of "
+                    "compute the window is budgeted on)"
+                )
+        elif self.overlap_steps:
+            raise ValueError("DecoupledDiLoCo.overlap_steps only sets adaptive_grace's budget")
+        if self.merge not in MERGES:
+            raise ValueError(f"DecoupledDiLoCo.merge must be one of {MERGES}, got {self.merge!r}")
+        names = self.average_leaves
+        if not isinstance(names, tuple) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"DecoupledDiLoCo.average_leaves must be a tuple of non-empty strings, got "
+                f"{names!r}"
+            )
+        if names and self.merge != "rda":
+            raise ValueError("DecoupledDiLoCo.average_leaves applies to merge='rda' only")
+        if self.tokens_per_step is not None:
+            tokens = self.tokens_per_step
+            if not isinstance(tokens, tuple) or not tokens:
+                raise ValueError(
+                    "DecoupledDiLoCo.tokens_per_step must be a tuple of numbers, one per "
+                    f"learner, got {tokens!r}"
+                )
+            for t in tokens:
+                check_number("DecoupledDiLoCo.tokens_per_step", t, lambda x: x > 0, "> 0")
+
+    def checked(self, num_workers: int, inner_steps: int, params: Any) -> None:
+        """ValueError naming the field that doesn't fit the run (M, H, the params)."""
+        if self.quorum > num_workers:
+            raise ValueError(
+                f"DecoupledDiLoCo.quorum must be at most num_workers = {num_workers}, got "
+                f"{self.quorum}"
+            )
+        if self.tokens_per_step is not None and len(self.tokens_per_step) != num_workers:
+            raise ValueError(
+                f"DecoupledDiLoCo.tokens_per_step must hold num_workers = {num_workers} numbers, "
+                f"got {len(self.tokens_per_step)}"
+            )
+        fragment_of(params, self.fragments)
+        if inner_steps % self.fragments:
+            raise ValueError(
+                f"inner_steps = {inner_steps} must be a multiple of DecoupledDiLoCo.fragments = "
+                f"{self.fragments}"
+            )
+        if self.overlap_steps >= inner_steps // self.fragments:
+            raise ValueError(
+                f"DecoupledDiLoCo.overlap_steps must be below H / P = "
+                f"{inner_steps // self.fragments}, got {self.overlap_steps}"
+            )
+
+    def fingerprint(self) -> dict:
+        return {"server": repr(self)}
+
+    def schedule(self, step_seconds, inner_steps: int, num_syncs: int) -> tuple["Sync", ...]:
+        """The first `num_syncs` syncs in the order the syncer merges them (by time, then
+        fragment), in plain Python: each learner's push of every sync and the merge time."""
+        seconds = tuple(float(s) for s in step_seconds)
+        period, offset = inner_steps, inner_steps // self.fragments
+        per_fragment = []
+        for p in range(self.fragments):
+            last = -math.inf
+            for k in range(num_syncs):
+                step = k * period + (p + 1) * offset
+                times = [step * s for s in seconds]
+                order = sorted(range(len(seconds)), key=lambda m: (times[m], m))
+                quorum = times[order[self.quorum - 1]]
+                grace = self.grace_seconds
+                if self.adaptive_grace is not None:
+                    slack = self.overlap_steps * seconds[order[self.quorum - 1]]
+                    grace = self.adaptive_grace * max(0.0, slack - (quorum - times[order[0]]))
+                # A fragment's syncs are merged in order, even if a window ran past the next.
+                at = last = max(quorum + grace, last)
+                merged = tuple(m for m in range(len(seconds)) if times[m] <= at)
+                per_fragment.append((at, p, k, step, merged))
+        ordered = sorted(per_fragment)[:num_syncs]
+        return tuple(
+            Sync(u, p, k, step, at, merged) for u, (at, p, k, step, merged) in enumerate(ordered)
+        )
+
+    def train(self, run: Any) -> Any:
+        return _train(self, run)
+
+
+class Sync(NamedTuple):
+    """One merge of the syncer: `update` (its index), `fragment` p, `index` k (fragment p's
+    k-th sync), `step` (the learner step a push for it follows: k H + (p + 1) H / P), `time`
+    (simulated seconds of the merge) and `merged` (the learners whose pushes it merges)."""
+
+    update: int
+    fragment: int
+    index: int
+    step: int
+    time: float
+    merged: tuple[int, ...]
+
+
+def merge_weights(c_tokens: Any, c_steps: Any) -> np.ndarray:
+    """w_m = c_tokens^2 / c_steps, normalised to sum 1 (0 where c_steps is 0)."""
+    tokens, steps = np.asarray(c_tokens, np.float64), np.asarray(c_steps, np.float64)
+    w = np.where(steps > 0, tokens**2 / np.where(steps > 0, steps, 1.0), 0.0)
+    return w / w.sum()
+
+
+def rda(deltas_k: jax.Array, weights_k: jax.Array) -> jax.Array:
+    """Radial-directional average of one leaf's deltas [k, ...] with weights [k] summing to 1:
+    sum_m w_m |d_m| times the unit direction of sum_m w_m d_m / |d_m| (zero deltas and a zero
+    mean direction give zero)."""
+    flat = deltas_k.reshape(deltas_k.shape[0], -1)
+    norms = jnp.linalg.norm(flat, axis=1)
+    units = flat / jnp.where(norms > 0, norms, 1.0)[:, None]
+    direction = jnp.tensordot(weights_k, units, axes=1)
+    length = jnp.linalg.norm(direction)
+    unit = direction / jnp.where(length > 0, length, 1.0)
+    return (jnp.dot(weights_k, norms) * unit).reshape(deltas_k.shape[1:]).astype(deltas_k.dtype)
+
+
+def _average(deltas_k, weights_k):
+    return jnp.tensordot(weights_k.astype(deltas_k.dtype), deltas_k, axes=1)
+
+
+def _merge_and_step(outer_optimizer, rules, theta, outer_state, pushed, weights):
+    """Fragment p's outer step: Delta = merge of (theta - pushed_m) by `rules` (one per leaf),
+    then the outer update of theta (a list of the fragment's leaves)."""
+    deltas = [worker_delta(t, x) for t, x in zip(theta, pushed, strict=True)]
+    merged = [
+        (rda if rule == "rda" else _average)(d, weights.astype(d.dtype))
+        for rule, d in zip(rules, deltas, strict=True)
+    ]
+    return outer_update(outer_optimizer, theta, outer_state, merged)
+
+
+def _step(loss_fn, inner_optimizer, has_aux, rng_seed, params, opt_state, data, job, worker, h):
+    """Inner step h of round `job` of one learner (the step keyed and drawn as step h of that
+    round of `train_diloco`): (params, opt_state, loss, aux)."""
+    if isinstance(data, sampler_lib.WorkerSampler):
+        batches = functools.partial(_draw, data, job, worker, h)
+    else:
+        batches = data  # leaves [1, ...]
+    key = None if rng_seed is None else worker_key(rng_seed, job, worker)
+    params, opt_state, losses, *aux = inner_loop(
+        loss_fn, inner_optimizer, params, opt_state, batches, num_steps=1, key=key,
+        first_step=h, has_aux=has_aux,
+    )  # fmt: skip
+    return params, opt_state, losses[0], jax.tree.map(lambda x: x[0], aux[0] if aux else {})
+
+
+def _draw(data, job, worker, h, s):
+    return data.draw(job, worker, h + s)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed):
+    """(jitted learner step, rules -> jitted merge and outer step of a fragment with those
+    per-leaf rules); cached so repeated runs reuse the compilations."""
+    step = jax.jit(functools.partial(_step, loss_fn, inner_optimizer, has_aux, rng_seed))
+
+    @functools.cache
+    def merge(rules):
+        return jax.jit(functools.partial(_merge_and_step, outer_optimizer, rules))
+
+    return step, merge
+
+
+@dataclasses.dataclass
+class _Learner:
+    params: list  # leaves
+    opt_state: Any
+    done: int = 0  # inner steps completed
+    counts: list = dataclasses.field(default_factory=list)  # c_steps per fragment
+    losses: list = dataclasses.field(default_factory=list)
+    auxes: list = dataclasses.field(default_factory=list)
+    inbox: list = dataclasses.field(default_factory=list)  # (boundary, fragment, leaves)
+
+
+def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
+    from diloco_jax.async_train import AsyncResult, AsyncState
+
+    m_count, h_count = run.num_workers, run.inner_steps
+    spec.checked(m_count, h_count, run.params)
+    if run.dynamic_steps:
+        raise ValueError(
+            "dynamic_steps is for jobs of H steps; DecoupledDiLoCo's learners never stop"
+        )
+    seconds = run.step_seconds
+    tokens = spec.tokens_per_step or (1.0,) * m_count
+    syncs = spec.schedule(seconds, h_count, run.num_updates)
+    leaves, treedef = jax.tree.flatten(run.params)
+    owner = fragment_of(run.params, spec.fragments)
+    members = [[i for i, f in enumerate(owner) if f == p] for p in range(spec.fragments)]
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+        run.params)[0]]  # fmt: skip
+    rules = tuple(
+        "rda" if spec.merge == "rda" and not any(n in paths[i] for n in spec.average_leaves)
+        else "average"
+        for i in range(len(leaves))
+    )  # fmt: skip
+    args = (run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed)
+    try:
+        step, merge = _programs(*args)
+    except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
+        step, merge = _programs.__wrapped__(*args)
+    device = run.device
+    put = functools.partial(jax.device_put, device=device)
+    theta = put([jnp.array(x, copy=True) for x in leaves])
+    outer = [put(outer_init(run.outer_optimizer, [theta[i] for i in idx])) for idx in members]
+    init_inner = put(run.inner_optimizer.init(run.params))
+    learners = [
+        _Learner(list(theta), init_inner, counts=[0] * spec.fragments) for _ in range(m_count)
+    ]
+    data_of = _data(run.data, m_count, h_count, device)
+    evaluate = jax.jit(run.eval_fn) if run.eval_fn is not None else None
+    fragment_bytes = [
+        sum(int(np.prod(np.shape(leaves[i]))) * np.dtype(jnp.result_type(leaves[i])).itemsize
+            for i in idx)
+        for idx in members
+    ]  # fmt: skip
+
+    def advance(m: int, target: int) -> None:
+        """Learner m completes step `target`: every broadcast due at an earlier boundary is
+        applied first (those due at `target` itself wait: the push there comes first)."""
+        learner = learners[m]
+        while learner.done < target:
+            for _, p, values in [b for b in learner.inbox if b[0] <= learner.done]:
+                for i, v in zip(members[p], values, strict=True):
+                    learner.params[i] = v
+                learner.counts[p] = 0
+            learner.inbox = [b for b in learner.inbox if b[0] > learner.done]
+            job, h = divmod(learner.done, h_count)
+            params, learner.opt_state, loss, aux = step(
+                jax.tree.unflatten(treedef, learner.params), learner.opt_state,
+                data_of(job, m, h), jnp.int32(job), jnp.int32(m), jnp.int32(h),
+            )  # fmt: skip
+            learner.params = jax.tree.leaves(params)
+            learner.losses.append(loss)
+            learner.auxes.append(aux)
+            learner.done += 1
+            learner.counts = [c + 1 for c in learner.counts]
+
+    history, late_total, total, steps_before = [], 0, run.num_updates, 0
+    for sync in syncs:
+        p = sync.fragment
+        pushed, c_steps, losses, auxes = [], [], [], []
+        for m in range(m_count):
+            if m in sync.merged:
+                advance(m, sync.step)
+                learner = learners[m]
+                c = learner.counts[p]
+                pushed.append([learner.params[i] for i in members[p]])
+                c_steps.append(c)
+                losses.append(jnp.mean(jnp.stack(learner.losses[-c:])))
+                auxes.append(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)),
+                                          *learner.auxes[-c:]))  # fmt: skip
+            else:
+                pushed.append([theta[i] for i in members[p]])
+                c_steps.append(0)
+        weights = merge_weights([c * t for c, t in zip(c_steps, tokens, strict=True)], c_steps)
+        stacked = [jnp.stack([x[j] for x in pushed]) for j in range(len(members[p]))]
+        fragment = [theta[i] for i in members[p]]
+        rules_p = tuple(rules[i] for i in members[p])  # the fragment's merge per leaf
+        new, outer[p] = merge(rules_p)(fragment, outer[p], stacked, jnp.asarray(weights))
+        for i, v in zip(members[p], new, strict=True):
+            theta[i] = v
+        for m in range(m_count):  # each learner overwrites p at its next step boundary
+            boundary = _steps_by(sync.time, seconds[m])
+            if boundary * seconds[m] < sync.time:
+                boundary += 1
+            learners[m].inbox.append((boundary, p, list(new)))
+        late = m_count - len(sync.merged)
+        steps_now = sum(_steps_by(sync.time, s) for s in seconds)
+        late_total += late
+        sent = [
+            sum(
+                fragment_bytes[q] * _pushes_by(sync.time, seconds[m], q, spec.fragments, h_count)
+                for q in range(spec.fragments)
+            )
+            for m in range(m_count)
+        ]
+        entry = {
+            "update": sync.update,
+            "time": sync.time,
+            "fragment": p,
+            "sync": sync.index,
+            "merged": list(sync.merged),
+            "weights": [float(w) for w in weights],
+            "late": late,
+            "late_total": late_total,
+            "total_steps": steps_now,
+            "loss": float(jnp.mean(jnp.stack(losses))),
+            "bytes_communicated": round(sum(sent) / m_count),
+            "wire_bytes": round(sum(sent) / m_count),
+            "worker_bytes": sent,
+        }
+        for name in auxes[0] if auxes else {}:
+            if name in entry:
+                raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
+            entry[name] = float(np.mean([float(a[name]) for a in auxes]))
+        done = sync.update + 1
+        every = m_count * run.eval_every  # as train_async: every eval_every steps per learner
+        crossed = steps_now // every > steps_before // every
+        steps_before = steps_now
+        if evaluate is not None and (crossed or done == total):
+            values = evaluate(jax.tree.unflatten(treedef, theta))
+            entry.update({k: float(v) for k, v in values.items()})
+        history.append(entry)
+        if run.callback is not None:
+            run.callback(entry)
+    params = jax.tree.unflatten(treedef, theta)
+    state = AsyncState(
+        params,
+        tuple(outer),
+        jax.tree.map(lambda *xs: jnp.stack(xs), *[x.opt_state for x in learners]),
+        total,
+    )
+    elapsed = syncs[-1].time if syncs else 0.0
+    return AsyncResult(params, state, history, elapsed, 1.0 if syncs else 0.0)
+
+
+def _steps_by(time: float, seconds: float) -> int:
+    """Inner steps a learner of `seconds` per step has completed at `time` (step j ends at
+    j x seconds, computed as the schedule computes it)."""
+    j = math.floor(time / seconds)
+    while (j + 1) * seconds <= time:
+        j += 1
+    while j > 0 and j * seconds > time:
+        j -= 1
+    return j
+
+
+def _pushes_by(time: float, seconds: float, fragment: int, fragments: int, inner_steps: int):
+    """Pushes of `fragment` a learner of `seconds` per step has made by `time`."""
+    first = (fragment + 1) * (inner_steps // fragments)
+    count = 0
+    while (count * inner_steps + first) * seconds <= time:
+        count += 1
+    return count
+
+
+def _data(data: Any, num_workers: int, inner_steps: int, device: Any):
+    """(round, learner, step) -> that step's data on `device`: the learner's placed
+    `WorkerSampler`, or rounds[round][learner, step] with a leading step dim of 1."""
+    if isinstance(data, Sampler):
+        sampler_lib.check_workers(data, num_workers)
+        placed = [jax.device_put(sampler_lib.for_worker(data, m), device)
+                  for m in range(num_workers)]  # fmt: skip
+        return lambda job, m, h: placed[m]
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise ValueError(
+            "data must be a Sampler or an indexable sequence of rounds (leaves [M, H, ...]), "
+            f"got {type(data).__name__}"
+        )
+    lead = (num_workers, inner_steps)
+
+    @functools.lru_cache(maxsize=4)
+    def round_of(job):
+        if job >= len(data):
+            raise ValueError(f"data has {len(data)} rounds; a learner reached round {job + 1}")
+        batch = data[job]
+        for leaf in jax.tree.leaves(batch):
+            if tuple(np.shape(leaf))[:2] != lead:
+                raise ValueError(
+                    f"data round {job}: every leaf must have leading dims [num_workers, "
+                    f"inner_steps] = {lead}, got shape {np.shape(leaf)}"
+                )
+        return jax.tree.map(np.asarray, batch)
+
+    return lambda job, m, h: jax.device_put(
+        jax.tree.map(lambda x: x[m, h : h + 1], round_of(job)), device
+    )

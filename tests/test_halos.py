@@ -1,0 +1,218 @@
+"""HALoS (`train_async(..., server=dj.HALoS(...))`): a local parameter server per region under
+a global one. Checked against a NumPy event simulation written here from the authors'
+simulator's update order (Adam inner steps, local Nesterov, global heavy-ball, the merge
+with weight α, latencies per hop), its degenerate case (one region is asynchronous DiLoCo),
+times by hand, and its refusals."""
+
+import heapq
+
+import numpy as np
+import optax
+import pytest
+from reference import linear_loss, make_data, np_adam, precision
+
+import diloco_jax as dj
+
+INNER_LR, LOCAL_LR, LOCAL_MOMENTUM, GLOBAL_LR, GLOBAL_MOMENTUM = 0.05, 0.6, 0.5, 0.8, 0.4
+W0, B0 = [0.3, -0.2, 0.1], 0.5
+
+
+def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop, updates):
+    """float64 HALoS on the linear model [w0, w1, w2, b]: events in time order (server
+    messages, then worker arrivals, then replies at one instant; ties by worker or region).
+    Returns (θ_G, [(time, worker, staleness, global updates, loss)])."""
+    start_theta = np.array([*W0, B0], np.float64)
+    glob = {"theta": start_theta.copy(), "v": np.zeros(4), "version": 0}
+    local = [
+        {"theta": start_theta.copy(), "v": np.zeros(4), "version": 0,
+         "snap": start_theta.copy(), "merged": 0, "flight": False}
+        for _ in range(max(regions) + 1)
+    ]  # fmt: skip
+    adam = [(np.zeros(4), np.zeros(4), 0) for _ in seconds]
+    jobs = [0] * len(seconds)
+    queue, count = [], [0]
+
+    def post(time, kind, who, payload):
+        count[0] += 1
+        heapq.heappush(queue, (time, kind, who, count[0], payload))
+
+    def start(m, at):
+        lps = local[regions[m]]
+        p = lps["theta"].copy()
+        mo, ve, t = adam[m]
+        losses = []
+        for i in range(h):
+            x = rounds[jobs[m]]["x"][m, i].astype(np.float64)
+            y = rounds[jobs[m]]["y"][m, i].astype(np.float64)
+            err = x @ p[:3] + p[3] - y
+            losses.append(0.5 * np.mean(err**2))
+            t += 1
+            upd, mo, ve = np_adam(np.append(x.T @ err / len(err), err.mean()), mo, ve, t,
+                                  INNER_LR)  # fmt: skip
+            p = p + upd
+        adam[m] = (mo, ve, t)
+        jobs[m] += 1
+        post(at + h * seconds[m] + worker_hop, 1, m,
+             (lps["theta"] - p, lps["version"], np.mean(losses)))  # fmt: skip
+
+    def serve(time, payload):
+        what, r, value = payload
+        if what == "push":
+            glob["v"] = value + GLOBAL_MOMENTUM * glob["v"]
+            glob["theta"] = glob["theta"] - GLOBAL_LR * glob["v"]
+            glob["version"] += 1
+            post(time + region_hop[r], 0, r, ("reply", r, glob["theta"].copy()))
+        else:
+            lps = local[r]
+            lps["theta"] = (1 - alpha) * lps["theta"] + alpha * value
+            lps["snap"], lps["merged"], lps["flight"] = lps["theta"].copy(), lps["version"], False
+
+    for m in range(len(seconds)):
+        start(m, worker_hop)
+    out = []
+    while len(out) < updates:
+        time, kind, who, _, payload = heapq.heappop(queue)
+        if kind == 0:
+            serve(time, payload)
+        elif kind == 2:
+            start(who, time + worker_hop)
+        else:
+            delta, started, loss = payload
+            r = regions[who]
+            lps = local[r]
+            lps["v"] = delta + LOCAL_MOMENTUM * lps["v"]
+            lps["theta"] = lps["theta"] - LOCAL_LR * (delta + LOCAL_MOMENTUM * lps["v"])
+            staleness = lps["version"] - started
+            lps["version"] += 1
+            if not lps["flight"] and lps["version"] == lps["merged"] + k_push:
+                lps["flight"] = True
+                post(time + region_hop[r], 0, r, ("push", r, lps["snap"] - lps["theta"]))
+            post(time, 2, who, None)
+            if len(out) + 1 == updates:
+                while queue and queue[0][:2] <= (time, 0):
+                    item = heapq.heappop(queue)
+                    serve(item[0], item[4])
+            out.append((time, who, staleness, glob["version"], loss))
+    return glob["theta"], out
+
+
+def _params(dtype):
+    return {"w": np.asarray(W0, dtype), "b": dtype(B0)}
+
+
+def _run(rounds, seconds, h, updates, dtype=np.float32, outer=None, **spec):
+    spec.setdefault("global_optimizer", optax.sgd(GLOBAL_LR, momentum=GLOBAL_MOMENTUM))
+    return dj.train_async(
+        linear_loss, _params(dtype), rounds, num_workers=len(seconds), inner_steps=h,
+        num_updates=updates, step_seconds=seconds, inner_optimizer=optax.adam(INNER_LR),
+        outer_optimizer=outer or optax.sgd(LOCAL_LR, momentum=LOCAL_MOMENTUM, nesterov=True),
+        server=dj.HALoS(**spec),
+    )  # fmt: skip
+
+
+CASES = [
+    # seconds, regions, K, alpha, worker hop, region hops
+    ((1.0, 1.5, 2.0, 3.0), (0, 0, 1, 1), 2, 0.25, 0.1, (0.3, 1.7)),
+    ((1.0, 1.0, 2.5, 0.5), (0, 1, 1, 0), 1, 0.5, 0.0, (0.0, 2.0)),
+    ((1.0, 2.0, 3.0), (0, 1, 2), 3, 1.0, 0.25, (0.5, 0.5, 4.0)),
+]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("float64", 1e-12), ("float32", 3e-5)])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_numpy_reference(case, dtype, tol):
+    seconds, regions, k_push, alpha, worker_hop, region_hops = case
+    updates, h = 14, 2
+    rounds = make_data(np.random.default_rng(7), 20, len(seconds), h)
+    want, events = _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop,
+                             region_hops, updates)  # fmt: skip
+    with precision(dtype):
+        result = _run(rounds, seconds, h, updates, np.dtype(dtype).type, regions=regions,
+                      local_updates=k_push, merge_weight=alpha, worker_seconds=worker_hop,
+                      region_seconds=region_hops)  # fmt: skip
+        got = np.append(np.asarray(result.params["w"]), result.params["b"])
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    hist = result.history
+    assert [(x["time"], x["worker"], x["staleness"], x["global_updates"]) for x in hist] == [
+        e[:4] for e in events
+    ]
+    np.testing.assert_allclose(
+        [x["loss"] for x in hist], [e[4] for e in events], rtol=max(tol, 3e-6)
+    )
+    assert [x["region"] for x in hist] == [regions[e[1]] for e in events]
+
+
+def test_one_region_is_asynchronous_diloco_with_the_local_rule():
+    # K = 1, α = 1, no latency, a global SGD(1.0): θ_G = θ_L after every update.
+    seconds, h, updates = (1.0, 2.0, 3.0), 2, 11
+    rounds = make_data(np.random.default_rng(8), 8, 3, h)
+    outer = dj.delayed_nesterov(0.6, 0.5, buffer_size=2)
+    with precision("float64"):
+        halos = _run(
+            rounds,
+            seconds,
+            h,
+            updates,
+            np.float64,
+            outer=outer,
+            regions=(0, 0, 0),
+            local_updates=1,
+            merge_weight=1.0,
+            global_optimizer=optax.sgd(1.0),
+        )
+        plain = dj.train_async(
+            linear_loss, _params(np.float64), rounds, num_workers=3, inner_steps=h,
+            num_updates=updates, step_seconds=seconds, inner_optimizer=optax.adam(INNER_LR),
+            outer_optimizer=outer,
+        )  # fmt: skip
+    for name in ("w", "b"):
+        np.testing.assert_allclose(halos.params[name], plain.params[name], rtol=1e-12, atol=1e-14)
+    keys = ("time", "worker", "staleness", "steps", "total_steps", "loss", "worker_bytes")
+    assert [{k: x[k] for k in keys} for x in halos.history] == [
+        {k: x[k] for k in keys} for x in plain.history
+    ]
+
+
+def test_times_and_bytes_by_hand():
+    # Two regions of one worker each, step 1 s, H = 2, a 0.5 s worker hop: worker 0 starts at
+    # 0.5, arrives at its LPS at 3.0, restarts at 3.5, arrives at 6.0; worker 1 (3 s steps)
+    # arrives at 0.5 + 6 + 0.5 = 7.0. With K = 1 each arrival pushes |θ| = 16 B to the GPS.
+    rounds = make_data(np.random.default_rng(9), 4, 2, 2)
+    result = _run(rounds, (1.0, 3.0), 2, 3, regions=(0, 1), local_updates=1,
+                  worker_seconds=0.5, region_seconds=(1.0, 2.0))  # fmt: skip
+    hist = result.history
+    assert [(x["time"], x["worker"]) for x in hist] == [(3.0, 0), (6.0, 0), (7.0, 1)]
+    # The GPS applies region 0's first push at 4.0; its second (sent at 6.0, after the reply
+    # reached the LPS at 5.0) at 7.0, before worker 1's arrival at that instant.
+    assert [x["global_updates"] for x in hist] == [0, 1, 2]
+    assert hist[-1]["region_bytes"] == [32, 16]
+    assert hist[-1]["worker_bytes"] == [32, 16]
+    # Busy: worker 0 computes [0.5, 2.5], [3.5, 5.5], [6.5, 7]; worker 1 [0.5, 6.5].
+    assert result.utilization == pytest.approx((2 + 2 + 0.5 + 6) / (2 * 7.0))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"regions": (0, 2)}, "HALoS.regions"),
+        ({"regions": [0, 1]}, "HALoS.regions"),
+        ({"regions": (0, 1), "local_updates": 0}, "HALoS.local_updates"),
+        ({"regions": (0, 1), "merge_weight": 1.5}, "HALoS.merge_weight"),
+        ({"regions": (0, 1), "worker_seconds": -1.0}, "HALoS.worker_seconds"),
+        ({"regions": (0, 1), "region_seconds": (1.0,)}, "HALoS.region_seconds"),
+        ({"regions": (0, 1), "region_seconds": float("nan")}, "HALoS.region_seconds"),
+        ({"regions": (0, 1), "global_optimizer": "adam"}, "HALoS.global_optimizer"),
+    ],
+)
+def test_bad_fields_name_themselves(spec, message):
+    with pytest.raises(ValueError, match=message):
+        dj.HALoS(**spec)
+
+
+def test_regions_must_cover_every_worker():
+    rounds = make_data(np.random.default_rng(0), 4, 3, 2)
+    with pytest.raises(ValueError, match="num_workers = 3 regions"):
+        _run(rounds, (1.0, 1.0, 1.0), 2, 2, regions=(0, 1))
+    with pytest.raises(ValueError, match="server must be None"):
+        dj.train_async(linear_loss, _params(np.float32), rounds, num_workers=3, inner_steps=2,
+                       num_updates=2, step_seconds=(1.0,) * 3, server="halos")  # fmt: skip
