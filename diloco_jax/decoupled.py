@@ -342,12 +342,12 @@ def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
         for i, v in zip(members[p], new, strict=True):
             theta[i] = v
         for m in range(m_count):  # each learner overwrites p at its next step boundary
-            boundary = _steps_by(sync.time, seconds[m])
+            boundary = steps_by(sync.time, seconds[m])
             if boundary * seconds[m] < sync.time:
                 boundary += 1
             learners[m].inbox.append((boundary, p, list(new)))
         late = m_count - len(sync.merged)
-        steps_now = sum(_steps_by(sync.time, s) for s in seconds)
+        steps_now = sum(steps_by(sync.time, s) for s in seconds)
         late_total += late
         sent = [
             sum(
@@ -396,7 +396,7 @@ def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
     return AsyncResult(params, state, history, elapsed, 1.0 if syncs else 0.0)
 
 
-def _steps_by(time: float, seconds: float) -> int:
+def steps_by(time: float, seconds: float) -> int:
     """Inner steps a learner of `seconds` per step has completed at `time` (step j ends at
     j x seconds, computed as the schedule computes it)."""
     j = math.floor(time / seconds)

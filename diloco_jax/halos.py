@@ -96,6 +96,19 @@ class HALoS:
         hops = self.region_seconds
         return float(hops[region] if isinstance(hops, tuple) else hops)
 
+    def arrivals(self, step_seconds, steps, count: int) -> tuple[tuple[float, int], ...]:
+        """The first `count` (time, worker) arrivals the LPSs apply, in order, for jobs of
+        `steps` (one count per worker): they depend on the step times and the worker hop
+        only (a worker restarts `worker_seconds` after its arrival, whatever the servers
+        do), so they are known before training, e.g. to size a run."""
+        hop = float(self.worker_seconds)
+        ends = [
+            (hop + k * (n * s + 2 * hop) + n * s + hop, m)
+            for m, (s, n) in enumerate(zip(step_seconds, steps, strict=True))
+            for k in range(count)
+        ]
+        return tuple(sorted(ends)[:count])
+
     def train(self, run: Any) -> Any:
         return _train(self, run)
 

@@ -19,6 +19,10 @@ Methods (each with its paper's own knobs where they differ from DiLoCo's):
   with that outer rule, the all-reduce it replaces;
 - async_dn_dylu: asynchronous DiLoCo with Delayed Nesterov and dynamic local updates (Liu et
   al. 2024) at the paper's step times, to DiLoCo's total inner steps;
+- decoupled: Decoupled DiLoCo (Douillard et al. 2026): learners that never wait, a syncer
+  merging the first 2 pushes and those within a grace window of H x 0.5 s, token-weighted;
+- halos: HALoS (Kim et al. 2025): two regions of two workers, each a local server (Delayed
+  Nesterov, N = 2, DyLU) pushing to the global one (the authors' rule) every 2 updates;
 - sync_1worker, sync_data_parallel: the baselines.
 
 Utilization: netsim's t_round = H t_step + latency + 8 x wire bytes / bandwidth (eager: the
@@ -26,6 +30,10 @@ max of the two), from the measured step time of one worker and each run's wire b
 sync (the synchronous methods' workers run at equal speed); async: per job of its mean
 length, times the utilization of its own simulated clock (its workers run at the paper's
 unequal step times, which it is built for).
+
+Stragglers: every run's simulated seconds at those step times (0.58, 0.75, 1.51, 3.33 s per
+inner step): a synchronous round waits for the slowest worker (R x H x 3.33 s; per step for
+data parallel), the asynchronous runs report their own clock.
 
 Writes results/family.md, results/family.json and results/family.png.
 """
@@ -38,6 +46,7 @@ from typing import Any
 
 from sweep import RESULTS, plot_eval_loss  # sets matplotlib's Agg backend
 
+import diloco_jax as dj
 from diloco_jax import netsim
 from diloco_jax.lm import compare, experiment
 from diloco_jax.lm.config import make_config
@@ -81,9 +90,36 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
                 "step_seconds": STEP_SECONDS,
             },
         ),
+        "decoupled": ("async", {"step_seconds": STEP_SECONDS}),
+        "halos": (
+            "async",
+            {
+                "outer_optimizer": "delayed_nesterov",
+                "dn_buffer": 2,
+                "dynamic_steps": True,
+                "step_seconds": STEP_SECONDS,
+            },
+        ),
         "sync_1worker": ("sync", {}),
         "sync_data_parallel": ("sync", {}),
     }
+
+
+def servers(base) -> dict[str, object]:
+    """label -> the `train_async` server of the runs that have one."""
+    return {
+        "decoupled": dj.DecoupledDiLoCo(quorum=2, grace_seconds=base.inner_steps * 0.5),
+        "halos": dj.HALoS(regions=(0, 0, 1, 1), local_updates=2),
+    }
+
+
+def straggler_seconds(label: str, summary: dict, base) -> float | None:
+    """Simulated seconds of the run at STEP_SECONDS (None for the one-worker baseline)."""
+    if summary["algo"] == "async":
+        return summary["simulated_seconds"]
+    if label == "sync_1worker":
+        return None
+    return base.rounds * base.inner_steps * max(STEP_SECONDS)
 
 
 def utilization(label: str, summary: dict, history: list, base, step_seconds: float) -> dict:
@@ -117,6 +153,7 @@ def main() -> None:
     corpus = experiment.load_corpus(base)
     params, _ = experiment.pretrain(base, corpus)
     summaries, histories, clip = {}, {}, None
+    server_of = servers(base)
     for label, (algo, overrides) in runs(base).items():
         if label == "edit_clip":  # clip at the median outer-gradient norm DiLoCo saw
             clip = statistics.median(h["outer_grad_norm"] for h in histories["diloco"])
@@ -124,7 +161,7 @@ def main() -> None:
         cfg = make_config(args.preset, workers=len(STEP_SECONDS), **overrides)
         workers = 1 if label == "sync_1worker" else cfg.workers
         summaries[label], histories[label] = experiment.run(
-            cfg, corpus, algo, workers, name=label, params=params
+            cfg, corpus, algo, workers, name=label, params=params, server=server_of.get(label)
         )
         print(f"{label}: eval loss {summaries[label]['final_eval_loss']:.4f}", flush=True)
     step_seconds = compare.step_seconds(histories["sync_1worker"])
@@ -132,6 +169,7 @@ def main() -> None:
         summary["utilization_at"] = utilization(
             label, summary, histories[label], base, step_seconds
         )
+        summary["straggler_seconds"] = straggler_seconds(label, summary, base)
     table = _table(base, summaries, step_seconds)
     (out / "family.md").write_text(table)
     curves = {  # what the figure draws, so it can be redrawn from this file
@@ -160,14 +198,16 @@ def _table(base, summaries: dict[str, dict], step_seconds: float) -> str:
         "",
         "| run | inner / outer | deltas sent as | wire bytes / worker | eval loss | "
         + " | ".join(f"utilization at {b}" for b in BANDWIDTHS)
-        + " |",
-        "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in BANDWIDTHS) + " |",
+        + " | simulated seconds with stragglers |",
+        "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in BANDWIDTHS) + " | ---: |",
     ]
     for label, s in summaries.items():
         util = " | ".join(f"{s['utilization_at'][b]:.0%}" for b in BANDWIDTHS)
+        straggler = s["straggler_seconds"]
+        straggler = "-" if straggler is None else f"{straggler:,.0f}"
         lines.append(
             f"| {label} | {s.get('inner', 'adamw')} / {s['outer']} | {s['compression']} | "
-            f"{s['wire_bytes']:,} | {s['final_eval_loss']:.4f} | {util} |"
+            f"{s['wire_bytes']:,} | {s['final_eval_loss']:.4f} | {util} | {straggler} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -216,3 +216,39 @@ def test_regions_must_cover_every_worker():
     with pytest.raises(ValueError, match="server must be None"):
         dj.train_async(linear_loss, _params(np.float32), rounds, num_workers=3, inner_steps=2,
                        num_updates=2, step_seconds=(1.0,) * 3, server="halos")  # fmt: skip
+
+
+def test_arrivals_are_known_before_training():
+    seconds, h = (1.0, 1.5, 4.0, 0.5), 2
+    rounds = make_data(np.random.default_rng(10), 30, 4, h)
+    spec = {"regions": (0, 1, 1, 0), "local_updates": 2, "worker_seconds": 0.25,
+            "region_seconds": (0.5, 1.0)}  # fmt: skip
+    result = _run(rounds, seconds, h, 12, **spec)
+    want = dj.HALoS(**spec).arrivals(seconds, (h,) * 4, 12)
+    assert [(x["time"], x["worker"]) for x in result.history] == list(want)
+
+
+@pytest.mark.parametrize(
+    "server",
+    [None, dj.HALoS(regions=(0, 0, 1)), dj.DecoupledDiLoCo(quorum=2, grace_seconds=1.0)],
+)
+def test_an_lm_async_run_is_sized_to_the_inner_step_budget(server):
+    from diloco_jax.decoupled import steps_by
+    from diloco_jax.lm import experiment
+    from diloco_jax.lm.config import make_config
+
+    seconds = (0.5, 1.0, 2.5)
+    cfg = make_config("quick", workers=3, inner_steps=4, rounds=5, step_seconds=seconds)
+    budget = 3 * cfg.total_steps
+    count = experiment._updates_for(cfg, seconds, budget, server)
+    if isinstance(server, dj.DecoupledDiLoCo):
+        syncs = server.schedule(seconds, 4, count)
+        done = [sum(steps_by(s.time, x) for x in seconds) for s in syncs]
+    else:
+        ends = (
+            dj.async_schedule(seconds, 4, count).events
+            if server is None
+            else server.arrivals(seconds, (4,) * 3, count)
+        )
+        done = np.cumsum([4] * len(ends))
+    assert done[-1] >= budget > done[-2]

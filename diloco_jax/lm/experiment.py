@@ -14,7 +14,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from diloco_jax import limits
-from diloco_jax.async_train import async_schedule, train_async
+from diloco_jax.async_train import async_schedule, dynamic_local_steps, train_async
+from diloco_jax.decoupled import DecoupledDiLoCo, steps_by
+from diloco_jax.halos import HALoS
 from diloco_jax.lm import data as data_lib
 from diloco_jax.lm import mfu as mfu_lib
 from diloco_jax.lm import model as model_lib
@@ -304,7 +306,7 @@ def _recorder(
     peak = peak_flops(cfg, num_workers)
 
     def record(entry: Record) -> None:
-        steps = entry["steps"]
+        steps = entry.get("steps")  # Decoupled DiLoCo's syncs have total_steps only
         if "total_steps" in entry:  # async: jobs differ in length; the mean over workers
             steps = entry["steps_per_worker"] = entry["total_steps"] / num_workers
         entry.update(
@@ -341,6 +343,7 @@ def run(
     checkpoint_every: int = 1,
     eval_every: int = 1,
     checkpoint_fingerprint: dict[str, Any] | None = None,
+    server: Any = None,
 ) -> tuple[Record, list[Record]]:
     """Trains one run from `params` (default: a fresh init) and returns (summary, history).
 
@@ -352,7 +355,9 @@ def run(
     algo "async": asynchronous DiLoCo (`train_async`) on the simulated clock of
     cfg.step_seconds (cfg.dynamic_steps: DyLU), each arriving delta applied with the outer
     optimizer, for as many server updates as it takes to match DiLoCo's total inner steps
-    (M x H x R summed over workers: equal compute and tokens), evaluated every M updates.
+    (M x H x R summed over workers: equal compute and tokens), evaluated every M updates;
+    `server` (a script's option, not the CLI's) is `train_async`'s: `dj.DecoupledDiLoCo`
+    (as many syncs as it takes for the learners' steps to reach that total) or `dj.HALoS`.
     Every history entry gets "run", "workers", "tokens_per_worker", "wall_seconds", the train
     metrics of `init_model`'s loss ("accuracy" beside "loss"; "worker_accuracy" too, except
     for async) and, where evaluated, "eval_loss". The summary's throughput fields cover the
@@ -411,7 +416,9 @@ def run(
         )
     elif algo == "async":
         mesh = mesh_options(cfg, model_cfg, params, num_workers)
-        result, seconds = _run_async(cfg, loss_fn, params, sampler, num_workers, common, mesh)
+        result, seconds = _run_async(
+            cfg, loss_fn, params, sampler, num_workers, common, mesh, server
+        )
     else:
         raise ConfigError(f"algo must be one of 'diloco', 'sync', 'async', got {algo!r}")
     history = result.history
@@ -425,7 +432,9 @@ def run(
         "inner": cfg.inner_optimizer,
         "sharding": cfg.sharding if num_workers > 1 else "-",
         "compression": {"diloco": cfg.compression, "async": "none"}.get(algo, "-"),
-        "steps_per_worker": last.get("steps_per_worker", last["steps"]),
+        "steps_per_worker": last["steps_per_worker"]
+        if "steps_per_worker" in last
+        else last["steps"],
         "communication_rounds": {"diloco": cfg.rounds, "async": len(history)}.get(
             algo, cfg.total_steps if num_workers > 1 else 0
         ),
@@ -445,9 +454,10 @@ def run(
     summary.update(throughput(cfg, model_cfg, num_workers, summary))
     if algo == "async":
         summary.update(
+            server="one" if server is None else repr(server),
             step_seconds=list(seconds),
             dynamic_steps=cfg.dynamic_steps,
-            job_steps=sorted({h["steps"] for h in history}, reverse=True),
+            job_steps=sorted({h["steps"] for h in history if "steps" in h}, reverse=True),
             simulated_seconds=result.elapsed_seconds,
             utilization=result.utilization,
         )
@@ -455,24 +465,22 @@ def run(
 
 
 def _run_async(
-    cfg: RunConfig, loss_fn, params, sampler, num_workers: int, common: dict, mesh: dict
-):
+    cfg: RunConfig, loss_fn, params, sampler, num_workers: int, common: dict, mesh: dict,
+    server: Any = None,
+):  # fmt: skip
     """train_async for as many updates as it takes to reach DiLoCo's M x H x R inner steps
-    (summed over workers), with `mesh` (`mesh_options`). Returns (result, step_seconds)."""
+    (summed over workers), with `mesh` (`mesh_options`) and `server`. Returns (result,
+    step_seconds)."""
     seconds = cfg.step_seconds or (1.0,) * num_workers
     if len(seconds) != num_workers:
         raise ConfigError(f"step_seconds must hold {num_workers} numbers, got {seconds!r}")
     if cfg.backend not in ("auto", "vmap"):
         raise ConfigError(f"algo 'async' runs on backend auto or vmap, got {cfg.backend!r}")
     budget = num_workers * cfg.total_steps
-    # Every job takes >= 1 step, so `budget` updates always reach the budget.
-    events = async_schedule(
-        seconds, cfg.inner_steps, budget, dynamic_steps=cfg.dynamic_steps
-    ).events
-    done, num_updates = 0, 0
-    while done < budget:
-        done += events[num_updates].steps
-        num_updates += 1
+    num_updates = _updates_for(cfg, seconds, budget, server)
+    extra = {} if server is None else {"server": server}
+    if server is not None:
+        common = {**common, "checkpoint_dir": None}
     result = train_async(
         loss_fn,
         params,
@@ -492,8 +500,39 @@ def _run_async(
         has_aux=common["has_aux"],
         **_fingerprint_option(common.get("checkpoint_fingerprint")),
         **mesh,
+        **extra,
     )
     return result, seconds
+
+
+def _updates_for(cfg: RunConfig, seconds, budget: int, server: Any) -> int:
+    """The server updates after which the workers have run `budget` inner steps in all: jobs
+    applied (one server, HALoS), or syncs by whose time the learners have (Decoupled)."""
+    steps = (
+        dynamic_local_steps(seconds, cfg.inner_steps)
+        if cfg.dynamic_steps
+        else (cfg.inner_steps,) * len(seconds)
+    )
+    if isinstance(server, DecoupledDiLoCo):
+        # The learners reach `budget` steps by t = budget / sum(1 / s); each fragment syncs
+        # no sooner than every H steps of the fastest learner.
+        until = budget / sum(1 / s for s in seconds)
+        count = server.fragments * (math.ceil(until / (cfg.inner_steps * min(seconds))) + 2)
+        for u, sync in enumerate(server.schedule(seconds, cfg.inner_steps, count)):
+            if sum(steps_by(sync.time, s) for s in seconds) >= budget:
+                return u + 1
+        return count
+    if isinstance(server, HALoS):
+        ends = server.arrivals(seconds, steps, budget)
+    else:  # every job takes >= 1 step, so `budget` updates always reach the budget
+        ends = [(e.time, e.worker) for e in async_schedule(
+            seconds, cfg.inner_steps, budget, dynamic_steps=cfg.dynamic_steps).events]  # fmt: skip
+    done = 0
+    for u, (_, worker) in enumerate(ends):
+        done += steps[worker]
+        if done >= budget:
+            return u + 1
+    return len(ends)
 
 
 def _fingerprint_option(fingerprint: dict[str, Any] | None) -> dict[str, Any]:
