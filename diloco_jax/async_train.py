@@ -314,14 +314,6 @@ def train_async(
     outer_optimizer = checked_optimizer("outer_optimizer", method.outer, default_outer_optimizer)
     where = _where(backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params,
                    num_workers)  # fmt: skip
-    if server is not None:
-        return _other_server(
-            server,
-            AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
-                     dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
-                     eval_every, callback, getattr(where, "device", None)),
-            mesh=mesh, checkpoint_dir=checkpoint_dir, grace_seconds=grace_seconds,
-        )  # fmt: skip
     # Every worker's inner state (and, in a checkpoint, its job's start) on these devices.
     per_worker = limits.nbytes(params) + limits.nbytes(jax.eval_shape(inner_optimizer.init, params))
     on = (
@@ -330,6 +322,14 @@ def train_async(
         else [d for m in where.meshes for d in m.devices.flat]
     )
     limits.check_fits(f"num_workers={num_workers}", num_workers * per_worker, on)
+    if server is not None:
+        return _other_server(
+            server,
+            AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
+                     dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
+                     eval_every, callback, getattr(where, "device", None)),
+            mesh=mesh, checkpoint_dir=checkpoint_dir, grace_seconds=grace_seconds,
+        )  # fmt: skip
     ckpt = checkpoints(
         checkpoint_dir,
         checkpoint_every,
@@ -659,6 +659,8 @@ def _job_data(
     lead = (num_workers, inner_steps)
 
     def of(e: AsyncEvent) -> Any:
+        if e.job >= len(data):  # a schedule not known up front (HALoS) runs out here
+            raise ValueError(f"data has {len(data)} rounds; worker {e.worker} reached job {e.job}")
         batch = data[e.job]
         leaves = jax.tree.leaves(batch)
         if not leaves:

@@ -19,6 +19,8 @@ stops):
 - every learner overwrites fragment p with the new Theta_p at its first step boundary at or
   after T (after its push at that boundary, if any) and resets its counters of p.
 
+A learner's steps are computed when a merged push needs them, so steps whose pushes all came
+late at the end of a run are never computed (its inner state in the result stops there).
 K = M, no grace and equal speeds and tokens is synchronous DiLoCo (one fragment) or
 Streaming DiLoCo with tau = 0 and alpha = 0 (P fragments). The syncer's broadcasts are not
 counted as bytes; every push is (late ones too: they were sent).

@@ -252,3 +252,9 @@ def test_an_lm_async_run_is_sized_to_the_inner_step_budget(server):
         )
         done = np.cumsum([4] * len(ends))
     assert done[-1] >= budget > done[-2]
+
+
+def test_too_few_rounds_name_data():
+    rounds = make_data(np.random.default_rng(0), 2, 2, 2)
+    with pytest.raises(ValueError, match="data has 2 rounds"):
+        _run(rounds, (1.0, 4.0), 2, 6, regions=(0, 1))
