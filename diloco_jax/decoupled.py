@@ -107,8 +107,9 @@ class DecoupledDiLoCo:
             for t in tokens:
                 check_number("DecoupledDiLoCo.tokens_per_step", t, lambda x: x > 0, "> 0")
 
-    def checked(self, num_workers: int, inner_steps: int, params: Any) -> None:
-        """ValueError naming the field that doesn't fit the run (M, H, the params)."""
+    def checked(self, num_workers: int, inner_steps: int, params: Any = None) -> None:
+        """ValueError naming the field that doesn't fit the run (M, H, the params; None
+        leaves the params' leaf count unchecked, e.g. before they exist)."""
         if self.quorum > num_workers:
             raise ValueError(
                 f"DecoupledDiLoCo.quorum must be at most num_workers = {num_workers}, got "
@@ -119,7 +120,8 @@ class DecoupledDiLoCo:
                 f"DecoupledDiLoCo.tokens_per_step must hold num_workers = {num_workers} numbers, "
                 f"got {len(self.tokens_per_step)}"
             )
-        fragment_of(params, self.fragments)
+        if params is not None:
+            fragment_of(params, self.fragments)
         if inner_steps % self.fragments:
             raise ValueError(
                 f"inner_steps = {inner_steps} must be a multiple of DecoupledDiLoCo.fragments = "

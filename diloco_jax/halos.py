@@ -96,6 +96,14 @@ class HALoS:
         hops = self.region_seconds
         return float(hops[region] if isinstance(hops, tuple) else hops)
 
+    def checked(self, num_workers: int, inner_steps: int = 1, params: Any = None) -> None:
+        """ValueError naming the field that doesn't fit the run (M: one region each)."""
+        if len(self.regions) != num_workers:
+            raise ValueError(
+                f"HALoS.regions must hold num_workers = {num_workers} regions, got "
+                f"{len(self.regions)}"
+            )
+
     def arrivals(self, step_seconds, steps, count: int) -> tuple[tuple[float, int], ...]:
         """The first `count` (time, worker) arrivals the LPSs apply, in order, for jobs of
         `steps` (one count per worker): they depend on the step times and the worker hop
@@ -126,10 +134,7 @@ def _train(spec: HALoS, run: Any) -> Any:
     from diloco_jax.async_placement import OneDevice
 
     m_count = run.num_workers
-    if len(spec.regions) != m_count:
-        raise ValueError(
-            f"HALoS.regions must hold num_workers = {m_count} regions, got {len(spec.regions)}"
-        )
+    spec.checked(m_count)
     seconds = run.step_seconds
     steps = (
         async_train.dynamic_local_steps(seconds, run.inner_steps)

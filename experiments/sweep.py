@@ -83,17 +83,19 @@ def plot_eval_loss(
     path: Path,
     figsize: tuple[float, float] = (6, 4),
     legend_fontsize: float = 8,
+    x: str = "tokens_per_worker",
+    xlabel: str = "tokens per worker",
 ) -> None:
-    """Eval loss against tokens per worker, one line per run (sync baselines dashed), each
-    run its own colour (matplotlib's tab10, tab20 past ten runs), the legend beside the axes
-    where it hides no point."""
+    """Eval loss against each entry's `x` (tokens per worker), one line per run (sync
+    baselines dashed), each run its own colour (matplotlib's tab10, tab20 past ten runs), the
+    legend beside the axes where it hides no point."""
     fig, ax = plt.subplots(figsize=figsize, dpi=120, layout="constrained")
     palette = plt.get_cmap("tab10" if len(histories) <= 10 else "tab20")
     for i, (label, history) in enumerate(histories.items()):
-        points = [(h["tokens_per_worker"], h["eval_loss"]) for h in history if "eval_loss" in h]
+        points = [(h[x], h["eval_loss"]) for h in history if "eval_loss" in h]
         style = "--" if label.startswith("sync") else "-"
         ax.plot(*zip(*points, strict=True), style, marker="o", ms=2, color=palette(i), label=label)
-    ax.set_xlabel("tokens per worker")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("eval loss (nats / byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

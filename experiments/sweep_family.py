@@ -19,6 +19,8 @@ Methods (each with its paper's own knobs where they differ from DiLoCo's):
   with that outer rule, the all-reduce it replaces;
 - async_dn_dylu: asynchronous DiLoCo with Delayed Nesterov and dynamic local updates (Liu et
   al. 2024) at the paper's step times, to DiLoCo's total inner steps;
+- async_cgad: the same with CGAD at the server (Shah and Sun 2026: Adam on each delta gated
+  by its staleness, decay 0.1, cutoff 8), and async_adam, the same Adam ungated;
 - decoupled: Decoupled DiLoCo (Douillard et al. 2026): learners that never wait, a syncer
   merging the first 2 pushes and those within a grace window of H x 0.5 s, token-weighted;
 - halos: HALoS (Kim et al. 2025): two regions of two workers, each a local server (Delayed
@@ -39,6 +41,7 @@ Writes results/family.md, results/family.json and results/family.png.
 """
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -46,7 +49,6 @@ from typing import Any
 
 from sweep import RESULTS, plot_eval_loss  # sets matplotlib's Agg backend
 
-import diloco_jax as dj
 from diloco_jax import netsim
 from diloco_jax.lm import compare, experiment
 from diloco_jax.lm.config import make_config
@@ -54,6 +56,10 @@ from diloco_jax.lm.config import make_config
 STEP_SECONDS = (0.58, 0.75, 1.51, 3.33)
 BANDWIDTHS = {"1 Gbit/s": 1e9, "100 Mbit/s": 100e6}
 HEAVY_BALL = {"outer_optimizer": "heavy_ball", "outer_momentum": 0.5}  # NoLoCo's outer rule
+# CGAD's outer lr: the best of 1e-4, 3e-4, 1e-3, 3e-3 and 1e-2 in single runs of its row (the
+# paper's settings are not public); plain Adam gets the same for the comparison.
+CGAD_LR = 3e-4
+ASYNC_DYLU = {"dynamic_steps": True, "step_seconds": STEP_SECONDS}
 
 
 def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -82,59 +88,51 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
         "eager": ("diloco", {"outer_delay": 1, "eager": True}),
         "diloco_heavy_ball": ("diloco", HEAVY_BALL),
         "noloco": ("diloco", {"gossip_group_size": 2, **HEAVY_BALL}),
-        "async_dn_dylu": (
+        "async_dn_dylu": ("async", {"outer_optimizer": "delayed_nesterov"} | ASYNC_DYLU),
+        "async_cgad": (
+            "async",
+            {"outer_optimizer": "cgad", "outer_lr": CGAD_LR, "age_decay": 0.1, "age_cutoff": 8}
+            | ASYNC_DYLU,
+        ),
+        "async_adam": ("async", {"outer_optimizer": "adam", "outer_lr": CGAD_LR} | ASYNC_DYLU),
+        "decoupled": (
             "async",
             {
-                "outer_optimizer": "delayed_nesterov",
-                "dynamic_steps": True,
+                "server": f"decoupled,quorum=2,grace_seconds={h * 0.5:g}",
                 "step_seconds": STEP_SECONDS,
             },
         ),
-        "decoupled": ("async", {"step_seconds": STEP_SECONDS}),
         "halos": (
             "async",
             {
+                "server": "halos,regions=0/0/1/1,local_updates=2",
                 "outer_optimizer": "delayed_nesterov",
                 "dn_buffer": 2,
-                "dynamic_steps": True,
-                "step_seconds": STEP_SECONDS,
-            },
+            }
+            | ASYNC_DYLU,
         ),
         "sync_1worker": ("sync", {}),
         "sync_data_parallel": ("sync", {}),
     }
 
 
-def servers(base) -> dict[str, object]:
-    """label -> the `train_async` server of the runs that have one."""
-    return {
-        "decoupled": dj.DecoupledDiLoCo(quorum=2, grace_seconds=base.inner_steps * 0.5),
-        "halos": dj.HALoS(regions=(0, 0, 1, 1), local_updates=2),
-    }
-
-
-def straggler_seconds(label: str, summary: dict, base) -> float | None:
-    """Simulated seconds of the run at STEP_SECONDS (None for the one-worker baseline)."""
-    if summary["algo"] == "async":
-        return summary["simulated_seconds"]
-    if label == "sync_1worker":
-        return None
-    return base.rounds * base.inner_steps * max(STEP_SECONDS)
-
-
 def utilization(label: str, summary: dict, history: list, base, step_seconds: float) -> dict:
     """Compute utilization at each of BANDWIDTHS from the run's wire bytes per sync."""
     if label == "sync_1worker":
         return dict.fromkeys(BANDWIDTHS, 1.0)
+    overlap = label == "eager"
     if summary["algo"] == "sync":
         steps, syncs = 1, base.total_steps
-    elif summary["algo"] == "async":
+    elif summary["algo"] == "async" and "steps" in history[0]:  # jobs: one server, HALoS
         steps = statistics.mean(h["steps"] for h in history)
         syncs = len(history) / base.workers  # jobs per worker
+    elif summary["algo"] == "async":  # Decoupled: each learner pushes at every sync
+        syncs = len(history)
+        steps = history[-1]["total_steps"] / base.workers / syncs
+        overlap = True  # its learners compute on while their push travels
     else:
         steps, syncs = base.inner_steps, base.rounds
     wire = summary["wire_bytes"] / syncs
-    overlap = label == "eager"
     out = {}
     for name, bw in BANDWIDTHS.items():
         u = netsim.utilization(step_seconds, steps, wire, bw, overlap=overlap)
@@ -142,38 +140,93 @@ def utilization(label: str, summary: dict, history: list, base, step_seconds: fl
     return out
 
 
+def with_straggler_seconds(label: str, summary: dict, history: list, base) -> list | None:
+    """The history's entries with "straggler_seconds": when each was reached at STEP_SECONDS
+    (async: its own clock; a synchronous step waits for the slowest worker); None for the
+    one-worker baseline."""
+    if label == "sync_1worker":
+        return None
+    tokens_per_step = base.batch_size * base.seq_len
+    return [
+        {
+            **h,
+            "straggler_seconds": h["time"]
+            if summary["algo"] == "async"
+            else h["tokens_per_worker"] / tokens_per_step * max(STEP_SECONDS),
+        }
+        for h in history
+    ]
+
+
+def run_cached(cache: Path | None, label: str, train) -> tuple[dict, list]:
+    """(summary, history) of `train()`, kept as CACHE/LABEL.json when `cache` is given and
+    read back from there on a rerun (the runs are deterministic: a rerun would repeat it)."""
+    path = None if cache is None else cache / f"{label}.json"
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        return saved["summary"], saved["history"]
+    summary, history = train()
+    if path is not None:
+        path.write_text(json.dumps({"summary": summary, "history": history}) + "\n")
+    return summary, history
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--cache",
+        help="a folder keeping each finished run's summary and history; a rerun reads them "
+        "back instead of training again",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    cache = None if args.cache is None else Path(args.cache)
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
     base = make_config(args.preset, workers=len(STEP_SECONDS))
     corpus = experiment.load_corpus(base)
-    params, _ = experiment.pretrain(base, corpus)
+    warm_start = functools.cache(lambda: experiment.pretrain(base, corpus)[0])
     summaries, histories, clip = {}, {}, None
-    server_of = servers(base)
     for label, (algo, overrides) in runs(base).items():
         if label == "edit_clip":  # clip at the median outer-gradient norm DiLoCo saw
             clip = statistics.median(h["outer_grad_norm"] for h in histories["diloco"])
             overrides = {"outer_clip": clip}
         cfg = make_config(args.preset, workers=len(STEP_SECONDS), **overrides)
         workers = 1 if label == "sync_1worker" else cfg.workers
-        summaries[label], histories[label] = experiment.run(
-            cfg, corpus, algo, workers, name=label, params=params, server=server_of.get(label)
+        summaries[label], histories[label] = run_cached(
+            cache,
+            label,
+            lambda cfg=cfg, algo=algo, workers=workers, label=label: experiment.run(
+                cfg,
+                corpus,
+                algo,
+                workers,
+                name=label,
+                params=warm_start(),
+            ),
         )
         print(f"{label}: eval loss {summaries[label]['final_eval_loss']:.4f}", flush=True)
     step_seconds = compare.step_seconds(histories["sync_1worker"])
+    timed = {}
     for label, summary in summaries.items():
         summary["utilization_at"] = utilization(
             label, summary, histories[label], base, step_seconds
         )
-        summary["straggler_seconds"] = straggler_seconds(label, summary, base)
+        timed[label] = with_straggler_seconds(label, summary, histories[label], base)
+        summary["straggler_seconds"] = (
+            None if timed[label] is None else max(h["straggler_seconds"] for h in timed[label])
+        )
     table = _table(base, summaries, step_seconds)
     (out / "family.md").write_text(table)
-    curves = {  # what the figure draws, so it can be redrawn from this file
-        label: [[h["tokens_per_worker"], h["eval_loss"]] for h in history if "eval_loss" in h]
+    curves = {  # what the figures draw, so they can be redrawn from this file
+        label: [
+            [h["tokens_per_worker"], h["eval_loss"], h.get("straggler_seconds")]
+            for h in timed[label] or history
+            if "eval_loss" in h
+        ]
         for label, history in histories.items()
     }
     record = {"step_seconds": step_seconds, "clip": clip, "runs": summaries, "curves": curves}
@@ -184,6 +237,15 @@ def main() -> None:
         out / "family.png",
         figsize=(7, 4.5),
         legend_fontsize=7,
+    )
+    plot_eval_loss(
+        "The DiLoCo family with stragglers",
+        {label: t for label, t in timed.items() if t is not None},
+        out / "family_stragglers.png",
+        figsize=(7, 4.5),
+        legend_fontsize=7,
+        x="straggler_seconds",
+        xlabel="simulated seconds",
     )
     print(table)
 

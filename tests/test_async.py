@@ -501,9 +501,73 @@ def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys):
         (["--algo", "async", "--dn-c", "0.1"], "dn_buffer and dn_c"),
         (["--algo", "async", "--backend", "pmap"], "--backend"),
         (["--algo", "async", "--checkpoint-every", "0"], "--checkpoint-every"),
+        # --server: train_async's other servers, "NAME[,field=value...]", async only.
+        (["--algo", "diloco", "--server", "halos,regions=0/1"], "need --algo async"),
+        (["--algo", "async", "--server", "nope"], "server must start with one of"),
+        (["--algo", "async", "--server", "halos"], "server halos needs regions="),
+        (["--algo", "async", "--server", "halos,regions=0/0/1"], "hold num_workers = 2 regions"),
+        (["--algo", "async", "--server", "halos,regions=0/1,local_updates=0"], "local_updates"),
+        (["--algo", "async", "--server", "decoupled,quorum=3"], "quorum must be at most"),
+        (["--algo", "async", "--server", "decoupled,speed=3"], "takes field=value items"),
+        (["--algo", "async", "--server", "decoupled,quorum=x"], "server field quorum"),
+        (["--algo", "async", "--server", "decoupled,quorum=1,quorum=2"], "'quorum' twice"),
+        (["--algo", "async", "--server", "decoupled", "--dynamic-steps"], "never stop"),
+        (
+            ["--algo", "async", "--server", "decoupled", "--checkpoint-every", "1"],
+            "--server runs without checkpoints",
+        ),
+        (
+            ["--algo", "async", "--server", "halos,regions=0/1", "--mesh", "workers=2"],
+            "runs on one device: it takes no mesh",
+        ),
+        # CGAD / Adam-Decay: their gate's fields, only with them, and an age to gate.
+        (["--outer-optimizer", "cgad", "--age-decay", "0.1", "--age-cutoff", "4"], "is 0 without"),
+        (["--algo", "async", "--outer-optimizer", "cgad", "--age-decay", "0.1"], "age_cutoff"),
+        (["--algo", "async", "--outer-optimizer", "adam_decay"], "needs age_decay"),
+        (["--algo", "async", "--age-decay", "0.1"], "age_decay applies to"),
+        (
+            ["--algo", "async", "--outer-optimizer", "adam_decay", "--age-decay", "-1"],
+            "age_decay must be a finite number >= 0",
+        ),
+        (
+            ["--algo", "async", "--outer-optimizer", "adam_decay", "--age-decay", "1"]
+            + ["--age-cutoff", "3"],
+            "age_cutoff applies to outer_optimizer 'cgad' only",
+        ),
     ],
 )
 def test_cli_async_mistakes_are_one_line_exit_2(argv, message, tmp_path, capsys):
     out = tmp_path / "never"
     argv = ["train", "--preset", "micro", *argv, "--out", str(out)]
     assert_cli_refuses(argv, message, capsys, out)
+
+
+@pytest.mark.parametrize(
+    "server, check",
+    [
+        # HALoS: worker m's arrivals go to its region's LPS, every one pushed (K = 1).
+        ("halos,regions=1/0,local_updates=1", lambda r: r["region"] == 1 - r["worker"]),
+        # Decoupled DiLoCo, K = 1, no grace: the faster learner (1 s a step) alone each sync.
+        ("decoupled,quorum=1", lambda r: r["merged"] == [0] and r["late"] == 1),
+    ],
+)
+def test_cli_async_runs_the_server_it_is_given(server, check, tmp_path):
+    argv, out = _async_cli(tmp_path)
+    assert main([*argv, "--server", server]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert summary["server"] == config["server"] == server
+    runs = _async_records(out)
+    assert runs and all(check(r) for r in runs)
+    assert math.isfinite(summary["final_eval_loss"])
+
+
+def test_cli_async_run_with_cgad_gates_by_staleness(tmp_path):
+    argv, out = _async_cli(tmp_path)
+    argv += ["--outer-optimizer", "cgad", "--age-decay", "0.1", "--age-cutoff", "4"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outer"] == "cgad 0.001 (age decay 0.1, cutoff 4)"
+    # At (1, 2) s per step the slow worker's jobs arrive stale: the gate has ages to read.
+    assert max(r["staleness"] for r in _async_records(out)) >= 1
+    assert math.isfinite(summary["final_eval_loss"])

@@ -165,3 +165,26 @@ def test_bad_adam_arguments_are_refused(args, message):
     if "cutoff" not in args:
         with pytest.raises(ValueError, match=message):
             dj.adam_decay(**{k: v for k, v in full.items() if k != "cutoff"})
+
+
+@pytest.mark.parametrize("name, cutoff", [("cgad", CUTOFF), ("adam_decay", None)])
+def test_the_lm_apps_outer_optimizer_is_gated_adam_with_its_b2(name, cutoff):
+    """`--outer-optimizer cgad|adam_decay --age-decay D [--age-cutoff C]`: the app's Adam (b1
+    0.9, b2 0.95, eps 1e-8) on σ(age) Δ, against float64 NumPy over ages 0, 1, 3, 2."""
+    from diloco_jax.lm.config import make_config, outer_optimizer
+
+    cfg = make_config(
+        "micro", outer_optimizer=name, outer_lr=LR, age_decay=DECAY, age_cutoff=cutoff
+    )
+    opt = outer_optimizer(cfg)
+    params = {"w": np.zeros(3, np.float32)}
+    state = opt.init(params)
+    m = v = np.zeros(3)
+    rng = np.random.default_rng(1)
+    for t, age in enumerate([0, 1, 3, 2], start=1):
+        g = rng.normal(size=3).astype(np.float32)
+        update, state = opt.update({"w": g}, state, params, age=age)
+        gated = _np_gate(age, DECAY, cutoff) * g.astype(np.float64)
+        m, v = 0.9 * m + 0.1 * gated, 0.95 * v + 0.05 * gated * gated
+        want = -LR * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.95**t)) + 1e-8)
+        np.testing.assert_allclose(update["w"], want, rtol=2e-5, atol=1e-8)

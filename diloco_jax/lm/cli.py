@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from diloco_jax import limits, run_lock
 from diloco_jax.lm import config
 from diloco_jax.lm.config import (
+    AGE_GATED_OPTIMIZERS,
     ALGOS,
     DTYPES,
     INNER_OPTIMIZERS,
@@ -62,6 +63,12 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, help="outer learning rate")
     p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS)
     p.add_argument("--outer-momentum", type=float, help="outer (delayed) Nesterov momentum")
+    p.add_argument(
+        "--age-decay",
+        type=float,
+        help="cgad / adam_decay: the age gate's decay per outer update of a delta's age",
+    )
+    p.add_argument("--age-cutoff", type=float, help="cgad: the age at which its gate reaches 0")
     p.add_argument("--model", help="model preset (micro, tiny, small, 60m, 150m, 400m, 1b, ...)")
     p.add_argument("--batch-size", type=int, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -191,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--algo async: DyLU, slower workers take proportionally fewer steps per job",
     )
+    train.add_argument(
+        "--server",
+        help="--algo async: another server, NAME[,field=value...], e.g. "
+        "decoupled,quorum=2,grace_seconds=12.5 or halos,regions=0/0/1/1,local_updates=2 "
+        "(docs/decoupled.md, docs/halos.md)",
+    )
     train.add_argument("--dn-buffer", type=int, help="delayed_nesterov: buffer N (default M)")
     train.add_argument("--dn-c", type=float, help="delayed_nesterov: c (default 0)")
     train.add_argument(
@@ -216,7 +229,7 @@ def _seconds_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {text!r}") from None
 
 
-_ASYNC_FLAGS = ("step_seconds", "dynamic_steps")
+_ASYNC_FLAGS = ("step_seconds", "dynamic_steps", "server")
 _DILOCO_FLAGS = (
     "compression",
     "drop_probability",
@@ -266,6 +279,8 @@ _CONFIG_FLAGS = (
     *_ASYNC_FLAGS,
     "dn_buffer",
     "dn_c",
+    "age_decay",
+    "age_cutoff",
 )
 
 
@@ -340,7 +355,7 @@ def parse(argv: list[str] | None = None) -> Invocation:
     cfg = config.make_config(args.preset, **overrides)
     algo = getattr(args, "algo", None)
     if algo != "async" and any(getattr(args, k, None) is not None for k in _ASYNC_FLAGS):
-        raise ConfigError("--step-seconds and --dynamic-steps need --algo async")
+        raise ConfigError("--step-seconds, --dynamic-steps and --server need --algo async")
     if algo in ("sync", "async"):  # options of DiLoCo's round that these runs don't have
         for k in _DILOCO_FLAGS:
             if getattr(args, k, None) not in (None, False):
@@ -350,6 +365,13 @@ def parse(argv: list[str] | None = None) -> Invocation:
             "--outer-optimizer delayed_nesterov needs --algo async (it applies one arriving "
             "delta at a time)"
         )
+    if cfg.outer_optimizer in AGE_GATED_OPTIMIZERS and algo != "async" and not cfg.outer_delay:
+        raise ConfigError(
+            f"--outer-optimizer {cfg.outer_optimizer} gates each delta by its age, which is 0 "
+            "without --algo async or --outer-delay: use --outer-optimizer adam"
+        )
+    if cfg.server is not None and getattr(args, "checkpoint_every", None) is not None:
+        raise ConfigError("--server runs without checkpoints: leave --checkpoint-every out")
     if algo == "async" and cfg.backend not in ("auto", "vmap"):
         raise ConfigError(f"--algo async runs on --backend auto or vmap, got {cfg.backend!r}")
     default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")

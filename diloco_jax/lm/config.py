@@ -11,14 +11,26 @@ from typing import Any
 import optax
 
 from diloco_jax import limits, offload
+from diloco_jax.cgad import adam_decay, cgad
+from diloco_jax.checks import check_number
+from diloco_jax.decoupled import DecoupledDiLoCo
 from diloco_jax.delayed_nesterov import delayed_nesterov
+from diloco_jax.halos import HALoS
 from diloco_jax.lm.tokenizer import parse_spec
 from diloco_jax.method import DiLoCo, method_from_options
 from diloco_jax.optimizers import muon_inner_optimizer
 from diloco_jax.schedule import check_schedule
 
 SHARDINGS = ("iid", "non_iid")
-OUTER_OPTIMIZERS = ("nesterov", "heavy_ball", "sgd", "adam", "delayed_nesterov")
+OUTER_OPTIMIZERS = (
+    "nesterov",
+    "heavy_ball",
+    "sgd",
+    "adam",
+    "delayed_nesterov",
+    "cgad",
+    "adam_decay",
+)
 INNER_OPTIMIZERS = ("adamw", "muon")
 ALGOS = ("diloco", "sync", "async")
 # Compute and parameter dtypes the CLI offers (the model also takes float16, on GPUs only and
@@ -33,6 +45,41 @@ DEFAULT_OUTER_LR = {
     "sgd": 1.0,
     "adam": 1e-3,
     "delayed_nesterov": 0.7,
+    "cgad": 1e-3,
+    "adam_decay": 1e-3,
+}
+# Outer rules that scale each delta by its age's gate (diloco_jax.cgad): age_decay, and for
+# cgad age_cutoff, set the gate.
+AGE_GATED_OPTIMIZERS = ("cgad", "adam_decay")
+# `RunConfig.server`'s parts (train_async's server=), each field by the parser of its value;
+# a tuple's values are separated by "/" (HALoS's global_optimizer stays its default).
+_numbers = lambda kind: lambda text: tuple(kind(x) for x in text.split("/"))  # noqa: E731
+SERVERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "decoupled": (
+        DecoupledDiLoCo,
+        {
+            "quorum": int,
+            "grace_seconds": float,
+            "adaptive_grace": float,
+            "overlap_steps": int,
+            "fragments": int,
+            "merge": str,
+            "average_leaves": lambda text: tuple(text.split("/")),
+            "tokens_per_step": _numbers(float),
+        },
+    ),
+    "halos": (
+        HALoS,
+        {
+            "regions": _numbers(int),
+            "local_updates": int,
+            "merge_weight": float,
+            "worker_seconds": float,
+            "region_seconds": lambda text: (
+                float(text) if "/" not in text else _numbers(float)(text)
+            ),
+        },
+    ),
 }
 MOMENTUM_OPTIMIZERS = ("nesterov", "heavy_ball", "delayed_nesterov")  # take outer_momentum
 # The mesh axis (`RunConfig.mesh`, --mesh) that holds the DiLoCo workers; every other axis
@@ -106,6 +153,14 @@ class RunConfig:
     # outer_optimizer "delayed_nesterov": its buffer N (None: the number of workers) and c
     dn_buffer: int | None = None
     dn_c: float = 0.0
+    # outer_optimizer "cgad" / "adam_decay": the age gate's decay (both, >= 0) and cutoff
+    # (cgad's, > 0), in outer updates (diloco_jax.cgad)
+    age_decay: float | None = None
+    age_cutoff: float | None = None
+    # async only: train_async's server part as "NAME[,field=value...]" (`server_of`), e.g.
+    # "decoupled,quorum=2,grace_seconds=12.5" or "halos,regions=0/0/1/1,local_updates=2";
+    # None: the one server
+    server: str | None = None
     seed: int = 0
     backend: str = "auto"
     # a device mesh, ((axis name, size), ...) as --mesh workers=2,fsdp=2,tensor=2 writes it:
@@ -311,6 +366,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"dn_c must be a finite number >= 0, got {cfg.dn_c!r}")
     if (cfg.dn_buffer is not None or cfg.dn_c) and cfg.outer_optimizer != "delayed_nesterov":
         raise ConfigError("dn_buffer and dn_c apply to outer_optimizer 'delayed_nesterov' only")
+    _check_age_gate(cfg)
+    if cfg.server is not None:
+        _check_server(cfg)
     if not 0 <= cfg.outer_momentum < 1:
         raise ConfigError(f"outer_momentum must be in [0, 1), got {cfg.outer_momentum!r}")
     if cfg.outer_momentum != 0.9 and cfg.outer_optimizer not in MOMENTUM_OPTIMIZERS:
@@ -458,6 +516,77 @@ def _validate_mesh(cfg: RunConfig) -> None:
         )
 
 
+def _check_age_gate(cfg: RunConfig) -> None:
+    """age_decay / age_cutoff: given exactly when the outer rule has them, and in range."""
+    name = cfg.outer_optimizer
+    wants = {"age_decay": name in AGE_GATED_OPTIMIZERS, "age_cutoff": name == "cgad"}
+    for field, wanted in wants.items():
+        value = getattr(cfg, field)
+        if wanted and value is None:
+            raise ConfigError(f"outer_optimizer {name!r} needs {field} (its age gate's)")
+        if not wanted and value is not None:
+            only = "'cgad' or 'adam_decay'" if field == "age_decay" else "'cgad'"
+            raise ConfigError(f"{field} applies to outer_optimizer {only} only, got {name!r}")
+    try:
+        if cfg.age_decay is not None:
+            check_number("age_decay", cfg.age_decay, lambda x: x >= 0, ">= 0")
+        if cfg.age_cutoff is not None:
+            check_number("age_cutoff", cfg.age_cutoff, lambda x: x > 0, "> 0")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def server_of(cfg: RunConfig) -> DecoupledDiLoCo | HALoS | None:
+    """`cfg.server` ("NAME[,field=value...]", NAME a key of SERVERS) as its train_async
+    part, e.g. "halos,regions=0/0/1/1,local_updates=2" -> HALoS(regions=(0, 0, 1, 1),
+    local_updates=2); None for the one server. ConfigError naming `server` when malformed,
+    or the part's field when the part refuses it."""
+    if cfg.server is None:
+        return None
+    name, *items = cfg.server.split(",")
+    if name.strip() not in SERVERS:
+        raise ConfigError(f"server must start with one of {tuple(SERVERS)}, got {cfg.server!r}")
+    part, parsers = SERVERS[name.strip()]
+    fields: dict[str, Any] = {}
+    for item in items:
+        key, equals, text = (x.strip() for x in item.partition("="))
+        if not equals or key not in parsers or not text:
+            raise ConfigError(
+                f"server {name.strip()} takes field=value items with fields {tuple(parsers)}, "
+                f"got {item.strip()!r}"
+            )
+        if key in fields:
+            raise ConfigError(f"server names {key!r} twice: {cfg.server!r}")
+        try:
+            fields[key] = parsers[key](text)
+        except ValueError:
+            raise ConfigError(f"server field {key}: can't read {text!r}") from None
+    try:
+        return part(**fields)
+    except TypeError:  # a required field left out (HALoS's regions)
+        raise ConfigError(
+            f"server {name.strip()} needs regions=R0/R1/..., one per worker"
+        ) from None
+    except ValueError as e:
+        raise ConfigError(f"server: {e}") from None
+
+
+def _check_server(cfg: RunConfig) -> None:
+    """The server part fits the run: M, H, one device, DyLU only for the jobs it has."""
+    spec = server_of(cfg)
+    try:
+        spec.checked(cfg.workers, cfg.inner_steps)
+    except ValueError as e:
+        raise ConfigError(f"server: {e}") from None
+    kind = type(spec).__name__
+    if cfg.mesh is not None:
+        raise ConfigError(f"server {kind} runs on one device: it takes no mesh")
+    if cfg.dynamic_steps and isinstance(spec, DecoupledDiLoCo):
+        raise ConfigError(
+            "dynamic_steps is for jobs of H steps; a decoupled server's learners never stop"
+        )
+
+
 def method(cfg: RunConfig) -> DiLoCo:
     """The run's DiLoCo spec, built from the config by the library's keyword shorthand (so
     its parts check every rule; `ValueError` names the part and field)."""
@@ -556,9 +685,9 @@ def pretrain_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 
 def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     """The outer optimizer: Nesterov SGD (momentum cfg.outer_momentum, 0.9), heavy-ball SGD
-    (the same momentum, NoLoCo's rule), plain SGD, Adam
-    (b2 0.95), or Delayed Nesterov (momentum cfg.outer_momentum, buffer dn_buffer or the
-    number of workers, c = dn_c)."""
+    (the same momentum, NoLoCo's rule), plain SGD, Adam (b2 0.95), CGAD or Adam-Decay (that
+    Adam on deltas gated by their age: age_decay, age_cutoff), or Delayed Nesterov (momentum
+    cfg.outer_momentum, buffer dn_buffer or the number of workers, c = dn_c)."""
     lr = cfg.resolved_outer_lr
     if cfg.outer_optimizer == "delayed_nesterov":
         return delayed_nesterov(
@@ -570,4 +699,8 @@ def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
         return optax.sgd(lr, momentum=cfg.outer_momentum)
     if cfg.outer_optimizer == "sgd":
         return optax.sgd(lr)
+    if cfg.outer_optimizer == "cgad":
+        return cgad(lr, cfg.age_decay, cfg.age_cutoff, b1=0.9, b2=0.95)
+    if cfg.outer_optimizer == "adam_decay":
+        return adam_decay(lr, cfg.age_decay, b1=0.9, b2=0.95)
     return optax.adam(lr, b1=0.9, b2=0.95)

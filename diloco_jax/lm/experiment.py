@@ -33,6 +33,7 @@ from diloco_jax.lm.config import (
     model_config,
     outer_optimizer,
     pretrain_optimizer,
+    server_of,
 )
 from diloco_jax.sampler import Sampler
 from diloco_jax.train import train_diloco, train_sync
@@ -343,7 +344,6 @@ def run(
     checkpoint_every: int = 1,
     eval_every: int = 1,
     checkpoint_fingerprint: dict[str, Any] | None = None,
-    server: Any = None,
 ) -> tuple[Record, list[Record]]:
     """Trains one run from `params` (default: a fresh init) and returns (summary, history).
 
@@ -356,8 +356,8 @@ def run(
     cfg.step_seconds (cfg.dynamic_steps: DyLU), each arriving delta applied with the outer
     optimizer, for as many server updates as it takes to match DiLoCo's total inner steps
     (M x H x R summed over workers: equal compute and tokens), evaluated every M updates;
-    `server` (a script's option, not the CLI's) is `train_async`'s: `dj.DecoupledDiLoCo`
-    (as many syncs as it takes for the learners' steps to reach that total) or `dj.HALoS`.
+    cfg.server (`config.server_of`) is `train_async`'s other server: Decoupled DiLoCo (as
+    many syncs as it takes for the learners' steps to reach that total) or HALoS.
     Every history entry gets "run", "workers", "tokens_per_worker", "wall_seconds", the train
     metrics of `init_model`'s loss ("accuracy" beside "loss"; "worker_accuracy" too, except
     for async) and, where evaluated, "eval_loss". The summary's throughput fields cover the
@@ -416,9 +416,7 @@ def run(
         )
     elif algo == "async":
         mesh = mesh_options(cfg, model_cfg, params, num_workers)
-        result, seconds = _run_async(
-            cfg, loss_fn, params, sampler, num_workers, common, mesh, server
-        )
+        result, seconds = _run_async(cfg, loss_fn, params, sampler, num_workers, common, mesh)
     else:
         raise ConfigError(f"algo must be one of 'diloco', 'sync', 'async', got {algo!r}")
     history = result.history
@@ -454,7 +452,7 @@ def run(
     summary.update(throughput(cfg, model_cfg, num_workers, summary))
     if algo == "async":
         summary.update(
-            server="one" if server is None else repr(server),
+            server="one" if cfg.server is None else cfg.server,
             step_seconds=list(seconds),
             dynamic_steps=cfg.dynamic_steps,
             job_steps=sorted({h["steps"] for h in history if "steps" in h}, reverse=True),
@@ -465,12 +463,12 @@ def run(
 
 
 def _run_async(
-    cfg: RunConfig, loss_fn, params, sampler, num_workers: int, common: dict, mesh: dict,
-    server: Any = None,
+    cfg: RunConfig, loss_fn, params, sampler, num_workers: int, common: dict, mesh: dict
 ):  # fmt: skip
     """train_async for as many updates as it takes to reach DiLoCo's M x H x R inner steps
-    (summed over workers), with `mesh` (`mesh_options`) and `server`. Returns (result,
+    (summed over workers), with `mesh` (`mesh_options`) and cfg's server. Returns (result,
     step_seconds)."""
+    server = server_of(cfg)
     seconds = cfg.step_seconds or (1.0,) * num_workers
     if len(seconds) != num_workers:
         raise ConfigError(f"step_seconds must hold {num_workers} numbers, got {seconds!r}")
@@ -479,8 +477,8 @@ def _run_async(
     budget = num_workers * cfg.total_steps
     num_updates = _updates_for(cfg, seconds, budget, server)
     extra = {} if server is None else {"server": server}
-    if server is not None:
-        common = {**common, "checkpoint_dir": None}
+    if server is not None and common["checkpoint_dir"] is not None:
+        raise ConfigError(f"server {cfg.server!r} runs without checkpoints: no checkpoint_dir")
     result = train_async(
         loss_fn,
         params,
@@ -545,6 +543,9 @@ def _outer_label(cfg: RunConfig) -> str:
     label = f"{cfg.outer_optimizer} {cfg.resolved_outer_lr:g}"
     if cfg.outer_optimizer in MOMENTUM_OPTIMIZERS and cfg.outer_momentum != 0.9:
         label += f" (momentum {cfg.outer_momentum:g})"
+    if cfg.age_decay is not None:
+        cutoff = "" if cfg.age_cutoff is None else f", cutoff {cfg.age_cutoff:g}"
+        label += f" (age decay {cfg.age_decay:g}{cutoff})"
     if cfg.gossip_group_size is not None:
         label += f", noloco groups of {cfg.gossip_group_size}"
     if cfg.outer_delay:

@@ -84,7 +84,8 @@ class RunLog:
         self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard(record)
-        steps = record.get("steps_per_worker", record["steps"])  # async: a mean over workers
+        # async: a mean over workers (Decoupled DiLoCo's syncs have no "steps" of their own)
+        steps = record["steps_per_worker"] if "steps_per_worker" in record else record["steps"]
         self._bar.update(steps - self._done)
         self._done = steps
         seconds = max(record.get("wall_seconds", 0.0), 1e-9)
