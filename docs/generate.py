@@ -84,8 +84,10 @@ def _provenance(record: dict, command: str) -> str:
         f"Printed by `{command}` in a fresh clone of commit {record['commit'][:7]} on "
         f"{record['date']} ({record['machine']} at a 15-minute load of "
         f"{record['load_15min']:g}, Python {record['python']}, jax {config['jax_version']}); "
-        "wall times, tokens/s and MFU are that machine's, the losses and bytes the same on "
-        "every machine running this stack."
+        "wall times, tokens/s and MFU are that machine's; the bytes are the same on every "
+        "machine running this stack, the losses bit for bit on that machine only (the same "
+        "code, recorded on two 2-core machines, printed losses that differ in the third or "
+        "fourth digit)."
     )
 
 

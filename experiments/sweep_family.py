@@ -35,9 +35,12 @@ unequal step times, which it is built for).
 
 Stragglers: every run's simulated seconds at those step times (0.58, 0.75, 1.51, 3.33 s per
 inner step): a synchronous round waits for the slowest worker (R x H x 3.33 s; per step for
-data parallel), the asynchronous runs report their own clock.
+data parallel), the asynchronous runs report their own clock; and every run's eval loss by
+the time the first barrier-free run ended (its last evaluation on or before then).
 
-Writes results/family.md, results/family.json and results/family.png.
+Writes results/family.md, results/family.json, results/family.png (eval loss against tokens)
+and results/family_stragglers.png (against those simulated seconds). `--cache DIR` keeps each
+finished run there and reads it back on a rerun.
 """
 
 import argparse
@@ -219,7 +222,13 @@ def main() -> None:
         summary["straggler_seconds"] = (
             None if timed[label] is None else max(h["straggler_seconds"] for h in timed[label])
         )
-    table = _table(base, summaries, step_seconds)
+    # When the first barrier-free run ends: every run's eval loss by then, on the same clock.
+    by = min(s["straggler_seconds"] for s in summaries.values() if s["algo"] == "async")
+    for label, summary in summaries.items():
+        reached = [h["eval_loss"] for h in timed[label] or [] if "eval_loss" in h
+                   and h["straggler_seconds"] <= by]  # fmt: skip
+        summary["eval_loss_by"] = reached[-1] if reached else None
+    table = _table(base, summaries, step_seconds, by)
     (out / "family.md").write_text(table)
     curves = {  # what the figures draw, so they can be redrawn from this file
         label: [
@@ -250,7 +259,7 @@ def main() -> None:
     print(table)
 
 
-def _table(base, summaries: dict[str, dict], step_seconds: float) -> str:
+def _table(base, summaries: dict[str, dict], step_seconds: float, by: float) -> str:
     lines = [
         "## The DiLoCo family on equal terms",
         "",
@@ -260,16 +269,19 @@ def _table(base, summaries: dict[str, dict], step_seconds: float) -> str:
         "",
         "| run | inner / outer | deltas sent as | wire bytes / worker | eval loss | "
         + " | ".join(f"utilization at {b}" for b in BANDWIDTHS)
-        + " | simulated seconds with stragglers |",
-        "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in BANDWIDTHS) + " | ---: |",
+        + f" | simulated seconds with stragglers | eval loss by {by:,.0f} s |",
+        "| --- | --- | --- | ---: | ---: | "
+        + " | ".join("---:" for _ in BANDWIDTHS)
+        + " | ---: | ---: |",
     ]
     for label, s in summaries.items():
         util = " | ".join(f"{s['utilization_at'][b]:.0%}" for b in BANDWIDTHS)
         straggler = s["straggler_seconds"]
         straggler = "-" if straggler is None else f"{straggler:,.0f}"
+        early = "-" if s["eval_loss_by"] is None else f"{s['eval_loss_by']:.4f}"
         lines.append(
             f"| {label} | {s.get('inner', 'adamw')} / {s['outer']} | {s['compression']} | "
-            f"{s['wire_bytes']:,} | {s['final_eval_loss']:.4f} | {util} | {straggler} |"
+            f"{s['wire_bytes']:,} | {s['final_eval_loss']:.4f} | {util} | {straggler} | {early} |"
         )
     return "\n".join(lines) + "\n"
 

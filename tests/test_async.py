@@ -571,3 +571,37 @@ def test_cli_async_run_with_cgad_gates_by_staleness(tmp_path):
     # At (1, 2) s per step the slow worker's jobs arrive stale: the gate has ages to read.
     assert max(r["staleness"] for r in _async_records(out)) >= 1
     assert math.isfinite(summary["final_eval_loss"])
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        (
+            "halos,regions=0/0/1/1,local_updates=2,merge_weight=0.5,worker_seconds=0.1,"
+            "region_seconds=0.05/0.2",
+            dj.HALoS((0, 0, 1, 1), 2, 0.5, worker_seconds=0.1, region_seconds=(0.05, 0.2)),
+        ),
+        ("halos,regions=1/0/0/1,region_seconds=3", dj.HALoS((1, 0, 0, 1), region_seconds=3.0)),
+        (
+            "decoupled,quorum=2,grace_seconds=1.5,fragments=5,merge=rda,"
+            "average_leaves=embed/norm,tokens_per_step=1/1/2/2",
+            dj.DecoupledDiLoCo(
+                2,
+                1.5,
+                fragments=5,
+                merge="rda",
+                average_leaves=("embed", "norm"),
+                tokens_per_step=(1.0, 1.0, 2.0, 2.0),
+            ),  # fmt: skip
+        ),
+        (
+            "decoupled, adaptive_grace = 0.5, overlap_steps = 2",
+            dj.DecoupledDiLoCo(adaptive_grace=0.5, overlap_steps=2),
+        ),
+        ("decoupled", dj.DecoupledDiLoCo()),
+    ],
+)
+def test_a_server_text_reads_as_its_part_field_by_field(text, want):
+    from diloco_jax.lm.config import make_config, server_of
+
+    assert server_of(make_config("quick", server=text)) == want

@@ -51,9 +51,20 @@ DEFAULT_OUTER_LR = {
 # Outer rules that scale each delta by its age's gate (diloco_jax.cgad): age_decay, and for
 # cgad age_cutoff, set the gate.
 AGE_GATED_OPTIMIZERS = ("cgad", "adam_decay")
+
+
+def _tuple_of(kind: type) -> Any:
+    """A parser of "a/b/c" as (kind(a), kind(b), kind(c)) (ValueError when one isn't)."""
+    return lambda text: tuple(kind(x) for x in text.split("/"))
+
+
+def _number_or_tuple(text: str) -> float | tuple[float, ...]:
+    """ "x" as a float, "a/b" as a tuple of floats (HALoS.region_seconds: one or per region)."""
+    return _tuple_of(float)(text) if "/" in text else float(text)
+
+
 # `RunConfig.server`'s parts (train_async's server=), each field by the parser of its value;
 # a tuple's values are separated by "/" (HALoS's global_optimizer stays its default).
-_numbers = lambda kind: lambda text: tuple(kind(x) for x in text.split("/"))  # noqa: E731
 SERVERS: dict[str, tuple[type, dict[str, Any]]] = {
     "decoupled": (
         DecoupledDiLoCo,
@@ -64,20 +75,18 @@ SERVERS: dict[str, tuple[type, dict[str, Any]]] = {
             "overlap_steps": int,
             "fragments": int,
             "merge": str,
-            "average_leaves": lambda text: tuple(text.split("/")),
-            "tokens_per_step": _numbers(float),
+            "average_leaves": _tuple_of(str),
+            "tokens_per_step": _tuple_of(float),
         },
     ),
     "halos": (
         HALoS,
         {
-            "regions": _numbers(int),
+            "regions": _tuple_of(int),
             "local_updates": int,
             "merge_weight": float,
             "worker_seconds": float,
-            "region_seconds": lambda text: (
-                float(text) if "/" not in text else _numbers(float)(text)
-            ),
+            "region_seconds": _number_or_tuple,
         },
     ),
 }
