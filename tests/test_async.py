@@ -605,3 +605,15 @@ def test_a_server_text_reads_as_its_part_field_by_field(text, want):
     from diloco_jax.lm.config import make_config, server_of
 
     assert server_of(make_config("quick", server=text)) == want
+
+
+def test_the_lm_apps_run_refuses_checkpoints_for_a_server_before_training(tmp_path):
+    from diloco_jax.lm import experiment
+    from diloco_jax.lm.config import ConfigError, make_config
+
+    cfg = make_config("micro", server="halos,regions=0/1", inner_steps=3, rounds=2)
+    corpus = experiment.load_corpus(cfg)
+    folder = tmp_path / "checkpoints"
+    with pytest.raises(ConfigError, match="runs without checkpoints: no checkpoint_dir"):
+        experiment.run(cfg, corpus, "async", 2, checkpoint_dir=str(folder))
+    assert not folder.exists()
