@@ -617,3 +617,14 @@ def test_the_lm_apps_run_refuses_checkpoints_for_a_server_before_training(tmp_pa
     with pytest.raises(ConfigError, match="runs without checkpoints: no checkpoint_dir"):
         experiment.run(cfg, corpus, "async", 2, checkpoint_dir=str(folder))
     assert not folder.exists()
+
+
+@pytest.mark.parametrize("algo", ["diloco", "sync"])
+def test_the_lm_apps_run_refuses_a_server_it_would_not_use(algo):
+    from diloco_jax.lm import experiment
+    from diloco_jax.lm.config import ConfigError, make_config
+
+    cfg = make_config("micro", server="decoupled", inner_steps=3, rounds=2)
+    corpus = experiment.load_corpus(cfg)
+    with pytest.raises(ConfigError, match="it needs algo 'async'"):
+        experiment.run(cfg, corpus, algo, 2)

@@ -373,6 +373,8 @@ def run(
     `model.param_specs` (`mesh_options`); without it the trainers get no mesh keyword at all.
     """
     name = name or algo
+    if cfg.server is not None and algo != "async":  # an option the run would not use
+        raise ConfigError(f"server {cfg.server!r} is train_async's: it needs algo 'async'")
     model_cfg, init_params, loss_fn = init_model(cfg)
     params = init_params if params is None else params
     # async draws DiLoCo's stream: job j of worker m sees round j's batches of worker m.
