@@ -13,6 +13,12 @@ where no worker is included leaves its leaves and their outer state unchanged.
   probability p, from `drop_masks(drop_seed, round, M, p, syncs)` (a key folded from the seed
   and the round counter, so a run is reproducible and resumes from `state.round`). A dropped
   worker's Δ is left out and it carries on from its own params (the paper's ablation).
+- Membership (`membership=((in_1, ..., in_M), ...)`, one row per round): the simulated
+  counterpart of a real worker process that dies and heals (`diloco_jax.elastic`). A worker
+  out of round r takes no inner step (its params, inner optimizer and model state stay as
+  they were), is left out of every sync's mean that round, and its data for the round is
+  unused; back in a later round it starts from θ like every worker, with the inner state it
+  had when it left. Rounds past the last row have every worker.
 - Uneven steps (`worker_steps=(h_1, ..., h_M)`, 1 <= h_m <= H): worker m takes its first h_m
   of each round's H scanned steps; later steps leave its params and optimizer state
   unchanged. `weighting="steps"` weights Δ_m by h_m (sample-weighted mean; with fragments
@@ -96,6 +102,9 @@ class Weights(Part):
     weighting: "uniform" (1), "steps" (h_m) or `NormSoftmax(T)` (EDiT; "norm_softmax" is
       NormSoftmax(1.0)).
     anomaly: EDiT's anomaly skip, an `AnomalySkip` (True: its defaults) or None.
+    membership: which workers take part in each round, a sequence of rows (one per round
+      from round 0, each M bools, at least one True); rounds past the last row have every
+      worker; None: every worker every round. Not with drops or fragments.
     """
 
     exclude_nonfinite: bool | None = None
@@ -104,6 +113,7 @@ class Weights(Part):
     worker_steps: tuple[int, ...] | None = None
     weighting: "str | NormSoftmax" = "uniform"
     anomaly: "AnomalySkip | None" = None
+    membership: tuple[tuple[bool, ...], ...] | None = None
 
     def __post_init__(self):
         x = self.exclude_nonfinite
@@ -137,6 +147,12 @@ class Weights(Part):
                 f"Weights.anomaly must be an AnomalySkip, True or None, got {anomaly!r}"
             )
         object.__setattr__(self, "anomaly", anomaly)
+        object.__setattr__(self, "membership", _membership(self.membership))
+        if self.membership is not None and self.drop_probability is not None:
+            raise ValueError(
+                "Weights.membership does not run with drop_probability (a dropped worker carries "
+                "on from its own params, a worker back in the membership from θ)"
+            )
 
     def __repr__(self) -> str:
         """The fields set away from their defaults."""
@@ -165,12 +181,22 @@ class Weights(Part):
     @property
     def uneven(self) -> bool:
         """Whether a worker may be left out of a mean or weigh other than 1."""
-        return self.leaves_out or self.drop_probability is not None or self.scheme != "uniform"
+        return (
+            self.leaves_out
+            or self.drop_probability is not None
+            or self.membership is not None
+            or self.scheme != "uniform"
+        )
 
     @property
     def active(self) -> bool:
         """Whether the round carries weights (any option on; the seed alone is not one)."""
         return self.uneven or self.worker_steps is not None
+
+    @property
+    def masked(self) -> bool:
+        """Whether some worker may take fewer than H inner steps in a round."""
+        return self.worker_steps is not None or self.membership is not None
 
     def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
         """Under drops every worker's own params (`schedule.WorkerParams`); under an anomaly
@@ -199,6 +225,8 @@ class Weights(Part):
             worker_steps=self.worker_steps,
             weighting=self.scheme,
         )
+        if self.membership is not None:  # only where set: older fingerprints stay the same
+            faults["membership"] = self.membership
         return {"faults": repr(faults)}
 
     def variant(self) -> dict:
@@ -209,8 +237,27 @@ class Weights(Part):
             out["anomaly"] = self.anomaly
         return out
 
+    def check_with(self, method: Any) -> None:
+        """Raises ValueError saying why `membership` can't run with fragments or with each
+        worker's own θ: a worker back in the membership must start from the one global θ."""
+        if self.membership is None:
+            return
+        if method.fragmented or method.owns_theta:
+            what = "fragments (Streaming)" if method.fragmented else "eager updates or NoLoCo"
+            raise ValueError(
+                f"Weights.membership does not run with {what}: a worker back in the "
+                "membership starts from the global θ, which these keep per worker"
+            )
+
     def check_run(self, params: Any, num_workers: int, inner_steps: int, inner_state: Any) -> None:
-        """Raises ValueError naming `Weights.worker_steps` unless it fits M workers and H."""
+        """Raises ValueError naming `Weights.worker_steps` or `Weights.membership` unless it
+        fits M workers and H."""
+        rows = self.membership
+        if rows is not None and len(rows[0]) != num_workers:
+            raise ValueError(
+                f"Weights.membership must have one entry per worker ({num_workers}) in each "
+                f"round's row, got {len(rows[0])}"
+            )
         steps = self.worker_steps
         if steps is None:
             return
@@ -293,6 +340,43 @@ def _drop_probability(p: Any) -> float | None:
             "sync: nothing would train)"
         )
     return float(p)
+
+
+def _membership(rows: Any) -> tuple[tuple[bool, ...], ...] | None:
+    if rows is None:
+        return None
+    try:
+        table = np.asarray(rows)
+    except ValueError:  # ragged rows
+        table = None
+    if table is None or table.ndim != 2 or table.size == 0 or table.dtype != np.bool_:
+        raise ValueError(
+            "Weights.membership must be rows of bools, one row per round and one bool per "
+            f"worker, all rows the same length; got {rows!r}"
+        )
+    empty = [r for r, row in enumerate(table) if not row.any()]
+    if empty:
+        raise ValueError(
+            f"Weights.membership must have some worker in every round; round {empty[0]} has none"
+        )
+    return tuple(tuple(bool(x) for x in row) for row in table)
+
+
+def membership_mask(rows: tuple, round_: jax.Array, num_workers: int) -> jax.Array:
+    """bool [M]: the workers in round `round_` by `rows` (every worker past the last row)."""
+    table = jnp.asarray(rows + ((True,) * num_workers,), bool)
+    return table[jnp.minimum(round_, len(rows))]
+
+
+def data_positions(rows: Any, num_rounds: int) -> np.ndarray:
+    """int64 [num_rounds, M]: how many inner phases each worker has completed before each
+    round under the membership `rows` (a worker's data position: it advances by one in every
+    round the worker is in, and not in the others)."""
+    table = _membership(rows)
+    member = np.ones((num_rounds, len(table[0])), bool)
+    known = min(num_rounds, len(table))
+    member[:known] = np.asarray(table[:known], bool)
+    return np.cumsum(member, axis=0) - member
 
 
 def _worker_steps(worker_steps: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -471,6 +555,10 @@ class WeighedRule(Role):
         rule = self.rule
         steps = jnp.asarray(rule.worker_steps or (self.inner_steps,) * num_workers, jnp.int32)
         dropped = None
+        if rule.membership is not None:
+            member = membership_mask(rule.membership, round_, num_workers)
+            steps = jnp.where(member, steps, 0)
+            dropped = jnp.broadcast_to(~member[:, None], (num_workers, self.num_syncs))
         if rule.drop_probability is not None:
             dropped = drop_masks(
                 rule.drop_seed, round_, num_workers, rule.drop_probability, self.num_syncs
@@ -478,7 +566,7 @@ class WeighedRule(Role):
         return RoundInputs(steps, dropped)
 
     def steps_taken(self, inputs: RoundInputs) -> Any:
-        return None if self.rule.worker_steps is None else inputs.steps
+        return inputs.steps if self.rule.masked else None
 
     def begin(self, c: Carry, ctx: Any) -> Carry:
         false_k = jnp.zeros((ctx.num_local,), bool)

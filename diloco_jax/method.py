@@ -238,6 +238,7 @@ SHORTHAND = (
     "weighting",
     "temperature",
     "anomaly",
+    "membership",
     "fragments",
     "overlap_steps",
     "merge_alpha",
@@ -305,6 +306,7 @@ def method_from_options(
         worker_steps=o.pop("worker_steps", None),
         weighting=weighting,
         anomaly=o.pop("anomaly", None),
+        membership=o.pop("membership", None),
     )
     return DiLoCo(
         inner=o.pop("inner_optimizer", None),

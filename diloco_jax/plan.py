@@ -71,7 +71,7 @@ def build_plan(b: Build) -> Plan:
             b.step,
             b.batches,
             b.num_steps,
-            method.weights.worker_steps is not None,
+            method.weights.masked,
             b.rng_seed,
             b.backend.worker_map,
             b.unroll_inner_steps,

@@ -413,3 +413,63 @@ def test_rounds_in_which_every_worker_was_excluded_give_one_warning():
         "round 0); the params did not change in those rounds"
     ]
     assert [h["excluded_workers"] for h in result.history] == [[0, 1], [], [0, 1]]
+
+
+MEMBERSHIP = ((True, True, True), (True, False, True), (True, False, True), (False, True, True))
+
+
+@pytest.mark.parametrize("backend", ["vmap", "sequential"])
+def test_membership_leaves_a_worker_out_and_back_from_theta(backend):
+    data = make_data(np.random.default_rng(21), num_rounds=5, num_workers=3, inner_steps=3)
+    state, history = run_rounds(data, backend, membership=MEMBERSHIP)
+    # Out of a round: left out of its mean; back: from θ (the reference's default start).
+    include = [list(row) for row in MEMBERSHIP] + [[True] * 3]
+    w, b, losses = faulty_sgd(PARAMS["w"], PARAMS["b"], data, include)
+    assert_params(state, w, b)
+    for h, ref, row in zip(history, losses, include, strict=True):
+        kept = [r for r, inside in zip(ref, row, strict=True) if inside]
+        np.testing.assert_allclose(h["loss"], np.mean(kept), rtol=1e-5)
+        assert h["dropped_workers"].tolist() == [not x for x in row]
+
+
+def test_membership_keeps_an_absent_workers_inner_state():
+    data = make_data(np.random.default_rng(22), num_rounds=4, num_workers=3, inner_steps=2)
+    state, _ = run_rounds(data, inner=optax.adam(0.01), membership=MEMBERSHIP)
+    # Steps taken: 2 a round in, 0 out; rounds 0-3 of MEMBERSHIP.
+    assert state.inner_opt_state[0].count.tolist() == [6, 4, 8]
+
+
+def test_data_positions_count_the_rounds_a_worker_was_in():
+    positions = faults.data_positions(MEMBERSHIP, 6)
+    assert positions.tolist() == [
+        [0, 0, 0], [1, 1, 1], [2, 1, 2], [3, 1, 3], [3, 2, 4], [4, 3, 5],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "membership, message",
+    [
+        (((True, False), (False, False)), "round 1 has none"),
+        (((True, True), (True,)), "rows of bools"),
+        (((1, 0),), "rows of bools"),
+        (((True, True, True),), r"one entry per worker \(2\)"),
+    ],
+)
+def test_membership_refusals(membership, message):
+    data = make_data(np.random.default_rng(23), num_rounds=1, num_workers=2, inner_steps=2)
+    with pytest.raises(ValueError, match=message):
+        run_rounds(data, membership=membership)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(drop_probability=0.1), "drop_probability"),
+        (dict(fragments=2), "fragments"),
+        (dict(eager=True, outer_delay=1), "(?i)eager"),
+    ],
+)
+def test_membership_refuses_parts_that_keep_a_workers_own_params(options, message):
+    data = make_data(np.random.default_rng(24), num_rounds=1, num_workers=2, inner_steps=2)
+    with pytest.raises(ValueError, match=message):
+        run_rounds(data, membership=((True, True),), **options)

@@ -1,0 +1,58 @@
+"""The elastic benchmarks' task (`diloco_jax.elastic`): benchmarks/common.py's decoder LM
+preset, `batch_size` sequences a step, random tokens keyed by (worker, position), AdamW inner
+steps and the paper's Nesterov outer step. Sized by the environment, so the benchmark and its
+processes build the same task: ELASTIC_PRESET (default tiny), ELASTIC_BATCH (8),
+ELASTIC_WORKERS (M, 4), ELASTIC_INNER_STEPS (H, 25), ELASTIC_ROUNDS (R, 30). ELASTIC_DATA=corpus
+draws the windows from the LM app's default corpus (the embedded text, byte tokens) instead,
+so the loss curve means something: each worker reads its own contiguous shard."""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from diloco_jax.elastic import ElasticTask  # noqa: E402
+from diloco_jax.lm import data as data_lib  # noqa: E402
+
+
+def task() -> ElasticTask:
+    preset = os.environ.get("ELASTIC_PRESET", "tiny")
+    batch_size = int(os.environ.get("ELASTIC_BATCH", "8"))
+    steps = int(os.environ.get("ELASTIC_INNER_STEPS", "25"))
+    workers = int(os.environ.get("ELASTIC_WORKERS", "4"))
+    workload = common.lm_workload(preset, batch_size)
+    seq_len = workload.tokens_per_example
+    shards = _corpus_shards(workers) if os.environ.get("ELASTIC_DATA") == "corpus" else None
+
+    def batches(worker: int, position: int) -> dict:
+        rng = np.random.default_rng([worker, position])
+        shape = (steps, batch_size, seq_len + 1)
+        if shards is None:
+            windows = rng.integers(1, data_lib.VOCAB_SIZE, size=shape, dtype=np.int32)
+        else:
+            shard = shards[worker]
+            starts = rng.integers(0, len(shard) - seq_len - 1, size=shape[:2])
+            windows = shard[starts[..., None] + np.arange(seq_len + 1)]
+        return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
+
+    return ElasticTask(
+        loss_fn=workload.loss_fn,
+        params=workload.params,
+        batches=batches,
+        num_workers=workers,
+        inner_steps=steps,
+        num_rounds=int(os.environ.get("ELASTIC_ROUNDS", "30")),
+    )
+
+
+def _corpus_shards(workers: int) -> list[np.ndarray]:
+    """The LM app's default train tokens, cut into `workers` contiguous shards."""
+    from diloco_jax.lm import experiment
+    from diloco_jax.lm.config import RunConfig
+
+    tokens = experiment.load_corpus(RunConfig()).train_tokens
+    return [s.astype(np.int32) for s in np.array_split(tokens, workers)]

@@ -1,0 +1,282 @@
+"""Elastic DiLoCo: M independent worker processes and one syncer, where a worker that dies,
+stalls or restarts never stops the others (docs/faults.md).
+
+    python -m diloco_jax.elastic run --task mymodule:make_task --out runs/a
+    python -m diloco_jax.elastic syncer --task mymodule:make_task --dir runs/a/syncer
+    python -m diloco_jax.elastic worker --task mymodule:make_task --worker 2 \\
+        --syncer host:port --dir runs/a
+
+`run` launches the syncer and the M workers on this host, with a log per process under
+OUT/logs, restarts a worker that dies (`--restart-workers`), and on Ctrl-C, SIGTERM or the
+syncer's failure ends every process it started. `syncer` and `worker` start one process each,
+for a cluster's own launcher (one worker per host or per device group: each worker is one
+JAX program, its mesh its own).
+
+The task (`ElasticTask`, from `module:function`) is the same in every process: the model,
+θ_0, the data by (worker, position), M, H, R and the method. The syncer holds θ, the outer
+state, the membership and each worker's data position (`diloco_jax.syncer`); the workers
+hold their inner optimizer state (`diloco_jax.elastic_worker`). The result is
+OUT/syncer/final.msgpack (θ after R syncs; `final_params`) and OUT/syncer/history.jsonl
+(per sync: who was included, the mean loss, every worker's position).
+"""
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from diloco_jax import run_lock, wire
+from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
+
+__all__ = ["Elastic", "ElasticTask", "final_params", "history", "main"]
+
+ADDRESS_FILE = "syncer.address"
+
+
+def final_params(directory: str | os.PathLike, task: ElasticTask) -> Any:
+    """θ after the run's last sync, from a syncer folder, in the structure of task.params."""
+    message = wire.read_file(Path(directory) / "final.msgpack")
+    return wire.tree_like(task.params, message["theta"], "final.msgpack")
+
+
+def history(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """The syncer folder's history.jsonl: one dict per sync: round, included (the workers
+    whose deltas entered it), participants (the members when it opened), nonfinite, loss
+    (the included workers' mean inner loss), positions (every worker's data position after
+    it), compute_s (each pushing worker's phase seconds), seconds (opened to closed) and time
+    (when it closed, Unix seconds)."""
+    import json
+
+    path = Path(directory) / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _options(args: argparse.Namespace) -> Elastic:
+    return Elastic(
+        min_workers=args.min_workers,
+        join_timeout=args.join_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
+        round_timeout=args.round_timeout,
+        grace_seconds=args.grace_seconds,
+        quorum_timeout=args.quorum_timeout,
+        inner_state=args.inner_state,
+        syncer_timeout=args.syncer_timeout,
+    )
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    d = Elastic()
+    parser.add_argument("--min-workers", type=int, default=d.min_workers)
+    parser.add_argument("--join-timeout", type=float, default=d.join_timeout)
+    parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval)
+    parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout)
+    parser.add_argument("--round-timeout", type=float, default=None)
+    parser.add_argument("--grace-seconds", type=float, default=None)
+    parser.add_argument("--quorum-timeout", type=float, default=d.quorum_timeout)
+    parser.add_argument("--inner-state", default=d.inner_state, choices=("checkpoint", "fresh"))
+    parser.add_argument("--syncer-timeout", type=float, default=d.syncer_timeout)
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def handler(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def run_syncer(args: argparse.Namespace) -> int:
+    from diloco_jax.rpc import serve
+    from diloco_jax.syncer import Syncer
+
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = run_lock.acquire(directory, what="--dir")
+    task = load_task(args.task)
+    syncer = Syncer(task, _options(args).checked(task.num_workers), directory)
+    server, port = serve(syncer, args.port, args.host)
+    (directory / ADDRESS_FILE).write_text(f"{args.host}:{port}\n")
+    logging.getLogger("diloco_jax.syncer").info("serving on %s:%d", args.host, port)
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    clock = threading.Thread(target=syncer.run_clock, args=(stop,), daemon=True)
+    clock.start()
+    while not stop.wait(0.1) and syncer.done is None:
+        pass
+    if syncer.done is not None:
+        # Let the workers hear the end (each asks within its Next's timeout).
+        stop.wait(2 * syncer.options.heartbeat_interval + 1.0)
+    stop.set()
+    server.stop(grace=1.0).wait()
+    lock.release()
+    if syncer.done == "finished":
+        return 0
+    if syncer.done is not None:
+        print(f"diloco-jax elastic: {syncer.done}", file=sys.stderr)
+        return 1
+    return 130
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import grpc
+
+    from diloco_jax.elastic_worker import Worker
+    from diloco_jax.rpc import SyncerLost
+
+    folder = Path(args.dir) / f"worker-{args.worker}"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = run_lock.acquire(folder, what=f"worker {args.worker}'s folder")
+    task = load_task(args.task)
+    worker = Worker(task, args.worker, args.syncer, Path(args.dir))
+    try:
+        return worker.run()
+    except SyncerLost as error:
+        print(f"diloco-jax elastic: worker {args.worker}: {error}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as error:  # the syncer refused a call: a bug or a mismatched task
+        print(f"diloco-jax elastic: worker {args.worker}: the syncer answered "
+              f"{error.code().name}: {error.details()}", file=sys.stderr)  # fmt: skip
+        return 1
+    finally:
+        lock.release()
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "diloco_jax.elastic", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the launcher ends them itself, whatever the terminal does
+        )
+
+
+def _end(processes: list[subprocess.Popen], timeout: float = 5.0) -> None:
+    """SIGTERM to every process still running, SIGKILL to any left after `timeout`."""
+    for p in processes:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+
+
+def launch(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = run_lock.acquire(out, what="--out")
+    task = load_task(args.task)  # refused here, before any process starts
+    options = _options(args).checked(task.num_workers)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    syncer_dir = out / "syncer"
+    (syncer_dir / ADDRESS_FILE).unlink(missing_ok=True)
+    flags = [
+        f"--{k.replace('_', '-')}={v}" for k, v in options.to_message().items() if v is not None
+    ]
+    syncer = _spawn(
+        ["syncer", "--task", args.task, "--dir", str(syncer_dir), "--port", str(args.port),
+         *flags], logs / "syncer.log",
+    )  # fmt: skip
+    processes = [syncer]
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    try:
+        address = _address(syncer_dir, syncer, stop)
+        if address is None:
+            return 130 if stop.is_set() else (syncer.poll() or 1)
+        workers = {}
+
+        def start(m: int) -> None:
+            argv = ["worker", "--task", args.task, "--worker", str(m), "--syncer", address,
+                    "--dir", str(out / "workers")]  # fmt: skip
+            workers[m] = _spawn(argv, logs / f"worker-{m}.log")
+            processes.append(workers[m])
+
+        for m in range(task.num_workers):
+            start(m)
+        print(f"diloco-jax elastic: syncer at {address}, {task.num_workers} workers, logs in "
+              f"{logs}", flush=True)  # fmt: skip
+        while not stop.wait(0.2):
+            code = syncer.poll()
+            if code is not None:
+                return code
+            for m, p in list(workers.items()):
+                if p.poll() not in (None, 0) and args.restart_workers:
+                    print(f"diloco-jax elastic: worker {m} exited with {p.returncode}; "
+                          "restarting it", flush=True)  # fmt: skip
+                    start(m)
+            codes = [p.poll() for p in workers.values()]
+            if None not in codes and any(codes):  # every worker gone, some failed
+                failed = [m for m, p in workers.items() if p.returncode]
+                print(f"diloco-jax elastic: workers {failed} failed (see their logs in "
+                      f"{logs}); ending the run", file=sys.stderr, flush=True)  # fmt: skip
+                return 1
+        return 130
+    finally:
+        _end(processes)
+        lock.release()
+
+
+def _address(syncer_dir: Path, syncer: subprocess.Popen, stop: threading.Event) -> str | None:
+    """The syncer's "host:port" once it serves; None if it exited or a signal came first."""
+    path = syncer_dir / ADDRESS_FILE
+    while not stop.wait(0.05):
+        if path.exists() and path.read_text().endswith("\n"):
+            return path.read_text().strip()
+        if syncer.poll() is not None:
+            return None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diloco_jax.elastic")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the syncer and M workers on this host")
+    run.add_argument("--task", required=True)
+    run.add_argument("--out", required=True)
+    run.add_argument("--port", type=int, default=0)
+    run.add_argument("--restart-workers", action="store_true")
+    _add_options(run)
+    syncer = sub.add_parser("syncer", help="the syncer alone")
+    syncer.add_argument("--task", required=True)
+    syncer.add_argument("--dir", required=True)
+    syncer.add_argument("--host", default="127.0.0.1")
+    syncer.add_argument("--port", type=int, default=0)
+    _add_options(syncer)
+    worker = sub.add_parser("worker", help="one worker")
+    worker.add_argument("--task", required=True)
+    worker.add_argument("--worker", type=int, required=True)
+    worker.add_argument("--syncer", required=True, help="the syncer's host:port")
+    worker.add_argument("--dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(message)s",
+        stream=sys.stderr,
+        force=True,  # over whatever an import configured first
+    )
+    commands = {"run": launch, "syncer": run_syncer, "worker": run_worker}
+    try:
+        return commands[args.command](args)
+    except ValueError as error:  # bad input: one line, exit 2
+        print(f"diloco-jax elastic: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The syncer's gRPC service and its client: four calls, each message a packed dict
+(`diloco_jax.wire`), no generated code.
+
+- Join {worker, incarnation?} -> {incarnation, options}
+- Heartbeat {worker, incarnation} -> {status}
+- Next {worker, incarnation, after, timeout} -> the worker's next round (`Syncer.next_round`)
+- Push: a stream of {worker, incarnation, serial, loss, compute_s, leaves: n} then n
+  messages {leaf},
+  one per delta leaf -> {status}. A stream that ends before its n leaves (its sender died
+  inside the push) is dropped whole.
+
+The client retries a call the syncer could not answer (it is down or restarting) until
+`syncer_timeout` has passed, then raises `SyncerLost`.
+"""
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from diloco_jax import wire
+
+SERVICE = "diloco_jax.Syncer"
+# Deltas and θ travel whole in one message each: no size cap beyond gRPC's own 2 GB.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+# A worker reconnects to a restarted syncer within a second (gRPC's default backoff grows to
+# two minutes, longer than a heartbeat timeout).
+CLIENT_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class SyncerLost(ConnectionError):
+    """The syncer did not answer for longer than the worker's syncer_timeout."""
+
+
+def serve(syncer: Any, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
+    """Starts the syncer's gRPC server on host:port (0: any free port). Returns (server, the
+    port it bound)."""
+
+    def unary(call: Callable[[dict], dict]) -> grpc.RpcMethodHandler:
+        def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+            try:
+                return wire.pack(call(wire.unpack(request)))
+            except (ValueError, KeyError, TypeError) as error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def push(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        try:
+            header = wire.unpack(next(requests))
+            count = int(header["leaves"])
+            leaves = [wire.unpack(chunk)["leaf"] for chunk in itertools.islice(requests, count)]
+        except (StopIteration, ValueError, KeyError, TypeError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed push: {error}")
+        if len(leaves) != count:  # the sender went away inside its push
+            context.abort(grpc.StatusCode.CANCELLED, f"push ended after {len(leaves)} leaves")
+        try:
+            reply = syncer.push(
+                header["worker"], header["incarnation"], int(header["serial"]), leaves,
+                float(header["loss"]), float(header.get("compute_s", 0.0)),
+            )  # fmt: skip
+        except (ValueError, KeyError, TypeError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
+        return wire.pack(reply)
+
+    handlers = {
+        "Join": unary(lambda m: syncer.join(m["worker"], m.get("incarnation"))),
+        "Heartbeat": unary(lambda m: syncer.heartbeat(m["worker"], m["incarnation"])),
+        "Next": unary(
+            lambda m: syncer.next_round(
+                m["worker"], m["incarnation"], int(m["after"]), min(float(m["timeout"]), 10.0)
+            )
+        ),
+        "Push": grpc.stream_unary_rpc_method_handler(push),
+    }
+    # A thread per call in flight: each worker's Next and heartbeat, plus pushes.
+    pool = futures.ThreadPoolExecutor(max_workers=4 * syncer.task.num_workers + 8)
+    server = grpc.server(pool, options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"the syncer could not bind {host}:{port}")
+    server.start()
+    return server, bound
+
+
+class SyncerClient:
+    """A worker's calls to the syncer at `address` ("host:port")."""
+
+    def __init__(self, address: str, syncer_timeout: float = 60.0):
+        self.address, self.syncer_timeout = address, syncer_timeout
+        self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._unary = {
+            name: self.channel.unary_unary(f"/{SERVICE}/{name}")
+            for name in ("Join", "Heartbeat", "Next")
+        }
+        self._push = self.channel.stream_unary(f"/{SERVICE}/Push")
+
+    def call(self, name: str, message: dict[str, Any], deadline: float = 15.0) -> dict:
+        """One call, retried while the syncer is unreachable (at most syncer_timeout)."""
+        return self._retried(lambda: self._unary[name](wire.pack(message), timeout=deadline))
+
+    def once(self, name: str, message: dict[str, Any], deadline: float) -> dict | None:
+        """One call, not retried: its reply, or None if the syncer did not answer."""
+        try:
+            return wire.unpack(self._unary[name](wire.pack(message), timeout=deadline))
+        except grpc.RpcError:
+            return None
+
+    def push(self, header: dict[str, Any], leaves: list, pause: Callable[[int], None]) -> dict:
+        """Streams a delta (header, then one message per leaf; `pause(i)` runs before leaf
+        i is sent, for fault injection)."""
+
+        def messages():
+            yield wire.pack({**header, "leaves": len(leaves)})
+            for i, leaf in enumerate(leaves):
+                pause(i)
+                yield wire.pack({"leaf": leaf})
+
+        return self._retried(lambda: self._push(messages(), timeout=120.0))
+
+    def _retried(self, send: Callable[[], bytes]) -> dict:
+        start, wait = time.monotonic(), 0.05
+        while True:
+            try:
+                return wire.unpack(send())
+            except grpc.RpcError as error:
+                if error.code() not in RETRIED:
+                    raise
+                if time.monotonic() - start > self.syncer_timeout:
+                    raise SyncerLost(
+                        f"the syncer at {self.address} did not answer for "
+                        f"{self.syncer_timeout:g} s ({error.code().name})"
+                    ) from error
+                time.sleep(wait)
+                wait = min(wait * 2, 1.0)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,374 @@
+"""The elastic run's syncer: one process that holds the global θ, its outer optimizer state
+and the membership, and closes one sync per round over gRPC (`diloco_jax.rpc`).
+
+Workers (`diloco_jax.elastic_worker`) join, heartbeat, ask for the next round, run their
+inner phase on their own and push their delta. A round's participants are the members when
+it opened; its sync closes when every live participant's delta is in (or `grace_seconds`
+after the quorum's are), takes the mean of the included deltas, applies the outer step,
+appends the sync to `history.jsonl`, checkpoints and opens the next round for the members
+then. A worker silent past `heartbeat_timeout` (or without its delta past `round_timeout`)
+is removed: left out of the open sync, like a simulated drop, and told to join again when it
+speaks next. A worker joining while a round is open takes part from the next one.
+
+State on disk (`directory`): `sync-RRRRRRRR.ckpt` (the state after sync R: θ, outer state,
+each worker's data position, the members; the two newest are kept) and `history.jsonl` (one
+line per sync). A restarted syncer resumes from its newest intact checkpoint and reopens
+that round for the members it had; their deltas pushed before the restart are asked again.
+"""
+
+import dataclasses
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import wire
+from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.outer import delta_dtype, outer_init, outer_update
+
+log = logging.getLogger("diloco_jax.syncer")
+
+CHECKPOINT_GLOB = "sync-*.ckpt"
+KEEP_CHECKPOINTS = 2
+
+
+@dataclasses.dataclass
+class Member:
+    incarnation: str
+    last_seen: float
+
+
+@dataclasses.dataclass
+class Pushed:
+    leaves: Any
+    loss: float
+    finite: bool
+    compute_s: float
+
+
+def checkpoint_path(directory: Path, round_: int) -> Path:
+    return directory / f"sync-{round_:08d}.ckpt"
+
+
+def _mean_update(optimizer, theta, outer_state, deltas):
+    """θ, outer state after the outer step on the mean of `deltas` (a list of trees)."""
+    mean = jax.tree.map(lambda *d: jnp.sum(jnp.stack(d), 0) / len(d), *deltas)
+    return outer_update(optimizer, theta, outer_state, mean)
+
+
+class Syncer:
+    """The sync's state machine; every method is safe to call from the gRPC threads."""
+
+    def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
+        self.task, self.options = task, options.checked(task.num_workers)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.cond = threading.Condition()
+        self.epoch = uuid.uuid4().hex
+        optimizer = task.method.outer_optimizer
+        self._apply = jax.jit(functools.partial(_mean_update, optimizer))
+        self.theta = jax.tree.map(np.asarray, task.params)
+        self.outer_state = jax.tree.map(np.asarray, outer_init(optimizer, self.theta))
+        self.delta_like = jax.tree.map(
+            lambda x: np.zeros(np.shape(x), delta_dtype(np.result_type(x))), self.theta
+        )
+        self.round, self.serial = 0, -1
+        self.positions = [0] * task.num_workers
+        self.members: dict[int, Member] = {}
+        self.is_open, self.participants, self.pushed = False, set(), {}
+        self.opened_at = self.quorum_at = self.short_since = None
+        self.started = time.monotonic()
+        self.done: str | None = None  # "finished" or the abort's line
+        restored = self._restore()
+        if self.round >= task.num_rounds:
+            self.done = "finished"
+        elif restored:
+            # The members of the last sync: they reattach with their incarnation and push
+            # again; one that doesn't is removed after heartbeat_timeout.
+            with self.cond:
+                self._open(set(self.members), reason="resumed")
+
+    # ---- the workers' calls -------------------------------------------------------------
+
+    def join(self, worker: int, incarnation: str | None) -> dict[str, Any]:
+        """Worker `worker` (re)joins: its old incarnation (if any) is replaced by a new one,
+        unless it is reattaching with the incarnation a resumed syncer still has."""
+        self._check_worker(worker)
+        with self.cond:
+            now = time.monotonic()
+            member = self.members.get(worker)
+            if member is not None and incarnation == member.incarnation:
+                member.last_seen = now
+            else:
+                if member is not None and worker in self.participants - set(self.pushed):
+                    self.participants.discard(worker)  # its old process won't push
+                member = Member(uuid.uuid4().hex, now)
+                self.members[worker] = member
+                log.info("worker %d joined (round %d)", worker, self.round)
+            self._step()
+            return {"incarnation": member.incarnation, "options": self.options.to_message()}
+
+    def heartbeat(self, worker: int, incarnation: str) -> dict[str, Any]:
+        self._check_worker(worker)
+        with self.cond:
+            member = self.members.get(worker)
+            if member is None or member.incarnation != incarnation:
+                return {"status": "rejoin"}
+            member.last_seen = time.monotonic()
+            return {"status": "ok"}
+
+    def next_round(self, worker: int, incarnation: str, after: int, timeout: float) -> dict:
+        """Blocks (at most `timeout` s) until worker's next round: {"status": "round", serial,
+        round, position, theta}; or "push_again" (the open round lost its delta), "rejoin",
+        "done", "abort" (with "reason"), "pending" (nothing yet: ask again)."""
+        self._check_worker(worker)
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if self.done is not None:
+                    status = "done" if self.done == "finished" else "abort"
+                    return {"status": status, "reason": self.done, "round": self.round}
+                member = self.members.get(worker)
+                if member is None or member.incarnation != incarnation:
+                    return {"status": "rejoin"}
+                member.last_seen = time.monotonic()
+                if self.is_open and worker in self.participants and worker not in self.pushed:
+                    if self.serial != after:
+                        return {
+                            "status": "round",
+                            "serial": self.serial,
+                            "round": self.round,
+                            "position": self.positions[worker],
+                            "theta": wire.leaves(self.theta),
+                        }
+                    return {"status": "push_again", "serial": self.serial}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"status": "pending"}
+                self.cond.wait(min(left, 0.5))
+
+    def push(
+        self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
+        compute_s: float = 0.0,
+    ) -> dict:  # fmt: skip
+        """Worker's delta for opening `serial` (its mean inner loss, and the seconds its
+        phase took): "ok", or "late" (that opening closed, or the worker is not in it),
+        "rejoin", "refused" (with "reason": leaves unlike θ's)."""
+        self._check_worker(worker)
+        try:
+            delta = wire.tree_like(self.delta_like, leaves, f"worker {worker}'s delta")
+        except ValueError as error:
+            log.warning("refused: %s", error)
+            return {"status": "refused", "reason": str(error)}
+        with self.cond:
+            member = self.members.get(worker)
+            if member is None or member.incarnation != incarnation:
+                return {"status": "rejoin"}
+            member.last_seen = time.monotonic()
+            if not self.is_open or serial != self.serial or worker not in self.participants:
+                return {"status": "late"}
+            if worker not in self.pushed:
+                finite = all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
+                self.pushed[worker] = Pushed(delta, float(loss), finite, float(compute_s))
+                if self.quorum_at is None and len(self.pushed) >= self.options.min_workers:
+                    self.quorum_at = time.monotonic()
+                self._step()
+            return {"status": "ok"}
+
+    # ---- the clock ---------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Removes silent and stuck workers, then opens, closes or reopens what is due."""
+        with self.cond:
+            if self.done is not None:
+                return
+            now, o = time.monotonic(), self.options
+            for worker, member in list(self.members.items()):
+                silent = now - member.last_seen
+                if silent > o.heartbeat_timeout:
+                    self._remove(worker, f"silent for {silent:.1f} s")
+                elif (
+                    o.round_timeout is not None
+                    and self.is_open
+                    and worker in self.participants
+                    and worker not in self.pushed
+                    and now - self.opened_at > o.round_timeout
+                ):
+                    self._remove(worker, f"no delta {now - self.opened_at:.1f} s into the round")
+            self._step()
+
+    def run_clock(self, stop: threading.Event, period: float = 0.05) -> None:
+        """Ticks until `stop`; an error ends the run (`done`) with its line, never a hang."""
+        while not stop.wait(period):
+            try:
+                self.tick()
+            except Exception as error:
+                log.exception("the syncer failed")
+                with self.cond:
+                    self.done = f"the syncer failed: {type(error).__name__}: {error}"
+                    self.cond.notify_all()
+                return
+
+    # ---- internals (called with the lock held) -----------------------------------------
+
+    def _check_worker(self, worker: Any) -> None:
+        if isinstance(worker, bool) or not isinstance(worker, int):
+            raise ValueError(f"worker must be an integer, got {worker!r}")
+        if not 0 <= worker < self.task.num_workers:
+            raise ValueError(f"worker must be in [0, {self.task.num_workers}), got {worker}")
+
+    def _remove(self, worker: int, why: str) -> None:
+        del self.members[worker]
+        if worker not in self.pushed:  # the open sync won't wait for it, even if it rejoins
+            self.participants.discard(worker)
+        log.info("worker %d removed: %s (round %d)", worker, why, self.round)
+        self.cond.notify_all()
+
+    def _step(self) -> None:
+        """Opens the first round, or closes / reopens the open one, whatever is due."""
+        if self.done is not None:
+            return
+        o, now = self.options, time.monotonic()
+        if not self.is_open:
+            everyone = len(self.members) == self.task.num_workers
+            waited = now - self.started >= o.join_timeout
+            if everyone or (waited and len(self.members) >= o.min_workers):
+                self._open(set(self.members), reason="start")
+            elif waited:
+                self._short(now, f"{len(self.members)} of {self.task.num_workers} workers joined")
+            return
+        live = self.participants & set(self.members)
+        waiting = live - set(self.pushed)
+        count = len(self.pushed)
+        if count >= o.min_workers and (
+            not waiting or (o.grace_seconds is not None and now - self.quorum_at >= o.grace_seconds)
+        ):
+            self._close()
+        elif count + len(waiting) < o.min_workers:
+            # This round can't reach its quorum any more: open it again for whoever is here.
+            if len(self.members) >= o.min_workers and set(self.members) != self.participants:
+                self._open(set(self.members), reason="quorum lost")
+            else:
+                self._short(now, f"{len(self.members)} live workers")
+        else:
+            self.short_since = None
+
+    def _short(self, now: float, what: str) -> None:
+        if self.short_since is None:
+            self.short_since = now
+        elif now - self.short_since > self.options.quorum_timeout:
+            self.done = (
+                f"fewer than min_workers={self.options.min_workers} workers for "
+                f"{self.options.quorum_timeout:g} s ({what}); the run ends at round "
+                f"{self.round}, checkpointed"
+            )
+            log.error("%s", self.done)
+            self.cond.notify_all()
+
+    def _open(self, participants: set, reason: str) -> None:
+        self.serial += 1
+        self.is_open, self.participants, self.pushed = True, participants, {}
+        self.opened_at, self.quorum_at, self.short_since = time.monotonic(), None, None
+        log.info("round %d open (%s) for workers %s", self.round, reason, sorted(participants))
+        self.cond.notify_all()
+
+    def _close(self) -> None:
+        busy_since = time.monotonic()
+        included = sorted(m for m, p in self.pushed.items() if p.finite)
+        if included:
+            deltas = [self.pushed[m].leaves for m in included]
+            theta, outer = self._apply(self.theta, self.outer_state, deltas)
+            self.theta = jax.tree.map(np.asarray, theta)
+            self.outer_state = jax.tree.map(np.asarray, outer)
+        for m in included:
+            self.positions[m] += 1
+        record = {
+            "round": self.round,
+            "included": included,
+            "participants": sorted(self.participants),
+            "nonfinite": sorted(m for m, p in self.pushed.items() if not p.finite),
+            "loss": float(np.mean([self.pushed[m].loss for m in included])) if included else None,
+            "positions": list(self.positions),
+            "compute_s": {str(m): round(p.compute_s, 4) for m, p in sorted(self.pushed.items())},
+            "seconds": round(time.monotonic() - self.opened_at, 4),
+            "time": time.time(),
+        }
+        self.round += 1
+        self.is_open = False
+        with open(self.directory / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._save()
+        # The outer step and the checkpoint held the lock: no heartbeat could land meanwhile,
+        # so that time counts for nobody's silence.
+        busy = time.monotonic() - busy_since
+        for member in self.members.values():
+            member.last_seen += busy
+        log.info("sync %d closed with workers %s", record["round"], included)
+        if self.round >= self.task.num_rounds:
+            self.done = "finished"
+            wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)})
+            self.cond.notify_all()
+        else:
+            self._open(set(self.members), reason="next")
+
+    def _save(self) -> None:
+        message = {
+            "round": self.round,
+            "serial": self.serial,
+            "theta": wire.leaves(self.theta),
+            "outer": wire.leaves(self.outer_state),
+            "positions": list(self.positions),
+            "members": {str(m): member.incarnation for m, member in self.members.items()},
+        }
+        wire.write_file(checkpoint_path(self.directory, self.round), message)
+        for old in sorted(self.directory.glob(CHECKPOINT_GLOB))[:-KEEP_CHECKPOINTS]:
+            old.unlink()
+
+    def _restore(self) -> bool:
+        """Loads the newest intact checkpoint (an unreadable one is skipped with a warning)
+        and cuts history.jsonl back to it. Returns whether one was found."""
+        for path in sorted(self.directory.glob(CHECKPOINT_GLOB), reverse=True):
+            try:
+                message = wire.read_file(path)
+                theta = wire.tree_like(self.theta, message["theta"], f"{path}: theta")
+                outer = wire.tree_like(self.outer_state, message["outer"], f"{path}: outer")
+                positions = [int(p) for p in message["positions"]]
+                if len(positions) != self.task.num_workers:
+                    raise ValueError(f"{path}: {len(positions)} positions, not one per worker")
+            except (ValueError, KeyError, TypeError) as error:
+                log.warning("skipping checkpoint %s: %s", path.name, error)
+                continue
+            self.theta, self.outer_state, self.positions = theta, outer, positions
+            self.round, self.serial = int(message["round"]), int(message["serial"])
+            # The members get a heartbeat timeout more than usual to find the restarted syncer.
+            now = time.monotonic() + self.options.heartbeat_timeout
+            self.members = {int(m): Member(inc, now) for m, inc in message["members"].items()}
+            self._cut_history()
+            log.info("resumed from %s (round %d)", path.name, self.round)
+            return True
+        return False
+
+    def _cut_history(self) -> None:
+        path = self.directory / "history.jsonl"
+        if not path.exists():
+            return
+        lines = path.read_text().splitlines()
+        kept = [line for line in lines if _round_of(line) < self.round]
+        if len(kept) != len(lines):  # a sync after the checkpoint, or a torn last line
+            path.write_text("".join(line + "\n" for line in kept))
+
+
+def _round_of(line: str) -> float:
+    """The round a history line records (infinity for a torn or empty line)."""
+    try:
+        return json.loads(line)["round"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

@@ -1,0 +1,77 @@
+"""The elastic tests' task: tests/reference.py's linear model, AdamW inner steps and the
+paper's Nesterov outer step, with each worker's data a function of (worker, position) only.
+Sized by environment variables, so the test and its worker processes build the same task:
+ELASTIC_WORKERS (M, default 4), ELASTIC_ROUNDS (R, default 10) and ELASTIC_PHASE_SECONDS
+(a sleep in each phase's batches, so a test can act inside a phase; default 0). A test holds
+every worker at a position by writing it to the file ELASTIC_HOLD names: a phase at that
+position or later waits in its batches (heartbeating) while the file says so."""
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+import optax
+from reference import linear_loss
+
+import diloco_jax as dj
+from diloco_jax.elastic import ElasticTask
+
+INNER_STEPS = 3
+PARAMS = {"w": np.asarray([0.3, -0.2, 0.1], np.float32), "b": np.float32(0.5)}
+METHOD = dj.DiLoCo(
+    inner=optax.adamw(0.02, weight_decay=0.1),
+    outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+)
+
+
+def batch(worker, position):
+    """Worker `worker`'s batch of its `position`-th inner phase: {"x": [H, 4, 3], "y": [H, 4]}."""
+    rng = np.random.default_rng([worker, position])
+    x = rng.normal(size=(INNER_STEPS, 4, 3)).astype(np.float32)
+    y = (x @ np.asarray([1.0, -2.0, 0.5], np.float32) + 0.3).astype(np.float32)
+    return {"x": x, "y": y + 0.1 * rng.normal(size=y.shape).astype(np.float32)}
+
+
+def make_task():
+    seconds = float(os.environ.get("ELASTIC_PHASE_SECONDS", "0"))
+    hold = os.environ.get("ELASTIC_HOLD")
+
+    def held(position):
+        try:
+            with open(hold) as f:
+                return position >= int(f.read())
+        except (OSError, ValueError, TypeError):
+            return False
+
+    def batches(worker, position):
+        while held(position):
+            time.sleep(0.02)
+        time.sleep(seconds)
+        return batch(worker, position)
+
+    return ElasticTask(
+        loss_fn=linear_loss,
+        params=PARAMS,
+        batches=batches,
+        num_workers=int(os.environ.get("ELASTIC_WORKERS", "4")),
+        inner_steps=INNER_STEPS,
+        num_rounds=int(os.environ.get("ELASTIC_ROUNDS", "10")),
+        method=METHOD,
+    )
+
+
+def make_sharded_task():
+    """make_task's task with each step's batch of 4 split over the worker's first 2 devices
+    (its gradients reduced there), θ replicated on them."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
+    task = make_task()
+    return dataclasses.replace(
+        task,
+        param_sharding=NamedSharding(mesh, P()),
+        batch_sharding=NamedSharding(mesh, P(None, "data")),
+    )

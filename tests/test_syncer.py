@@ -1,0 +1,326 @@
+"""The elastic syncer's rules, in one process (`diloco_jax.syncer.Syncer`, called as the gRPC
+service calls it): the mean and the outer step against NumPy, positions, the quorum, the grace
+window, silent and stuck workers, a round reopened when its quorum is lost, non-finite and
+malformed deltas, checkpoints and their fallback; and the task's and options' refusals."""
+
+import json
+import time
+
+import numpy as np
+import optax
+import pytest
+from elastic_linear import PARAMS, make_task
+
+import diloco_jax as dj
+from diloco_jax import wire
+from diloco_jax.elastic import main
+from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
+from diloco_jax.syncer import Syncer
+
+LR, MOMENTUM = 0.7, 0.9  # elastic_linear's outer Nesterov
+
+
+def _syncer(tmp_path, workers=3, rounds=4, **options):
+    task = make_task()
+    task = ElasticTask(task.loss_fn, task.params, task.batches, workers, task.inner_steps, rounds,
+                       task.method)  # fmt: skip
+    defaults = dict(heartbeat_interval=0.05, heartbeat_timeout=0.3)
+    return Syncer(task, Elastic(**{**defaults, **options}), tmp_path)
+
+
+def _join_all(syncer, workers):
+    return [syncer.join(m, None)["incarnation"] for m in range(workers)]
+
+
+def _delta(value):
+    return [np.float32(value), np.full(3, value, np.float32)]  # leaves of {"b", "w"}
+
+
+def _push(syncer, m, inc, value):
+    serial = syncer.serial
+    return syncer.push(m, inc, serial, _delta(value), loss=float(m))["status"]
+
+
+def _nesterov(theta, means):
+    """θ after outer Nesterov SGD steps on each mean delta (float64)."""
+    trace = np.zeros_like(theta)
+    for d in means:
+        trace = d + MOMENTUM * trace
+        theta = theta - LR * (d + MOMENTUM * trace)
+    return theta
+
+
+def test_a_sync_takes_the_mean_and_the_outer_step(tmp_path):
+    s = _syncer(tmp_path)
+    incs = _join_all(s, 3)
+    assert s.is_open and s.participants == {0, 1, 2}
+    for m, value in enumerate((0.1, 0.2, 0.6)):
+        assert _push(s, m, incs[m], value) == "ok"
+    assert s.round == 1 and s.positions == [1, 1, 1]
+    for m, value in enumerate((0.3, -0.3, 0.9)):
+        _push(s, m, incs[m], value)
+    theta0 = np.r_[PARAMS["b"], PARAMS["w"]].astype(np.float64)
+    expected = _nesterov(theta0, [0.3, 0.3])
+    got = np.r_[s.theta["b"], s.theta["w"]]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    lines = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [x["included"] for x in lines] == [[0, 1, 2]] * 2
+    assert lines[1]["loss"] == 1.0 and lines[1]["positions"] == [2, 2, 2]
+    reply = s.next_round(1, incs[1], after=-1, timeout=0.1)
+    assert reply["status"] == "round" and reply["round"] == 2 and reply["position"] == 2
+    np.testing.assert_array_equal(reply["theta"][1], s.theta["w"])
+
+
+def test_a_resumed_syncer_continues_from_its_newest_intact_checkpoint(tmp_path):
+    s = _syncer(tmp_path)
+    incs = _join_all(s, 3)
+    for r in range(3):
+        for m in range(3):
+            _push(s, m, incs[m], 0.1 * (r + 1))
+    theta, positions = dict(s.theta), list(s.positions)
+    assert sorted(p.name for p in tmp_path.glob("sync-*.ckpt")) == [
+        "sync-00000002.ckpt", "sync-00000003.ckpt",
+    ]  # fmt: skip
+    again = _syncer(tmp_path)
+    assert again.round == 3 and again.positions == positions
+    np.testing.assert_array_equal(again.theta["w"], theta["w"])
+    assert again.is_open and again.participants == {0, 1, 2}
+    # A worker of the last sync reattaches with its incarnation and is asked for its delta.
+    assert again.join(1, incs[1])["incarnation"] == incs[1]
+    assert again.next_round(1, incs[1], after=again.serial, timeout=0.1)["status"] == "push_again"
+    # The newest checkpoint torn: the one before it, and history cut back to it.
+    newest = tmp_path / "sync-00000003.ckpt"
+    newest.write_bytes(newest.read_bytes()[:-5])
+    third = _syncer(tmp_path)
+    assert third.round == 2
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_grace_window_closes_without_a_late_worker(tmp_path):
+    s = _syncer(tmp_path, min_workers=2, grace_seconds=0.2)
+    incs = _join_all(s, 3)
+    _push(s, 0, incs[0], 0.1)
+    _push(s, 1, incs[1], 0.2)
+    s.tick()
+    assert s.round == 0  # within the grace window
+    time.sleep(0.25)
+    s.heartbeat(2, incs[2])
+    s.tick()
+    assert s.round == 1 and s.positions == [1, 1, 0]
+    assert s.push(2, incs[2], s.serial - 1, _delta(0.3), 0.0)["status"] == "late"
+    reply = s.next_round(2, incs[2], after=s.serial - 1, timeout=0.1)
+    assert reply["round"] == 1 and reply["position"] == 0  # still a member, data not advanced
+
+
+def test_a_silent_worker_is_removed_and_joins_the_next_round(tmp_path):
+    s = _syncer(tmp_path, min_workers=2)
+    incs = _join_all(s, 3)
+    _push(s, 0, incs[0], 0.1)
+    _push(s, 1, incs[1], 0.2)
+    time.sleep(0.35)
+    for m in (0, 1):
+        s.heartbeat(m, incs[m])
+    s.tick()
+    assert 2 not in s.members and s.round == 1 and s.positions == [1, 1, 0]
+    assert s.heartbeat(2, incs[2])["status"] == "rejoin"
+    assert s.next_round(2, incs[2], after=0, timeout=0.1)["status"] == "rejoin"
+    new = s.join(2, None)["incarnation"]
+    assert new != incs[2] and 2 not in s.participants  # joined mid-round: from the next one
+    assert s.next_round(2, new, after=-1, timeout=0.1)["status"] == "pending"
+    assert s.next_round(2, new, after=-1, timeout=0.1)["status"] == "pending"
+    _push(s, 0, incs[0], 0.1)
+    _push(s, 1, incs[1], 0.1)
+    reply = s.next_round(2, new, after=-1, timeout=0.1)
+    assert reply["status"] == "round" and reply["round"] == 2 and reply["position"] == 0
+
+
+def test_a_worker_removed_from_an_open_round_is_not_waited_for_after_it_rejoins(tmp_path):
+    s = _syncer(tmp_path, min_workers=2)
+    incs = _join_all(s, 3)
+    time.sleep(0.35)
+    for m in (0, 1):
+        s.heartbeat(m, incs[m])
+    s.tick()  # worker 2 removed inside round 0
+    new = s.join(2, None)["incarnation"]  # its restarted process, before round 0 closes
+    assert s.next_round(2, new, after=-1, timeout=0.1)["status"] == "pending"
+    _push(s, 0, incs[0], 0.1)
+    _push(s, 1, incs[1], 0.1)
+    assert s.round == 1 and s.positions == [1, 1, 0]  # closed without waiting for it
+    assert s.next_round(2, new, after=-1, timeout=0.1)["round"] == 1
+
+
+def test_a_stuck_worker_is_removed_after_the_round_timeout(tmp_path):
+    s = _syncer(tmp_path, min_workers=2, round_timeout=0.2, heartbeat_timeout=5.0)
+    incs = _join_all(s, 3)
+    _push(s, 0, incs[0], 0.1)
+    _push(s, 1, incs[1], 0.2)
+    time.sleep(0.25)
+    s.tick()
+    assert s.round == 1 and 2 not in s.members
+
+
+def test_a_round_that_loses_its_quorum_is_opened_again(tmp_path):
+    s = _syncer(tmp_path, min_workers=2)
+    incs = _join_all(s, 2)  # round 0 waits for all 3 ...
+    s.started -= 1e9  # ... until the join timeout, then starts with 0 and 1
+    s.tick()
+    assert s.participants == {0, 1}
+    late = s.join(2, None)["incarnation"]
+    _push(s, 0, incs[0], 0.1)
+    serial = s.serial
+    time.sleep(0.35)
+    s.heartbeat(0, incs[0])
+    s.heartbeat(2, late)
+    s.tick()  # worker 1 silent: 1 delta + 0 waiting < 2; workers 0 and 2 are here
+    assert s.round == 0 and s.serial == serial + 1 and s.participants == {0, 2}
+    assert not s.pushed  # worker 0 runs round 0 again, from the same θ and position
+    assert s.next_round(0, incs[0], after=serial, timeout=0.1)["position"] == 0
+
+
+def test_too_few_workers_for_the_quorum_timeout_end_the_run(tmp_path):
+    s = _syncer(tmp_path, min_workers=2, quorum_timeout=0.2)
+    incs = _join_all(s, 3)
+    time.sleep(0.35)
+    s.heartbeat(0, incs[0])
+    s.tick()
+    s.heartbeat(0, incs[0])
+    time.sleep(0.25)
+    s.heartbeat(0, incs[0])
+    s.tick()
+    assert s.done.startswith("fewer than min_workers=2 workers for 0.2 s (1 live workers)")
+    assert s.next_round(0, incs[0], after=-1, timeout=0.1)["status"] == "abort"
+
+
+def test_a_nonfinite_delta_is_left_out_and_its_data_not_counted(tmp_path):
+    s = _syncer(tmp_path)
+    incs = _join_all(s, 3)
+    _push(s, 0, incs[0], 0.1)
+    _push(s, 1, incs[1], np.nan)
+    _push(s, 2, incs[2], 0.3)
+    assert s.positions == [1, 0, 1]
+    theta0 = np.r_[PARAMS["b"], PARAMS["w"]].astype(np.float64)
+    np.testing.assert_allclose(np.r_[s.theta["b"], s.theta["w"]], _nesterov(theta0, [0.2]),
+                               rtol=1e-6)  # fmt: skip
+    line = json.loads((tmp_path / "history.jsonl").read_text())
+    assert line["included"] == [0, 2] and line["nonfinite"] == [1]
+
+
+def test_a_delta_unlike_theta_is_refused(tmp_path):
+    s = _syncer(tmp_path)
+    incs = _join_all(s, 3)
+    reply = s.push(0, incs[0], s.serial, [np.float32(0), np.zeros(4, np.float32)], 0.0)
+    assert (
+        reply["status"] == "refused"
+        and "leaf 1 is float32[4], expected float32[3]" in (reply["reason"])
+    )
+    with pytest.raises(ValueError, match=r"worker must be in \[0, 3\)"):
+        s.join(3, None)
+
+
+def test_files_refuse_torn_and_edited_bytes(tmp_path):
+    path = tmp_path / "x.ckpt"
+    wire.write_file(path, {"a": np.arange(3)})
+    np.testing.assert_array_equal(wire.read_file(path)["a"], np.arange(3))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        wire.read_file(path)
+
+
+@pytest.mark.parametrize(
+    "method, reason",
+    [
+        (dj.DiLoCo(schedule=dj.Streaming(2)), "fragments"),
+        (dj.DiLoCo(compression="int8"), "compression"),
+        (dj.DiLoCo(delay=dj.Delayed(1)), "delay"),
+        (dj.DiLoCo(state_sync=dj.StateSync(mu=4)), "DES-LOC"),
+        (dj.DiLoCo(gossip=dj.NoLoCo(2)), "NoLoCo"),
+        (dj.DiLoCo(weights=dj.Weights(drop_probability=0.1)), "simulated drops"),
+        (dj.DiLoCo(weights=dj.Weights(weighting="steps")), "weighting"),
+    ],
+)
+def test_a_method_that_cant_run_elastically_is_refused_with_its_reason(method, reason):
+    task = make_task()
+    with pytest.raises(ValueError, match=f"can't run elastically: .*{reason}"):
+        ElasticTask(task.loss_fn, task.params, task.batches, 4, 3, 2, method)
+
+
+def test_the_methods_that_run_elastically():
+    task = make_task()
+    for method in (
+        dj.DiLoCo(inner=dj.muon_inner_optimizer(0.01)),  # MuLoCo
+        dj.DiLoCo(outer=optax.chain(dj.clip_outer_norm(1.0), dj.default_outer_optimizer())),
+        dj.DiLoCo(outer_state_dtype="bfloat16"),
+    ):
+        ElasticTask(task.loss_fn, task.params, task.batches, 4, 3, 2, method)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(min_workers=0), "min_workers must be an integer >= 1"),
+        (dict(heartbeat_timeout=0.1, heartbeat_interval=0.2), "must exceed heartbeat_interval"),
+        (dict(round_timeout=-1.0), "round_timeout must be finite and > 0"),
+        (dict(grace_seconds=float("inf")), "grace_seconds must be finite"),
+        (dict(inner_state="peer"), "inner_state must be 'checkpoint' or 'fresh'"),
+    ],
+)
+def test_options_out_of_range_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        Elastic(**options)
+
+
+def test_min_workers_above_the_workers_is_refused():
+    with pytest.raises(ValueError, match=r"min_workers must be at most .* \(4\), got 5"):
+        Elastic(min_workers=5).checked(4)
+
+
+def test_load_task_names_a_bad_spec():
+    with pytest.raises(ValueError, match="module:function"):
+        load_task("elastic_linear")
+    with pytest.raises(ValueError, match="can't be loaded"):
+        load_task("elastic_linear:nothing")
+    assert load_task("elastic_linear:make_task").num_workers == 4
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["syncer", "--task", "nowhere:task", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("diloco-jax elastic: task 'nowhere:task' can't be loaded")
+    argv = ["run", "--task", "elastic_linear:make_task", "--out", str(tmp_path / "o"),
+            "--min-workers", "9"]  # fmt: skip
+    assert main(argv) == 2
+    assert "min_workers must be at most" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "logs").exists()  # refused before any process started
+
+
+def _worker(tmp_path, inner_state):
+    from diloco_jax.elastic_worker import Worker
+
+    worker = Worker(make_task(), 1, "127.0.0.1:9", tmp_path)  # never connects here
+    worker.options, worker.rejoined = Elastic(inner_state=inner_state), True
+    return worker
+
+
+def test_a_rejoining_worker_takes_its_inner_state_of_its_position(tmp_path):
+    import jax
+
+    worker = _worker(tmp_path, "checkpoint")
+    state = jax.tree.map(lambda x: np.full_like(x, 7), worker.opt_like)
+    worker._keep(3, state)  # as after its third phase; a new process finds it on disk
+    again = _worker(tmp_path, "checkpoint")
+    loaded = again._state(3)
+    assert all(np.all(x == 7) for x in jax.tree.leaves(loaded))
+    # No state of that position on disk: it starts the inner optimizer afresh.
+    missing = _worker(tmp_path, "checkpoint")._state(2)
+    assert all(np.all(x == 0) for x in jax.tree.leaves(missing))
+
+
+def test_inner_state_fresh_starts_a_rejoining_worker_afresh(tmp_path):
+    import jax
+
+    worker = _worker(tmp_path, "fresh")
+    worker._keep(3, jax.tree.map(lambda x: np.full_like(x, 7), worker.opt_like))
+    assert all(np.all(x == 0) for x in jax.tree.leaves(worker._state(3)))  # rejoined: fresh
+    assert all(np.all(x == 7) for x in jax.tree.leaves(worker._state(3)))  # then its own
