@@ -107,9 +107,9 @@ class Eager(Delayed):
             raise ValueError(
                 "Eager can't be combined with Weights that leave a worker out or weigh it "
                 "(exclude_nonfinite, drop_probability, weighting, anomaly, membership): the "
-                "eager rule "
-                "swaps each worker's own 1/M share of the stale mean for its fresh delta, "
-                "which has no defined form once shares are weighted or a worker is left out"
+                "eager rule swaps each worker's own 1/M share of the stale mean for its fresh "
+                "delta, which has no defined form once shares are weighted or a worker is left "
+                "out"
             )
 
     def plan(self, build: Any, roles: dict) -> None:

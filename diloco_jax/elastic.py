@@ -22,6 +22,7 @@ OUT/syncer/final.msgpack (θ after R syncs; `final_params`) and OUT/syncer/histo
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -52,8 +53,6 @@ def history(directory: str | os.PathLike) -> list[dict[str, Any]]:
     (the included workers' mean inner loss), positions (every worker's data position after
     it), compute_s (each pushing worker's phase seconds), seconds (opened to closed) and time
     (when it closed, Unix seconds)."""
-    import json
-
     path = Path(directory) / "history.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -72,7 +72,6 @@ class Syncer:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.cond = threading.Condition()
-        self.epoch = uuid.uuid4().hex
         optimizer = task.method.outer_optimizer
         self._apply = jax.jit(functools.partial(_mean_update, optimizer))
         self.theta = jax.tree.map(np.asarray, task.params)
