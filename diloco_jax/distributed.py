@@ -43,6 +43,7 @@ def initialize(
     *,
     platform: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    heartbeat_timeout: int | None = None,
 ) -> None:
     """Joins this process to a multi-process JAX run (call once, before using devices).
 
@@ -53,6 +54,8 @@ def initialize(
       platform: the platform the run uses ("cpu", "gpu", "tpu"); default the first entry of
         JAX_PLATFORMS, if set. On "cpu" the cross-process collectives go through gloo.
       timeout: seconds > 0 to wait for the coordinator and for every process to join.
+      heartbeat_timeout: whole seconds >= 1 after which JAX's coordination service takes a
+        silent process for dead and ends the others (JAX's default, 100 s, when None).
 
     With all three unset (arguments and DILOCO_* variables), JAX detects the cluster itself.
     Raises ValueError when only some of them are given, or one is malformed or out of range;
@@ -63,6 +66,15 @@ def initialize(
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     if not math.isfinite(timeout) or timeout > MAX_TIMEOUT_S:
         raise ValueError(f"timeout must be at most {MAX_TIMEOUT_S} seconds, got {timeout!r}")
+    if heartbeat_timeout is not None and (
+        isinstance(heartbeat_timeout, bool)
+        or not isinstance(heartbeat_timeout, int)
+        or not 1 <= heartbeat_timeout <= MAX_TIMEOUT_S
+    ):
+        raise ValueError(
+            f"heartbeat_timeout must be None or whole seconds in [1, {MAX_TIMEOUT_S}], got "
+            f"{heartbeat_timeout!r}"
+        )
     coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR)
     num_processes = _int_or_env("num_processes", num_processes, ENV_NUM_PROCESSES)
     process_id = _int_or_env("process_id", process_id, ENV_PROCESS_ID)
@@ -83,13 +95,14 @@ def initialize(
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     seconds = max(1, math.ceil(timeout))  # JAX takes whole seconds
+    beat = {} if heartbeat_timeout is None else {"heartbeat_timeout_seconds": heartbeat_timeout}
     if missing:
-        jax.distributed.initialize(initialization_timeout=seconds)
+        jax.distributed.initialize(initialization_timeout=seconds, **beat)
         return
     if process_id != 0:  # process 0 serves the coordinator; the others must reach it
         wait_for_coordinator(coordinator, timeout)
     jax.distributed.initialize(
-        coordinator, num_processes, process_id, initialization_timeout=seconds
+        coordinator, num_processes, process_id, initialization_timeout=seconds, **beat
     )
 
 

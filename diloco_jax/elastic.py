@@ -10,14 +10,17 @@ stalls or restarts never stops the others (docs/faults.md).
 OUT/logs, restarts a worker that dies (`--restart-workers`), and on Ctrl-C, SIGTERM or the
 syncer's failure ends every process it started. `syncer` and `worker` start one process each,
 for a cluster's own launcher (one worker per host or per device group: each worker is one
-JAX program, its mesh its own).
+JAX program, its mesh its own). A worker over several processes or hosts is a group: start
+each of its processes with `--coordinator HOST:PORT --num-processes N --process-id I` (one
+`jax.distributed` cluster per worker; `run --processes-per-worker N` does this on one host).
 
 The task (`ElasticTask`, from `module:function`) is the same in every process: the model,
 θ_0, the data by (worker, position), M, H, R and the method. The syncer holds θ, the outer
 state, the membership and each worker's data position (`diloco_jax.syncer`); the workers
 hold their inner optimizer state (`diloco_jax.elastic_worker`). The result is
-OUT/syncer/final.msgpack (θ after R syncs; `final_params`) and OUT/syncer/history.jsonl
-(per sync: who was included, the mean loss, every worker's position).
+OUT/syncer/final.msgpack (θ after R syncs; `final_params`), OUT/syncer/history.jsonl
+(per sync: who was included, the mean loss, every worker's position; `history`) and each
+worker's OUT/workers/worker-m/metrics.jsonl (per inner phase; `worker_metrics`).
 """
 
 import argparse
@@ -26,6 +29,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +40,7 @@ from typing import Any
 from diloco_jax import run_lock, wire
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
 
-__all__ = ["Elastic", "ElasticTask", "final_params", "history", "main"]
+__all__ = ["Elastic", "ElasticTask", "final_params", "history", "main", "worker_metrics"]
 
 ADDRESS_FILE = "syncer.address"
 
@@ -53,7 +57,20 @@ def history(directory: str | os.PathLike) -> list[dict[str, Any]]:
     (the included workers' mean inner loss), positions (every worker's data position after
     it), compute_s (each pushing worker's phase seconds), seconds (opened to closed) and time
     (when it closed, Unix seconds)."""
-    path = Path(directory) / "history.jsonl"
+    return _jsonl(Path(directory) / "history.jsonl")
+
+
+def worker_metrics(directory: str | os.PathLike, worker: int) -> list[dict[str, Any]]:
+    """Worker `worker`'s metrics from the workers' folder (`worker --dir`, OUT/workers
+    under `run`): one dict per inner phase it ran, restarts included: round, position (its
+    data position), loss (its mean inner loss), compute_s (the phase's seconds: batches and H
+    steps) and time (when it ended, Unix seconds). A worker group's leader writes them."""
+    folder = Path(directory) / f"worker-{worker}"
+    leader = folder / "process-0"
+    return _jsonl((leader if leader.is_dir() else folder) / "metrics.jsonl")
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -127,10 +144,22 @@ def run_syncer(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     import grpc
 
-    from diloco_jax.elastic_worker import Worker
+    from diloco_jax.elastic_worker import GROUP_HEARTBEAT_S, Worker, worker_folder
     from diloco_jax.rpc import SyncerLost
 
-    folder = Path(args.dir) / f"worker-{args.worker}"
+    if args.num_processes > 1 or args.coordinator is not None:
+        import jax
+
+        from diloco_jax import distributed
+
+        # A worker group is a JAX cluster of its own, formed before the task builds its mesh.
+        # On CPU its collectives go through gloo (no effect on other platforms' devices).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        distributed.initialize(
+            args.coordinator, args.num_processes, args.process_id,
+            heartbeat_timeout=GROUP_HEARTBEAT_S,
+        )  # fmt: skip
+    folder = worker_folder(args.dir, args.worker)
     folder.mkdir(parents=True, exist_ok=True)
     lock = run_lock.acquire(folder, what=f"worker {args.worker}'s folder")
     task = load_task(args.task)
@@ -176,6 +205,10 @@ def _end(processes: list[subprocess.Popen], timeout: float = 5.0) -> None:
 
 def launch(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if not 1 <= args.processes_per_worker <= 1024:
+        raise ValueError(
+            f"--processes-per-worker must be in [1, 1024], got {args.processes_per_worker}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     lock = run_lock.acquire(out, what="--out")
     task = load_task(args.task)  # refused here, before any process starts
@@ -198,13 +231,22 @@ def launch(args: argparse.Namespace) -> int:
         address = _address(syncer_dir, syncer, stop)
         if address is None:
             return 130 if stop.is_set() else (syncer.poll() or 1)
-        workers = {}
+        groups: dict[int, list[subprocess.Popen]] = {}  # worker -> its processes
 
         def start(m: int) -> None:
             argv = ["worker", "--task", args.task, "--worker", str(m), "--syncer", address,
                     "--dir", str(out / "workers")]  # fmt: skip
-            workers[m] = _spawn(argv, logs / f"worker-{m}.log")
-            processes.append(workers[m])
+            size = args.processes_per_worker
+            if size == 1:
+                groups[m] = [_spawn(argv, logs / f"worker-{m}.log")]
+            else:  # a JAX cluster of its own, at a fresh port each start
+                group = ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes",
+                         str(size)]  # fmt: skip
+                groups[m] = [
+                    _spawn([*argv, *group, "--process-id", str(i)], logs / f"worker-{m}.{i}.log")
+                    for i in range(size)
+                ]
+            processes.extend(groups[m])
 
         for m in range(task.num_workers):
             start(m)
@@ -213,15 +255,20 @@ def launch(args: argparse.Namespace) -> int:
         while not stop.wait(0.2):
             code = syncer.poll()
             if code is not None:
+                if code:  # its one line (quorum lost, a bad task), on the launcher's console
+                    print(_last_word(logs / "syncer.log", code), file=sys.stderr, flush=True)
                 return code
-            for m, p in list(workers.items()):
-                if p.poll() not in (None, 0) and args.restart_workers:
-                    print(f"diloco-jax elastic: worker {m} exited with {p.returncode}; "
-                          "restarting it", flush=True)  # fmt: skip
-                    start(m)
-            codes = [p.poll() for p in workers.values()]
+            for m, group in list(groups.items()):
+                failed = [p.returncode for p in group if p.poll() not in (None, 0)]
+                if failed:  # one process down ends its group: they share one fate
+                    _end(group)
+                    if args.restart_workers:
+                        print(f"diloco-jax elastic: worker {m} exited with {failed[0]}; "
+                              "restarting it", flush=True)  # fmt: skip
+                        start(m)
+            codes = [p.poll() for group in groups.values() for p in group]
             if None not in codes and any(codes):  # every worker gone, some failed
-                failed = [m for m, p in workers.items() if p.returncode]
+                failed = [m for m, group in groups.items() if any(p.returncode for p in group)]
                 print(f"diloco-jax elastic: workers {failed} failed (see their logs in "
                       f"{logs}); ending the run", file=sys.stderr, flush=True)  # fmt: skip
                 return 1
@@ -229,6 +276,21 @@ def launch(args: argparse.Namespace) -> int:
     finally:
         _end(processes)
         lock.release()
+
+
+def _last_word(log_path: Path, code: int) -> str:
+    """The syncer's one line on why it ended (from its log), or where to look."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    said = [x for x in lines if x.startswith("diloco-jax elastic:")]
+    return (
+        said[-1] if said else f"diloco-jax elastic: the syncer exited with {code} (see {log_path})"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _address(syncer_dir: Path, syncer: subprocess.Popen, stop: threading.Event) -> str | None:
@@ -250,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", required=True)
     run.add_argument("--port", type=int, default=0)
     run.add_argument("--restart-workers", action="store_true")
+    run.add_argument("--processes-per-worker", type=int, default=1,
+                     help="N > 1: each worker a JAX cluster of N processes on this host (its "
+                     "task's shardings span their devices)")  # fmt: skip
     _add_options(run)
     syncer = sub.add_parser("syncer", help="the syncer alone")
     syncer.add_argument("--task", required=True)
@@ -262,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--worker", type=int, required=True)
     worker.add_argument("--syncer", required=True, help="the syncer's host:port")
     worker.add_argument("--dir", required=True)
+    worker.add_argument("--coordinator", default=None,
+                        help="HOST:PORT of the worker group's process 0 (a worker over several "
+                        "processes or hosts)")  # fmt: skip
+    worker.add_argument("--num-processes", type=int, default=1, help="the group's size")
+    worker.add_argument("--process-id", type=int, default=0, help="this process, in the group")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,

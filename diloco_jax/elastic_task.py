@@ -154,7 +154,8 @@ class Elastic:
       longer reach it is opened again for the live workers; fewer than min_workers alive for
       longer than `quorum_timeout` ends the run (its last sync is checkpointed).
     join_timeout: how long the first round waits for all M workers before it starts with the
-      ones there (at least min_workers).
+      ones there (at least min_workers); a resumed syncer waits as long for the workers of its
+      last sync.
     heartbeat_interval, heartbeat_timeout: each worker's heartbeat period, and the silence
       after which the syncer takes it for dead (SIGKILL, a crash, SIGSTOP, a lost host); it is
       left out of the open sync and heals when it comes back.

@@ -7,9 +7,19 @@ position p), take the inner optimizer state of position p, run the H inner steps
 and ask again. The syncer's reply says where the worker stands: a worker left out of a sync
 (dead, stalled, late) keeps position p and its state of p; a restarted process takes its
 state of p from its checkpoint folder (or starts it fresh, `Elastic.inner_state`).
+
+A worker may be one process or a group of processes, one `jax.distributed` cluster of its
+own (a worker over several hosts; the task's shardings span the group's devices). Process 0
+of the group, the leader, alone talks to the syncer; it shares each command (the round, θ,
+the end) with the others by a broadcast, every process runs the phase on its part of the
+devices, and the delta is gathered for the leader to push. The group shares one fate: a
+process that dies ends the others (JAX's coordination service, `GROUP_HEARTBEAT_S`), and
+the group joins again as a whole, as one restarted worker.
 """
 
+import dataclasses
 import functools
+import json
 import logging
 import os
 import threading
@@ -21,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import inner, wire
+from diloco_jax import distributed, inner, wire
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.outer import worker_delta
 from diloco_jax.rpc import SyncerClient
@@ -32,6 +42,13 @@ log = logging.getLogger("diloco_jax.worker")
 # that round (after its first leaf) for an hour, so a test can kill it mid-push.
 PAUSE_PUSH_ENV = "DILOCO_JAX_PAUSE_PUSH"
 KEEP_STATES = 3
+# One line per inner phase this worker ran: round, position, its mean loss, its seconds, time.
+METRICS_FILE = "metrics.jsonl"
+# How soon a worker group's survivors end after one of its processes dies (whole seconds;
+# JAX's coordination service ends them, so the group restarts as one).
+GROUP_HEARTBEAT_S = 10
+# The commands the leader shares with its group, by their index.
+COMMANDS = ("pending", "round", "rejoin", "push_again", "done", "abort")
 
 
 class WorkerExit(Exception):
@@ -54,9 +71,11 @@ class Worker:
         if not 0 <= worker < task.num_workers:
             raise ValueError(f"worker must be in [0, {task.num_workers}), got {worker}")
         self.task, self.worker = task, worker
-        self.directory = Path(directory) / f"worker-{worker}"
+        self.grouped = jax.process_count() > 1
+        self.leader = jax.process_index() == 0
+        self.directory = worker_folder(directory, worker)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.client = SyncerClient(address)
+        self.client = SyncerClient(address) if self.leader else None
         self.optimizer = task.method.inner_optimizer
         self.phase = jax.jit(functools.partial(_phase, task.loss_fn, self.optimizer))
         self.opt_like = jax.tree.map(np.asarray, self.optimizer.init(task.params))
@@ -65,6 +84,7 @@ class Worker:
         self.pause_round = os.environ.get(PAUSE_PUSH_ENV)
         self.incarnation: str | None = None
         self.options = Elastic()
+        self.rejoined = True
         self.stop = threading.Event()
 
     def join(self) -> None:
@@ -73,8 +93,10 @@ class Worker:
         self.options = Elastic.from_message(reply["options"])
         self.client.syncer_timeout = self.options.syncer_timeout
         self.rejoined = True
-        log.info("worker %d joined; its inner phase runs on %d device(s)", self.worker,
-                 len(self._devices()))  # fmt: skip
+        where = f"{len(self._devices())} device(s)"
+        if self.grouped:
+            where += f" of {jax.process_count()} processes"
+        log.info("worker %d joined; its inner phase runs on %s", self.worker, where)
 
     def heartbeats(self) -> None:
         """Until stopped: a heartbeat every heartbeat_interval (a thread of its own, so a
@@ -85,40 +107,96 @@ class Worker:
 
     def run(self) -> int:
         """Trains until the run ends; returns the process's exit code."""
-        self.join()
         beat = threading.Thread(target=self.heartbeats, daemon=True)
-        beat.start()
-        after, pending = -1, None
+        after, pending, push = -1, None, None
         try:
+            command = self._command(lambda: self._first(beat))
             while True:
-                reply = self.client.call("Next", self._me(after=after, timeout=5.0))
-                status = reply["status"]
-                if status == "pending":
-                    continue
+                status = command["status"]
                 if status in ("done", "abort"):
-                    code = 0 if status == "done" else 1
-                    raise WorkerExit(code, reply["reason"])
+                    raise WorkerExit(0 if status == "done" else 1, command["reason"])
                 if status == "rejoin":
-                    log.info("worker %d: the syncer left it out; joining again", self.worker)
-                    self.join()
                     after, pending = -1, None
+                    self.rejoined = True
                 elif status == "push_again":
                     if pending is None:  # nothing kept to push: take the round afresh
                         after = -1
                     else:
-                        self._push(*pending)
+                        push = pending
                 elif status == "round":
-                    pending = self._round(reply)
-                    after = pending[0]
-                    self._push(*pending)
+                    pending = self._round(command)
+                    after, push = pending[0], pending
+                command = self._command(functools.partial(self._next, after, push))
+                push = None
         except WorkerExit as end:
-            log.info("worker %d: %s", self.worker, end.line)
+            if self.leader or end.code == 0:
+                log.info("worker %d: %s", self.worker, end.line)
             return end.code
         finally:
             # No gRPC call may be in flight when the interpreter exits (gRPC aborts then).
             self.stop.set()
-            beat.join()
-            self.client.close()
+            if beat.is_alive():
+                beat.join()
+            if self.client is not None:
+                self.client.close()
+
+    def _first(self, beat: threading.Thread) -> dict:
+        self.join()
+        beat.start()
+        return {"status": "pending"}
+
+    def _next(self, after: int, push: tuple | None) -> dict:
+        """The leader's calls between two commands: push the last phase's delta (if any),
+        then ask for the next command (joining again first where the syncer says so)."""
+        if push is not None:
+            self._push(*push)
+        reply = self.client.call("Next", self._me(after=after, timeout=5.0))
+        if reply["status"] == "rejoin":
+            log.info("worker %d: the syncer left it out; joining again", self.worker)
+            self.join()
+        return reply
+
+    def _command(self, lead) -> dict:
+        """The group's next command: `lead()`'s reply on the leader (its calls to the
+        syncer), shared with every process of a worker group. A leader that fails shares an
+        abort first, so its group ends with it."""
+        failure, reply = None, {}
+        if self.leader:
+            try:
+                reply = lead()
+            except BaseException as error:  # noqa: BLE001 (re-raised below, after sharing)
+                failure, reply = error, {"status": "abort", "reason": str(error)}
+        if self.grouped:
+            reply = self._shared(reply)
+        if failure is not None:
+            raise failure
+        return reply
+
+    def _shared(self, reply: dict) -> dict:
+        """The leader's reply on every process of the group: its status and numbers by a
+        broadcast, then θ, when it is a round."""
+        from jax.experimental import multihost_utils
+
+        numbers = np.zeros(5, np.int32)  # status, serial, round, position, fresh
+        if self.leader:
+            numbers[0] = COMMANDS.index(reply["status"])
+            numbers[4] = self.options.inner_state == "fresh"
+            if reply["status"] == "round":
+                numbers[1:4] = [reply["serial"], reply["round"], reply["position"]]
+        numbers = np.asarray(multihost_utils.broadcast_one_to_all(numbers, self.leader))
+        status = COMMANDS[int(numbers[0])]
+        inner_state = "fresh" if numbers[4] else "checkpoint"
+        self.options = dataclasses.replace(self.options, inner_state=inner_state)
+        if status != "round":
+            return {"status": status, "reason": reply.get("reason", "the run ended")}
+        theta = wire.tree_like(self.task.params, reply["theta"], "θ") if self.leader else None
+        theta = multihost_utils.broadcast_one_to_all(
+            jax.tree.map(np.asarray, theta if self.leader else self.task.params), self.leader
+        )
+        serial, round_, position = (int(x) for x in numbers[1:4])
+        theta = jax.tree.map(np.asarray, theta)
+        return {"status": status, "serial": serial, "round": round_, "position": position,
+                "theta": wire.leaves(theta)}  # fmt: skip
 
     def _me(self, **fields: Any) -> dict[str, Any]:
         return {"worker": self.worker, "incarnation": self.incarnation, **fields}
@@ -132,18 +210,24 @@ class Worker:
         if self.task.param_sharding is not None:  # the inner state where jit puts θ's
             if self.opt_shardings is None:
                 self.opt_shardings = self._state_shardings(theta)
-            opt_state = jax.device_put(opt_state, self.opt_shardings)
+            opt_state = _put(opt_state, self.opt_shardings)
         key = None
         if self.task.rng_seed is not None:
             key = inner.worker_key(self.task.rng_seed, jnp.int32(round_), jnp.int32(self.worker))
         started = time.perf_counter()
         batches = self.task.batches(self.worker, position)
         if self.task.batch_sharding is not None:
-            batches = jax.device_put(batches, self.task.batch_sharding)
+            batches = _put(batches, self.task.batch_sharding)
         delta, opt_state, loss = self.phase(theta, opt_state, batches, key)
-        leaves, loss = wire.leaves(delta), float(loss)  # waits for the phase to end
+        # Whole on the host (gathered over a group's processes); waits for the phase to end.
+        leaves, loss = wire.leaves(distributed.to_host(delta)), float(distributed.to_host(loss))
         seconds = time.perf_counter() - started
-        self._keep(position + 1, jax.tree.map(np.asarray, opt_state))
+        self._keep(position + 1, distributed.to_host(opt_state))
+        if self.leader:
+            line = {"round": round_, "position": position, "loss": loss, "compute_s": seconds,
+                    "time": time.time()}  # fmt: skip
+            with open(self.directory / METRICS_FILE, "a") as f:
+                f.write(json.dumps(line) + "\n")
         return serial, round_, leaves, loss, seconds
 
     def _devices(self) -> set:
@@ -167,9 +251,10 @@ class Worker:
     def _placed(self, theta: Any) -> Any:
         """θ on the task's param_sharding (as given, None: the default device)."""
         sharding = self.task.param_sharding
-        return theta if sharding is None else jax.device_put(theta, sharding)
+        return theta if sharding is None else _put(theta, sharding)
 
     def _push(self, serial: int, round_: int, leaves: list, loss: float, seconds: float) -> None:
+        """The leader's push of one phase's delta."""
         header = self._me(serial=serial, loss=loss, compute_s=seconds)
         reply = self.client.push(header, leaves, functools.partial(self._pause, round_))
         if reply["status"] == "refused":
@@ -208,3 +293,22 @@ class Worker:
         )
         for old in sorted(self.directory.glob("inner-*.state"))[:-KEEP_STATES]:
             old.unlink()
+
+
+def worker_folder(directory: str | os.PathLike, worker: int) -> Path:
+    """Where this process of worker `worker` keeps its inner states: DIR/worker-m, or
+    DIR/worker-m/process-i for process i of a worker group (each host its own copy)."""
+    folder = Path(directory) / f"worker-{worker}"
+    if jax.process_count() > 1:
+        folder = folder / f"process-{jax.process_index()}"
+    return folder
+
+
+def _put(tree: Any, shardings: Any) -> Any:
+    """Host `tree` placed on `shardings` (one, or a tree of them like `tree`), across a
+    group's processes too (every process holds the same host copy)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return distributed.place_global(lambda x: jax.device_put(x, shardings), tree)
+    return jax.tree.map(
+        lambda x, s: distributed.place_global(lambda y: jax.device_put(y, s), x), tree, shardings
+    )

@@ -12,8 +12,10 @@ speaks next. A worker joining while a round is open takes part from the next one
 
 State on disk (`directory`): `sync-RRRRRRRR.ckpt` (the state after sync R: θ, outer state,
 each worker's data position, the members; the two newest are kept) and `history.jsonl` (one
-line per sync). A restarted syncer resumes from its newest intact checkpoint and reopens
-that round for the members it had; their deltas pushed before the restart are asked again.
+line per sync). A restarted syncer resumes from its newest intact checkpoint and opens that
+round again once each member it had is back: reattached (their deltas pushed before the
+restart are asked again) or, after a whole-cluster restart, joined as a new process; or, like
+a starting syncer, after join_timeout with min_workers there.
 """
 
 import dataclasses
@@ -86,14 +88,14 @@ class Syncer:
         self.opened_at = self.quorum_at = self.short_since = None
         self.started = time.monotonic()
         self.done: str | None = None  # "finished" or the abort's line
-        restored = self._restore()
+        # Resumed: the members of the last sync not heard from since. The round opens once
+        # each is back (reattached, or a new process of it joined: a whole-cluster restart),
+        # or as a starting syncer's first round does, after join_timeout.
+        self.awaited: set[int] = set()
+        if self._restore():
+            self.awaited = set(self.members)
         if self.round >= task.num_rounds:
             self.done = "finished"
-        elif restored:
-            # The members of the last sync: they reattach with their incarnation and push
-            # again; one that doesn't is removed after heartbeat_timeout.
-            with self.cond:
-                self._open(set(self.members), reason="resumed")
 
     # ---- the workers' calls -------------------------------------------------------------
 
@@ -103,6 +105,7 @@ class Syncer:
         self._check_worker(worker)
         with self.cond:
             now = time.monotonic()
+            self.awaited.discard(worker)
             member = self.members.get(worker)
             if member is not None and incarnation == member.incarnation:
                 member.last_seen = now
@@ -122,6 +125,7 @@ class Syncer:
             if member is None or member.incarnation != incarnation:
                 return {"status": "rejoin"}
             member.last_seen = time.monotonic()
+            self.awaited.discard(worker)
             return {"status": "ok"}
 
     def next_round(self, worker: int, incarnation: str, after: int, timeout: float) -> dict:
@@ -139,6 +143,7 @@ class Syncer:
                 if member is None or member.incarnation != incarnation:
                     return {"status": "rejoin"}
                 member.last_seen = time.monotonic()
+                self.awaited.discard(worker)
                 if self.is_open and worker in self.participants and worker not in self.pushed:
                     if self.serial != after:
                         return {
@@ -237,12 +242,15 @@ class Syncer:
             return
         o, now = self.options, time.monotonic()
         if not self.is_open:
-            everyone = len(self.members) == self.task.num_workers
+            present = set(self.members) - self.awaited
+            everyone = len(present) == self.task.num_workers
+            resumed = self.serial >= 0  # from a checkpoint
+            back = resumed and not self.awaited and len(present) >= o.min_workers
             waited = now - self.started >= o.join_timeout
-            if everyone or (waited and len(self.members) >= o.min_workers):
-                self._open(set(self.members), reason="start")
+            if everyone or back or (waited and len(present) >= o.min_workers):
+                self._open(present, reason="resumed" if resumed else "start")
             elif waited:
-                self._short(now, f"{len(self.members)} of {self.task.num_workers} workers joined")
+                self._short(now, f"{len(present)} of {self.task.num_workers} workers joined")
             return
         live = self.participants & set(self.members)
         waiting = live - set(self.pushed)

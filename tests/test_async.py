@@ -471,6 +471,7 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
     assert "async: eval loss" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys):
     argv, out = _async_cli(tmp_path)
     argv += ["--checkpoint-every", "1"]

@@ -407,6 +407,7 @@ dj.train_diloco(linear_loss, params, rounds, num_rounds=5, num_workers=2, inner_
 """
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_a_save_is_in_flight_resumes_from_a_complete_one(tmp_path):
     """A process that dies while checkpoint 3's background write is in flight (its commit
     held back by a slow rename): on disk are checkpoints 1 and 2 and step 3's temporary

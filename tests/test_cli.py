@@ -25,6 +25,7 @@ def _read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
@@ -101,6 +102,7 @@ def test_train_writes_config_metrics_and_summary(tmp_path, capsys):
     assert f"model micro: {config['num_params']:,} parameters" in printed
 
 
+@pytest.mark.slow
 def test_train_with_eager_updates_over_fragments(tmp_path):
     """--outer-delay/--eager with --fragments (Streaming DiLoCo, the eager paper's Table 3)."""
     corpus = tmp_path / "corpus.txt"
@@ -118,6 +120,7 @@ def test_train_with_eager_updates_over_fragments(tmp_path):
     assert summary["bytes_communicated"] == 2 * 4 * num_params
 
 
+@pytest.mark.slow
 def test_train_with_edit_weighting_anomaly_skip_and_a_bf16_outer_state(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 3)
@@ -138,6 +141,7 @@ def test_train_with_edit_weighting_anomaly_skip_and_a_bf16_outer_state(tmp_path)
     assert [r["excluded_workers"] for r in records] == [[], []]
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_only_the_run_that_wrote_them(tmp_path, capsys):
     """A checkpointed rerun must be the run the checkpoints belong to, as the checkpoints
     themselves record it: also after another run into the same OUT rewrote its config.json,

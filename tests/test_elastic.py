@@ -21,7 +21,7 @@ from reference import linear_loss
 
 import diloco_jax as dj
 from diloco_jax import faults
-from diloco_jax.elastic import final_params, history
+from diloco_jax.elastic import final_params, history, worker_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,8 @@ def _env(hold: Path, **extra: str) -> dict[str, str]:
     if not env["XLA_FLAGS"]:
         del env["XLA_FLAGS"]
     env.update(ELASTIC_WORKERS="4", ELASTIC_ROUNDS=str(ROUNDS), ELASTIC_PHASE_SECONDS="0.5",
-               ELASTIC_HOLD=str(hold), **extra)  # fmt: skip
+               ELASTIC_HOLD=str(hold))  # fmt: skip
+    env.update(extra)
     return env
 
 
@@ -136,10 +137,12 @@ def _wait(predicate, timeout: float, what: str, cluster: Cluster) -> None:
 def _simulated(rows: tuple) -> dict:
     """train_diloco's θ after ROUNDS rounds with `rows` as its membership: each worker's data at
     each round is the batch of its position then (its phases that entered a sync before)."""
-    rounds, workers = ROUNDS, 4
+    rounds, workers = ROUNDS, len(rows[0])
     positions = faults.data_positions(rows, rounds)
     data = [
-        jax.tree.map(lambda *x: np.stack(x), *(batch(m, int(positions[r, m])) for m in range(4)))
+        jax.tree.map(
+            lambda *x: np.stack(x), *(batch(m, int(positions[r, m])) for m in range(workers))
+        )
         for r in range(rounds)
     ]
     method = dj.DiLoCo(inner=METHOD.inner, outer=METHOD.outer, weights=dj.Weights(membership=rows))
@@ -174,6 +177,14 @@ def test_a_run_without_faults_equals_train_diloco(tmp_path):
     cluster.finish()
     syncs = _assert_reproduces_the_simulation(cluster)
     assert all(s["included"] == [0, 1, 2, 3] for s in syncs)
+    # Each worker's own metrics: a line per phase; the syncs' losses are their means.
+    metrics = [worker_metrics(tmp_path / "workers", m) for m in range(4)]
+    for m in range(4):
+        assert [x["round"] for x in metrics[m]] == list(range(ROUNDS))
+        assert [x["position"] for x in metrics[m]] == list(range(ROUNDS))
+        assert all(x["compute_s"] >= 0.5 for x in metrics[m])  # the phase's sleep
+    for r, s in enumerate(syncs):
+        assert s["loss"] == pytest.approx(np.mean([metrics[m][r]["loss"] for m in range(4)]))
 
 
 def test_workers_over_two_devices_each_equal_train_diloco(tmp_path):
@@ -257,6 +268,26 @@ def test_a_killed_syncer_resumes_from_its_checkpoint_and_loses_nothing(tmp_path)
     assert "resumed from sync-" in cluster.log("syncer")
 
 
+def test_a_whole_cluster_restart_resumes_and_loses_nothing(tmp_path):
+    cluster = Cluster(tmp_path)
+    cluster.start()
+    cluster.wait_for_syncs(4)
+    for p in cluster.processes.values():  # every process at once, mid-run
+        p.kill()
+    for p in cluster.processes.values():
+        p.wait()
+    done = len(cluster.syncs())
+    cluster.start()
+    cluster.finish()
+    syncs = _assert_reproduces_the_simulation(cluster)
+    # The resumed syncer waited for every worker of its last sync: none left out, ever.
+    assert all(s["included"] == [0, 1, 2, 3] for s in syncs)
+    assert "resumed from sync-" in cluster.log("syncer")
+    # The workers took their inner states of the resumed position from their own folders.
+    for m in range(4):
+        assert f"inner state of position {done} from" in cluster.log(f"worker-{m}")
+
+
 def _pids_of(out: Path) -> list[int]:
     """The processes whose command line names the folder `out`."""
     pids = []
@@ -271,12 +302,14 @@ def _pids_of(out: Path) -> list[int]:
     return pids
 
 
-def _launch(out: Path, *flags: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "diloco_jax.elastic", "run", "--task",
-            "elastic_linear:make_task", "--out", str(out), "--heartbeat-timeout",
-            str(HEARTBEAT_TIMEOUT), "--min-workers", "2", *flags]  # fmt: skip
+def _launch(
+    out: Path, *flags: str, task: str = "elastic_linear:make_task", **env: str
+) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "diloco_jax.elastic", "run", "--task", task, "--out",
+            str(out), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--min-workers", "2",
+            *flags]  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=_env(out / "hold"), text=True)  # fmt: skip
+                            env=_env(out / "hold", **env), text=True)  # fmt: skip
 
 
 def _wait_syncs(out: Path, count: int, launcher: subprocess.Popen) -> None:
@@ -315,6 +348,75 @@ def test_the_launcher_restarts_a_dead_worker_and_the_run_reproduces_the_simulati
     real = final_params(out / "syncer", make_task())
     np.testing.assert_allclose(real["w"], _simulated(rows)["w"], rtol=1e-6, atol=1e-7)
     assert not _pids_of(out)
+
+
+def _wait_for_text(path: Path, text: str, times: int, launcher: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists() or path.read_text(errors="replace").count(text) < times:
+        assert launcher.poll() is None, launcher.stdout.read()
+        assert time.monotonic() < deadline, f"timed out waiting for {text!r} x{times}"
+        time.sleep(0.02)
+
+
+def test_workers_of_two_processes_each_heal_as_a_group(tmp_path):
+    """Two workers, each a JAX cluster of 2 processes of one device each (the batch split over
+    both, its gradients all-reduced between the processes through gloo). SIGKILL worker 1's
+    second process in its inner phase: the launcher ends the rest of that group and starts it
+    again; the run reproduces the simulation with worker 1 left out while it was down."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hold").write_text("3")
+    launcher = _launch(
+        out, "--restart-workers", "--processes-per-worker", "2", "--min-workers", "1",
+        task="elastic_linear:make_sharded_task", ELASTIC_WORKERS="2",
+    )  # fmt: skip
+    _wait_syncs(out, 3, launcher)
+    victim = next(
+        p
+        for p in _pids_of(out)
+        if "--worker 1 " in _cmdline(p) and "--process-id 1 " in _cmdline(p)
+    )
+    os.kill(victim, signal.SIGKILL)
+    (out / "hold").write_text("5")
+    _wait_syncs(out, 5, launcher)
+    _wait_for_text(out / "logs" / "syncer.log", "worker 1 joined", 2, launcher)
+    (out / "hold").write_text("")
+    assert launcher.wait(120) == 0, launcher.stdout.read()
+    assert "worker 1 exited with -9; restarting it" in launcher.stdout.read()
+    syncs = history(out / "syncer")
+    assert [1 in s["included"] for s in syncs][:4] == [True] * 3 + [False]
+    assert 1 in syncs[-1]["included"]
+    rows = tuple(tuple(m in s["included"] for m in range(2)) for s in syncs)
+    real = final_params(out / "syncer", make_task())
+    expected = _simulated(rows)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(real[name], expected[name], rtol=1e-6, atol=1e-7)
+    assert "runs on 2 device(s) of 2 processes" in (out / "logs" / "worker-0.0.log").read_text()
+    # Each process of the restarted group took its inner state from its own checkpoint.
+    for i in range(2):
+        assert "inner state of position 3 from" in (out / "logs" / f"worker-1.{i}.log").read_text()
+    assert not _pids_of(out)
+
+
+def test_the_launcher_ends_the_run_with_one_line_when_the_quorum_is_lost(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hold").write_text("2")
+    launcher = _launch(out, "--min-workers", "4", "--quorum-timeout", "2")
+    _wait_syncs(out, 2, launcher)
+    victim = next(p for p in _pids_of(out) if "--worker 3 " in _cmdline(p))
+    os.kill(victim, signal.SIGKILL)
+    assert launcher.wait(60) == 1
+    printed = launcher.stdout.read().splitlines()
+    assert printed[-1] == (
+        "diloco-jax elastic: fewer than min_workers=4 workers for 2 s (3 live workers); the run "
+        "ends at round 2, checkpointed"
+    )
+    assert not _pids_of(out)  # the three live workers ended with it
+    assert len(history(out / "syncer")) == 2
+    assert sorted(p.name for p in (out / "syncer").glob("sync-*.ckpt")) == [
+        "sync-00000001.ckpt", "sync-00000002.ckpt"
+    ]  # fmt: skip
 
 
 def _cmdline(pid: int) -> str:

@@ -66,6 +66,7 @@ def test_train_reports_accuracy_in_metrics_tensorboard_and_progress_bar(tmp_path
     assert summary["final_train_loss"] == last["loss"]  # the summary is as it was
 
 
+@pytest.mark.slow
 def test_async_and_sync_runs_report_accuracy(tmp_path):
     # train_async records only the mean (no worker_ list): the CLI names the loss's metrics.
     argv, out = _argv(tmp_path, "--algo", "async", "--step-seconds", "1,2", "--no-progress")
@@ -142,6 +143,7 @@ def test_eval_fn_takes_the_loss_with_or_without_aux():
     assert np.asarray(got[0]["eval_loss"]) == np.asarray(got[1]["eval_loss"])
 
 
+@pytest.mark.slow
 def test_diloco_with_the_accuracy_trains_the_same_bits():
     model_cfg = model_lib.PRESETS["micro"]
     params = model_lib.init_params(model_cfg, jax.random.key(0))

@@ -187,6 +187,7 @@ def test_params_placed_by_their_specs_give_the_same_loss_and_grads():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_shard_activations_splits_the_residual_batch_over_fsdp():
     """Under a mesh with an fsdp axis, `shard_activations` constrains the residual stream at
     each block boundary (num_layers + 1 of them) to its batch over fsdp, with or without
@@ -336,6 +337,7 @@ def _train(tmp_path, name, *flags, model_name="micro"):
     return records, json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["diloco", "sync", "async"])
 def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
     """--mesh's keywords as the trainers get them, whatever the engine does with them: the
@@ -413,6 +415,7 @@ def test_compare_on_a_mesh_counts_what_each_device_sends(tmp_path):
 @pytest.mark.parametrize(
     "pretrain_steps", ["0", pytest.param("2", marks=pytest.mark.slow)], ids=["cold", "warm-start"]
 )
+@pytest.mark.slow
 def test_train_on_a_mesh_matches_the_run_without_one(tmp_path, pretrain_steps):
     """tiny (float32) with 2 workers, each over fsdp=2 x tensor=2 of the 8 devices: the same
     losses as the vmap / shard_map run, up to the partitioned matmuls' rounding. The warm

@@ -252,6 +252,7 @@ def _micro_diloco(inner_optimizer):
     )
 
 
+@pytest.mark.slow
 def test_short_diloco_run_with_muon_is_finite_and_repeatable():
     first = _micro_diloco(dj.muon_inner_optimizer(0.02))
     second = _micro_diloco(dj.muon_inner_optimizer(0.02))

@@ -159,6 +159,9 @@ def test_initialize_rejects_partial_or_bad_arguments(monkeypatch):
         distributed.initialize("localhost:1234", 2, 2)
     with pytest.raises(ValueError, match="num_processes"):
         distributed.initialize("localhost:1234", 0, 0)
+    for beat in (0, 2.5, True):
+        with pytest.raises(ValueError, match="heartbeat_timeout"):
+            distributed.initialize("localhost:1234", 2, 0, heartbeat_timeout=beat)
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
     with pytest.raises(ValueError, match="DILOCO_NUM_PROCESSES"):
         distributed.initialize("localhost:1234", process_id=0)

@@ -159,6 +159,7 @@ def _digits_run(rounds, num_rounds, checkpoint_dir=None):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_batchnorm_dropout_model_trains_repeats_and_resumes_bit_identically(tmp_path):
     rng = np.random.default_rng(0)
     data = {"x": rng.normal(size=(64, 3)).astype(np.float32)}

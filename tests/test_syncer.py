@@ -84,16 +84,45 @@ def test_a_resumed_syncer_continues_from_its_newest_intact_checkpoint(tmp_path):
     again = _syncer(tmp_path)
     assert again.round == 3 and again.positions == positions
     np.testing.assert_array_equal(again.theta["w"], theta["w"])
-    assert again.is_open and again.participants == {0, 1, 2}
-    # A worker of the last sync reattaches with its incarnation and is asked for its delta.
+    # The round opens again once each member of the last sync is back: two reattach with
+    # their incarnations, a new process of the third joins (as after a whole-cluster restart).
+    serial = again.serial
     assert again.join(1, incs[1])["incarnation"] == incs[1]
+    assert again.heartbeat(2, incs[2])["status"] == "ok"
+    again.tick()
+    assert not again.is_open
+    new = again.join(0, None)["incarnation"]
+    assert new != incs[0]
+    again.tick()
+    assert again.is_open and again.participants == {0, 1, 2} and again.serial == serial + 1
+    # A worker that had pushed to the dead syncer is asked for its delta again; the new
+    # process is given the round.
     assert again.next_round(1, incs[1], after=again.serial, timeout=0.1)["status"] == "push_again"
+    reply = again.next_round(0, new, after=-1, timeout=0.1)
+    assert reply["status"] == "round" and reply["round"] == 3 and reply["position"] == 3
     # The newest checkpoint torn: the one before it, and history cut back to it.
     newest = tmp_path / "sync-00000003.ckpt"
     newest.write_bytes(newest.read_bytes()[:-5])
     third = _syncer(tmp_path)
     assert third.round == 2
     assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_resumed_syncer_opens_without_a_member_that_does_not_come_back(tmp_path):
+    s = _syncer(tmp_path)
+    incs = _join_all(s, 3)
+    for m in range(3):
+        _push(s, m, incs[m], 0.1)
+    again = _syncer(tmp_path, join_timeout=0.4, min_workers=2)
+    for m in (0, 1):
+        assert again.heartbeat(m, incs[m])["status"] == "ok"
+    again.tick()
+    assert not again.is_open  # worker 2 may still come back
+    time.sleep(0.45)
+    for m in (0, 1):
+        again.heartbeat(m, incs[m])
+    again.tick()  # join_timeout passed with the quorum back: on without worker 2
+    assert again.is_open and again.participants == {0, 1} and again.round == 1
 
 
 def test_the_grace_window_closes_without_a_late_worker(tmp_path):
