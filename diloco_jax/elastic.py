@@ -178,11 +178,15 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    # Several JAX processes share this host's accelerators: none takes 75% of a GPU's memory
+    # up front (JAX's default), unless the user said otherwise.
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "diloco_jax.elastic", *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,  # the launcher ends them itself, whatever the terminal does
         )
 

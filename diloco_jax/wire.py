@@ -51,10 +51,10 @@ def tree_like(like: Any, arrays: list[Any], what: str) -> Any:
     out = []
     for i, (x, e) in enumerate(zip(arrays, expected, strict=True)):
         x = np.asarray(x)
-        if x.shape != np.shape(e) or x.dtype != np.result_type(e):
+        dtype = e.dtype if hasattr(e, "dtype") else np.result_type(e)  # a jax.Array's own
+        if x.shape != np.shape(e) or x.dtype != dtype:
             raise ValueError(
-                f"{what}: leaf {i} is {x.dtype}{list(x.shape)}, expected "
-                f"{np.result_type(e)}{list(np.shape(e))}"
+                f"{what}: leaf {i} is {x.dtype}{list(x.shape)}, expected {dtype}{list(np.shape(e))}"
             )
         out.append(x)
     return jax.tree.unflatten(jax.tree.structure(like), out)

@@ -334,6 +334,21 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             ["train", "--algo", "sync", "--gossip-group-size", "2"],
             "--gossip-group-size needs --algo diloco",
         ),
+        # --elastic: the parts its runtime can't run, each with its reason.
+        (["train", "--elastic", "--algo", "sync"], "--elastic runs --algo diloco, got sync"),
+        (["train", "--min-workers", "2"], "--min-workers needs --elastic"),
+        (["train", "--restart-workers"], "--restart-workers needs --elastic"),
+        (["train", "--elastic", "--min-workers", "5"], "--min-workers must be in [1, --workers=4]"),
+        (["train", "--elastic", "--mesh", "workers=4"], "--elastic runs without --mesh"),
+        (["train", "--elastic", "--checkpoint-every", "2"], "--elastic runs without --checkpoint"),
+        (
+            ["train", "--elastic", "--compression", "int8"],
+            "--elastic can't run this method: compression keeps each worker's error-feedback",
+        ),
+        (
+            ["train", "--elastic", "--fragments", "5"],
+            "--elastic can't run this method: fragments (Streaming DiLoCo)",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, message, tmp_path, capsys):

@@ -212,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint every K rounds (async: K x M updates) into OUT/checkpoints; "
         "rerunning resumes from there",
     )
+    train.add_argument(
+        "--elastic",
+        action="store_true",
+        help="--algo diloco as a syncer and M worker processes on this host, where a worker "
+        "that dies, stalls or restarts never stops the others (docs/faults.md)",
+    )
+    train.add_argument("--min-workers", type=int, help="--elastic: the quorum of each sync")
+    train.add_argument(
+        "--restart-workers", action="store_true", help="--elastic: restart a worker that dies"
+    )
     _shared_flags(train)
     _distributed_flags(train)
     compare = sub.add_parser(
@@ -343,6 +353,7 @@ class Invocation:
     distributed: tuple[str, int, int] | None = None
     tensorboard: bool = False
     connect_timeout: float = 300.0
+    elastic: tuple[int, bool] | None = None  # --elastic: (min_workers, restart_workers)
 
 
 def parse(argv: list[str] | None = None) -> Invocation:
@@ -378,6 +389,7 @@ def parse(argv: list[str] | None = None) -> Invocation:
     every = getattr(args, "checkpoint_every", None)
     if every is not None and not 1 <= every <= limits.INT32_MAX:
         raise ConfigError(f"--checkpoint-every must be in [1, {limits.INT32_MAX:,}], got {every}")
+    elastic = _elastic_args(args, cfg)
     return Invocation(
         args.command,
         cfg,
@@ -388,7 +400,41 @@ def parse(argv: list[str] | None = None) -> Invocation:
         _distributed_args(args),
         args.tensorboard,
         _connect_timeout(getattr(args, "connect_timeout", None)),
+        elastic,
     )
+
+
+def _elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
+    """(min_workers, restart_workers) for --elastic, checked; None without it."""
+    if not getattr(args, "elastic", False):
+        for k in ("min_workers", "restart_workers"):
+            if getattr(args, k, None) not in (None, False):
+                raise ConfigError(f"--{k.replace('_', '-')} needs --elastic")
+        return None
+    if args.algo != "diloco":
+        raise ConfigError(f"--elastic runs --algo diloco, got {args.algo}")
+    given = [f for f, k in (("--mesh", "mesh"), ("--checkpoint-every", "checkpoint_every"),
+             ("--tensorboard", "tensorboard"), ("--coordinator", "coordinator"))
+             if getattr(args, k, None) not in (None, False)]  # fmt: skip
+    if given:
+        raise ConfigError(
+            f"--elastic runs without {given[0]}: each worker is its own process on one device, "
+            "and the syncer checkpoints every sync"
+        )
+    from diloco_jax.elastic_task import refusal
+
+    try:
+        why = refusal(config.method(cfg))
+    except ValueError as e:  # the method's own refusal, as a run without --elastic says it
+        raise ConfigError(str(e)) from None
+    if why is not None:
+        raise ConfigError(f"--elastic can't run this method: {why}")
+    min_workers = 1 if args.min_workers is None else args.min_workers
+    if not 1 <= min_workers <= cfg.workers:
+        raise ConfigError(
+            f"--min-workers must be in [1, --workers={cfg.workers}], got {min_workers}"
+        )
+    return min_workers, args.restart_workers
 
 
 def _connect_timeout(value: float | None) -> float:
@@ -452,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             _fail(str(e))
         print(experiment.describe(run.cfg, corpus))
+        if run.command == "train" and run.elastic is not None:
+            from diloco_jax.lm.elastic import train_elastic
+
+            argv = sys.argv[1:] if argv is None else argv
+            return train_elastic(run.cfg, corpus, out, argv, *run.elastic, progress=run.progress)
         if run.command == "train":
             train_command(
                 run.cfg,

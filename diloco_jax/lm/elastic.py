@@ -1,0 +1,157 @@
+"""`diloco-jax train --elastic`: the LM app's DiLoCo run on the elastic runtime
+(`diloco_jax.elastic`, docs/faults.md): a syncer and M worker processes on this host, where a
+worker that dies, stalls or restarts never stops the others.
+
+The command pretrains in its own process (the shared warm start), writes θ_0 and the command
+line to OUT/elastic, and launches the run; every process then builds the same task from them
+(`task`, through the DILOCO_JAX_LM_ELASTIC variable). Worker m's inner phase at data position
+p reads `phase_windows(cfg, tokens, starts, lengths, m, p)`: H x B random windows of its
+shard (`cfg.sharding`), keyed by (seed, m, p) only, so a phase run again after a death reads
+the same tokens. At the end the command evaluates the final θ on the held-out batches.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diloco_jax import wire
+from diloco_jax.elastic_task import ElasticTask
+
+ENV = "DILOCO_JAX_LM_ELASTIC"  # the path of OUT/elastic/task.json
+SPEC_FILE = "task.json"
+THETA_FILE = "theta0.msgpack"
+
+
+def phase_windows(
+    cfg: Any, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, worker: int,
+    position: int,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Worker `worker`'s batches of its `position`-th inner phase: {"inputs", "targets"}, int32
+    [H, B, L], windows of L + 1 tokens drawn uniformly from its shard [starts[m], starts[m] +
+    lengths[m]) of `tokens`, keyed by (cfg.seed, worker, position)."""
+    rng = np.random.default_rng([cfg.seed, worker, position])
+    length = cfg.seq_len + 1
+    offsets = rng.integers(0, lengths[worker] - length + 1, size=(cfg.inner_steps, cfg.batch_size))
+    windows = tokens[starts[worker] + offsets[..., None] + np.arange(length)].astype(np.int32)
+    return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
+
+
+class _Windows:
+    """`batches` of the task: the corpus is loaded at the first call (the syncer never makes
+    one), then every phase's windows come from its tokens."""
+
+    def __init__(self, cfg: Any):
+        self.cfg, self.shards = cfg, None
+
+    def __call__(self, worker: int, position: int) -> dict[str, np.ndarray]:
+        if self.shards is None:
+            from diloco_jax.lm import data as data_lib
+            from diloco_jax.lm import experiment
+
+            corpus = experiment.load_corpus(self.cfg)
+            starts, lengths = data_lib.worker_shards(
+                corpus.doc_starts, len(corpus.train_tokens), self.cfg.workers,
+                self.cfg.sharding, self.cfg.seq_len,
+            )  # fmt: skip
+            self.shards = (corpus.train_tokens, starts, lengths)
+        return phase_windows(self.cfg, *self.shards, worker, position)
+
+
+def write_spec(folder: Path, argv: list[str], theta: Any) -> Path:
+    """Writes the run's command line and θ_0 (the pretrained params) into `folder`; returns
+    the spec file's path, for DILOCO_JAX_LM_ELASTIC."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wire.write_file(folder / THETA_FILE, {"theta": wire.leaves(theta)})
+    spec = folder / SPEC_FILE
+    spec.write_text(json.dumps({"argv": list(argv), "theta": THETA_FILE}))
+    return spec
+
+
+def task() -> ElasticTask:
+    """The run's task, in every process of it: the command line's config, the model, θ_0
+    from the spec's folder, the windows by (worker, position) and the config's method."""
+    from diloco_jax.lm import cli, experiment
+    from diloco_jax.lm import config as config_lib
+    from diloco_jax.lm import model as model_lib
+
+    spec_path = Path(os.environ[ENV])
+    spec = json.loads(spec_path.read_text())
+    cfg = cli.parse(spec["argv"]).cfg
+    model_cfg, params, _ = experiment.init_model(cfg)
+    message = wire.read_file(spec_path.parent / spec["theta"])
+    params = wire.tree_like(params, message["theta"], "the pretrained θ_0")
+    return ElasticTask(
+        loss_fn=model_lib.make_loss_fn(model_cfg),
+        params=params,
+        batches=_Windows(cfg),
+        num_workers=cfg.workers,
+        inner_steps=cfg.inner_steps,
+        num_rounds=cfg.rounds,
+        method=config_lib.method(cfg),
+    )
+
+
+def train_elastic(
+    cfg: Any, corpus: Any, out: Path, argv: list[str], min_workers: int,
+    restart_workers: bool, progress: bool = True,
+) -> int:  # fmt: skip
+    """`diloco-jax train --elastic`: the warm start here, then the elastic run in OUT/elastic
+    (its syncer, worker folders and a log per process), then the final θ's evaluation.
+    Writes OUT/config.json, OUT/metrics.jsonl (the pretrain's records, then one per sync:
+    round, the included workers' mean inner loss, who was included, its seconds) and
+    OUT/summary.json. Returns the exit code: the launcher's (1: the run ended early, its
+    line printed; 130: Ctrl-C or SIGTERM), else 0."""
+    import math
+    import time
+
+    import jax
+
+    from diloco_jax import elastic as runtime
+    from diloco_jax.lm import experiment
+    from diloco_jax.lm.runlog import RunLog, write_json, write_jsonl
+
+    started = time.perf_counter()
+    write_json(out / "config.json", experiment.config_record(cfg, corpus, algo="diloco",
+                                                             elastic=True))  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    aux = experiment.aux_names(cfg)
+    with RunLog(metrics, cfg.pretrain_steps, "pretrain M=1", progress, None, aux) as log:
+        params, pre_history = experiment.pretrain(cfg, corpus, on_record=log)
+    folder = out / "elastic"
+    os.environ[ENV] = str(write_spec(folder, argv, params).resolve())  # the processes' task
+    flags = ["run", "--task", f"{__name__}:task", "--out", str(folder), "--min-workers",
+             str(min_workers), *(["--restart-workers"] if restart_workers else [])]  # fmt: skip
+    code = runtime.main(flags)
+    if code != 0:
+        return code
+    run_task = task()
+    theta = runtime.final_params(folder / "syncer", run_task)
+    eval_fn = jax.jit(experiment.make_eval_fn(run_task.loss_fn, corpus))
+    eval_loss = float(eval_fn(theta)["eval_loss"])
+    syncs = runtime.history(folder / "syncer")
+    records = [
+        {"run": "diloco", "round": s["round"], "step": (s["round"] + 1) * cfg.inner_steps,
+         "loss": s["loss"], "included": s["included"], "seconds": s["seconds"]}
+        for s in syncs
+    ]  # fmt: skip
+    write_jsonl(metrics, pre_history + records)
+    full = sum(len(s["included"]) == cfg.workers for s in syncs)
+    summary = {
+        "algo": "diloco",
+        "elastic": True,
+        "final_eval_loss": eval_loss,
+        "final_eval_ppl": math.exp(eval_loss),
+        "final_eval_bpb": experiment.bits_per_byte(eval_loss, corpus.eval_bytes_per_token),
+        "rounds": len(syncs),
+        "syncs_with_every_worker": full,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    write_json(out / "summary.json", summary)
+    print(f"diloco (elastic): eval loss {eval_loss:.4f} (ppl {summary['final_eval_ppl']:.3f}), "
+          f"{full} of {len(syncs)} syncs with every worker, {summary['wall_seconds']:.0f}s -> "
+          f"{out}")  # fmt: skip
+    return 0

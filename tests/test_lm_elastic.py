@@ -1,0 +1,81 @@
+"""`diloco-jax train --elastic`: the LM app's DiLoCo run as a syncer and worker processes
+(`diloco_jax.lm.elastic`). Its final θ equals `train_diloco`'s on the same windows from the
+same θ_0, and each phase's windows are the shard's own tokens, keyed by (worker, position)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import diloco_jax as dj
+from diloco_jax.elastic import final_params, history
+from diloco_jax.lm import cli, experiment
+from diloco_jax.lm import elastic as lm_elastic
+
+
+def _windows_by_hand(tokens, start, length, seed, worker, position, cfg):
+    rng = np.random.default_rng([seed, worker, position])
+    offsets = rng.integers(0, length - cfg.seq_len, size=(cfg.inner_steps, cfg.batch_size))
+    rows = [[tokens[start + o : start + o + cfg.seq_len + 1] for o in step] for step in offsets]
+    return np.asarray(rows, np.int32)
+
+
+@pytest.mark.parametrize("sharding", ["iid", "non_iid"])
+def test_a_phases_windows_are_its_shards_tokens_by_worker_and_position(sharding):
+    cfg = cli.parse(["train", "--preset", "micro", "--sharding", sharding]).cfg
+    tokens = np.arange(1000, dtype=np.int32) % 251
+    starts, lengths = np.asarray([0, 600]), np.asarray([600, 400])
+    for worker, position in ((0, 0), (1, 0), (1, 3)):
+        got = lm_elastic.phase_windows(cfg, tokens, starts, lengths, worker, position)
+        whole = _windows_by_hand(tokens, starts[worker], lengths[worker], cfg.seed, worker,
+                                 position, cfg)  # fmt: skip
+        assert got["inputs"].shape == (cfg.inner_steps, cfg.batch_size, cfg.seq_len)
+        np.testing.assert_array_equal(got["inputs"], whole[..., :-1])
+        np.testing.assert_array_equal(got["targets"], whole[..., 1:])
+    again = lm_elastic.phase_windows(cfg, tokens, starts, lengths, 1, 3)
+    other = lm_elastic.phase_windows(cfg, tokens, starts, lengths, 1, 4)
+    np.testing.assert_array_equal(again["inputs"], got["inputs"])  # repeatable
+    assert not np.array_equal(other["inputs"], got["inputs"])  # a new position, new windows
+
+
+@pytest.mark.slow
+def test_train_elastic_equals_train_diloco_on_the_same_windows(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    argv = ["train", "--elastic", "--preset", "micro", "--rounds", "3", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
+    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "diloco (elastic): eval loss" in done.stdout
+    assert "3 of 3 syncs with every worker" in done.stdout
+    syncs = history(out / "elastic" / "syncer")
+    assert [s["included"] for s in syncs] == [[0, 1]] * 3
+    # The same task in this process, and train_diloco on its windows from its θ_0.
+    monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
+    task = lm_elastic.task()
+    real = final_params(out / "elastic" / "syncer", task)
+    data = [
+        jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, r) for m in range(2)))
+        for r in range(3)
+    ]
+    expected = dj.train_diloco(
+        task.loss_fn, task.params, data, num_rounds=3, num_workers=2, inner_steps=4,
+        method=task.method, backend="sequential",
+    ).params  # fmt: skip
+    for got, want in zip(jax.tree.leaves(real), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    # θ_0 is the pretrained params (micro pretrains 2 steps), not a fresh init.
+    cfg = cli.parse(argv).cfg
+    _, init, _ = experiment.init_model(cfg)
+    assert not np.allclose(jax.tree.leaves(task.params)[0], jax.tree.leaves(init)[0])
+    summary = json.loads((out / "summary.json").read_text())
+    corpus = experiment.load_corpus(cfg)
+    eval_loss = jax.jit(experiment.make_eval_fn(task.loss_fn, corpus))(expected)["eval_loss"]
+    assert summary["final_eval_loss"] == pytest.approx(float(eval_loss), rel=1e-5)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines if x["run"] == "diloco"] == [0, 1, 2]
