@@ -426,7 +426,8 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_sigterm_to_the_launcher_ends_every_process_and_frees_the_port(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])  # SIGINT: Ctrl-C
+def test_sigterm_to_the_launcher_ends_every_process_and_frees_the_port(tmp_path, signum):
     out = tmp_path / "run"
     out.mkdir()
     (out / "hold").write_text("2")  # the run can't end before the signal
@@ -434,7 +435,7 @@ def test_sigterm_to_the_launcher_ends_every_process_and_frees_the_port(tmp_path)
     _wait_syncs(out, 2, launcher)
     address = (out / "syncer" / "syncer.address").read_text().strip()
     assert len(_pids_of(out)) == 6  # the launcher, the syncer and 4 workers
-    launcher.send_signal(signal.SIGTERM)
+    launcher.send_signal(signum)
     assert launcher.wait(20) == 130
     assert not _pids_of(out)
     with socket.socket() as s:  # the syncer's port is free again
