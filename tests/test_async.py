@@ -547,7 +547,11 @@ def test_cli_async_mistakes_are_one_line_exit_2(argv, message, tmp_path, capsys)
     "server, check",
     [
         # HALoS: worker m's arrivals go to its region's LPS, every one pushed (K = 1).
-        ("halos,regions=1/0,local_updates=1", lambda r: r["region"] == 1 - r["worker"]),
+        pytest.param(
+            "halos,regions=1/0,local_updates=1",
+            lambda r: r["region"] == 1 - r["worker"],
+            marks=pytest.mark.slow,
+        ),
         # Decoupled DiLoCo, K = 1, no grace: the faster learner (1 s a step) alone each sync.
         ("decoupled,quorum=1", lambda r: r["merged"] == [0] and r["late"] == 1),
     ],

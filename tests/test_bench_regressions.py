@@ -103,6 +103,7 @@ def test_sampler_round_memory_does_not_grow_with_h(sampler_rounds):
     assert large.output_size_in_bytes == small.output_size_in_bytes
 
 
+@pytest.mark.slow
 def test_host_fed_round_arguments_grow_with_h():
     """The contrast, and proof that the check above can fail: [M, H, B, L] batches are
     arguments, so H=200 carries exactly 190 more steps of two int32 [M, B, L] arrays."""

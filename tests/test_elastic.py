@@ -6,6 +6,7 @@ must end, and its final θ must equal `train_diloco`'s with the simulated member
 reproduce the simulation. The membership each test forces is checked in that history too."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -276,16 +277,19 @@ def test_a_whole_cluster_restart_resumes_and_loses_nothing(tmp_path):
         p.kill()
     for p in cluster.processes.values():
         p.wait()
-    done = len(cluster.syncs())
+    recorded = len(cluster.syncs())
     cluster.start()
     cluster.finish()
     syncs = _assert_reproduces_the_simulation(cluster)
     # The resumed syncer waited for every worker of its last sync: none left out, ever.
     assert all(s["included"] == [0, 1, 2, 3] for s in syncs)
-    assert "resumed from sync-" in cluster.log("syncer")
+    # It resumed from its newest checkpoint: the last recorded sync, or the one before where
+    # the kill fell between a sync's history line and its checkpoint (the resume cuts the line).
+    resumed = re.search(r"resumed from sync-\d+\.ckpt \(round (\d+)\)", cluster.log("syncer"))
+    assert resumed is not None and int(resumed[1]) in (recorded - 1, recorded)
     # The workers took their inner states of the resumed position from their own folders.
     for m in range(4):
-        assert f"inner state of position {done} from" in cluster.log(f"worker-{m}")
+        assert f"inner state of position {resumed[1]} from" in cluster.log(f"worker-{m}")
 
 
 def _pids_of(out: Path) -> list[int]:

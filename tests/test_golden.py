@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from golden_cases import INNER_STEPS, NUM_ROUNDS, cases, checked_cases, data, optimizers, params
 from jax.sharding import Mesh, NamedSharding
+from quick import quick
 from reference import linear_loss, precision
 
 import diloco_jax as dj
@@ -180,7 +181,10 @@ def _lm_grad_program():
 
 @pytest.mark.parametrize(
     "program",
-    ["shard_map-float64-M4-int8,ef=1-steps-std", "lm-grads-fsdp2xtensor2"],
+    quick(
+        ["shard_map-float64-M4-int8,ef=1-steps-std", "lm-grads-fsdp2xtensor2"],
+        {"shard_map-float64-M4-int8,ef=1-steps-std"},
+    ),
 )
 def test_the_suites_compiles_fix_the_program_a_users_run_compiles(program):
     """The rest of the suite compiles with `jax_disable_most_optimizations` (tests/conftest.py),

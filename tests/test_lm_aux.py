@@ -43,6 +43,7 @@ def _expected(records):
     return [(tblog.x_step(r), float(np.float32(r["accuracy"]))) for r in records]
 
 
+@pytest.mark.slow
 def test_train_reports_accuracy_in_metrics_tensorboard_and_progress_bar(tmp_path, capsys):
     argv, out = _argv(tmp_path)
     assert main(argv) == 0  # with the progress bar

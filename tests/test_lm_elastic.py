@@ -43,10 +43,20 @@ def test_a_phases_windows_are_its_shards_tokens_by_worker_and_position(sharding)
 
 
 @pytest.mark.slow
-def test_train_elastic_equals_train_diloco_on_the_same_windows(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "method_flags",
+    [
+        [],  # AdamW inner steps, Nesterov outer steps
+        # MuLoCo's Muon inner steps, EDiT's clip of the mean delta, a bfloat16 outer state
+        ["--inner-optimizer", "muon", "--outer-clip", "0.001", "--outer-state-dtype", "bfloat16"],
+    ],
+    ids=["adamw", "muon-clip-bf16"],
+)
+def test_train_elastic_equals_train_diloco_on_the_same_windows(tmp_path, monkeypatch,
+                                                               method_flags):  # fmt: skip
     out = tmp_path / "run"
     argv = ["train", "--elastic", "--preset", "micro", "--rounds", "3", "--out", str(out),
-            "--no-progress"]  # fmt: skip
+            "--no-progress", *method_flags]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
     done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
@@ -59,6 +69,10 @@ def test_train_elastic_equals_train_diloco_on_the_same_windows(tmp_path, monkeyp
     monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
     task = lm_elastic.task()
     real = final_params(out / "elastic" / "syncer", task)
+    # The flags reached the workers' method (an ignored flag would pass the equality too).
+    muon = "MuonState" in str(jax.tree.structure(task.method.inner.init(task.params)))
+    assert muon == bool(method_flags)
+    assert task.method.outer_state_dtype == ("bfloat16" if method_flags else None)
     data = [
         jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, r) for m in range(2)))
         for r in range(3)

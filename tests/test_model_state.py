@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from quick import quick
 from reference import linear_loss, make_data
 
 import diloco_jax as dj
@@ -141,8 +142,9 @@ def test_data_parallel_workers_carry_their_model_state():
 
 @pytest.mark.parametrize(
     "options",
-    [dict(fragments=3), dict(outer_delay=1), dict(outer_delay=1, eager=True),
-     dict(worker_steps=(3, 2)), dict(state_sync={"mu": 2}), dict(drop_probability=0.5)],
+    quick([dict(fragments=3), dict(outer_delay=1), dict(outer_delay=1, eager=True),
+           dict(worker_steps=(3, 2)), dict(state_sync={"mu": 2}), dict(drop_probability=0.5)],
+          lambda o: "fragments" in o or "eager" in o or "drop_probability" in o),
     ids=["fragments", "delayed", "eager", "worker_steps", "state_sync", "drops"],
 )  # fmt: skip
 def test_every_method_part_carries_the_model_state(options):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from quick import quick
 from reference import np_blocks, precision
 from reference import np_codec as reference_codec
 
@@ -260,7 +261,11 @@ MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("config, backend, dtype", MATRIX)
+# Quick: every config on vmap in float64 and on shard_map; the rest slow.
+@pytest.mark.parametrize(
+    "config, backend, dtype",
+    quick(MATRIX, lambda c: c[1:] == ("vmap", "float64") or c[1] == "shard_map"),
+)
 def test_round_matches_numpy_reference(config, backend, dtype):
     options, nan = CONFIGS[config]
     params, data = init_params(dtype), make_data(dtype, nan)

@@ -11,6 +11,7 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from quick import quick
 
 import diloco_jax as dj
 
@@ -105,8 +106,9 @@ def test_train_sync_and_train_async_read_worker_arrays():
 
 @pytest.mark.parametrize(
     "shape, names, spec",
-    [((2, 4), ("workers", "fsdp"), P("fsdp")),
-     ((2, 2, 2), ("workers", "fsdp", "tensor"), P(("fsdp", "tensor")))],
+    quick([((2, 4), ("workers", "fsdp"), P("fsdp")),
+           ((2, 2, 2), ("workers", "fsdp", "tensor"), P(("fsdp", "tensor")))],
+          lambda c: len(c[0]) == 3),
 )  # fmt: skip
 def test_streams_split_over_a_workers_devices_equal_host_batches(shape, names, spec):
     """Each worker's stream split over its 4 devices (one shard of N / 4 tokens on each),

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from quick import quick
 
 import diloco_jax as dj
 from diloco_jax.workers import SequentialBackend
@@ -41,7 +42,15 @@ PARAMS = {
 
 @pytest.mark.parametrize(
     "options",
-    [{}, dict(fragments=2), dict(state_sync={"mu": 1}), dict(drop_probability=0.5, drop_seed=3)],
+    quick(
+        [
+            {},
+            dict(fragments=2),
+            dict(state_sync={"mu": 1}),
+            dict(drop_probability=0.5, drop_seed=3),
+        ],
+        lambda o: "fragments" in o or "drop_probability" in o,
+    ),
 )
 def test_sequential_is_the_vmap_round_up_to_rounding(options):
     run = lambda backend: dj.train_diloco(  # noqa: E731

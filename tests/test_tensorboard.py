@@ -43,6 +43,7 @@ def _expected(records) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+@pytest.mark.slow
 def test_train_with_bpe_and_tensorboard_on_a_text_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(tok_lib.CACHE_ENV, str(tmp_path / "cache"))
     folder = tmp_path / "my_texts"

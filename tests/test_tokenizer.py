@@ -85,6 +85,7 @@ def test_bpe_stream_maps_back_to_the_byte_stream():
     assert np.array_equal(tok.byte_lengths, lengths)
 
 
+@pytest.mark.slow
 def test_training_is_deterministic_across_processes(tmp_path):
     docs = _docs()
     here = tok_lib.train_bpe(docs, 300)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from quick import quick
 from reference import make_data
 
 import diloco_jax as dj
@@ -42,7 +43,12 @@ OPTIONS = [
 CASES = [(o, "vmap") for o in OPTIONS] + [(OPTIONS[i], "shard_map") for i in (0, 1, 2)]
 
 
-@pytest.mark.parametrize("options, backend", CASES, ids=[f"{sorted(o)}-{b}" for o, b in CASES])
+# Quick: the device backend's cases, and compression and drops on vmap; the rest slow.
+@pytest.mark.parametrize(
+    "options, backend",
+    quick(CASES, lambda c: c[1] == "shard_map" or {"compression", "drop_probability"} & set(c[0])),
+    ids=[f"{sorted(o)}-{b}" for o, b in CASES],
+)
 def test_frozen_leaves_stay_bit_for_bit_with_every_option(options, backend):
     rounds = make_data(np.random.default_rng(0), R, M, H)
     result = dj.train_diloco(
