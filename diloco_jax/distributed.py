@@ -52,7 +52,9 @@ def initialize(
       num_processes: N >= 1; default DILOCO_NUM_PROCESSES.
       process_id: 0 <= I < N; default DILOCO_PROCESS_ID.
       platform: the platform the run uses ("cpu", "gpu", "tpu"); default the first entry of
-        JAX_PLATFORMS, if set. On "cpu" the cross-process collectives go through gloo.
+        JAX_PLATFORMS, if set. On "cpu" the cross-process collectives go through gloo, and
+        with more than one process the persistent compilation cache is off for this process
+        (JAX 0.12 hangs in a cached program's cross-process collectives).
       timeout: seconds > 0 to wait for the coordinator and for every process to join.
       heartbeat_timeout: whole seconds >= 1 after which JAX's coordination service takes a
         silent process for dead and ends the others (JAX's default, 100 s, when None).
@@ -94,6 +96,12 @@ def initialize(
     platform = platform or (os.environ.get("JAX_PLATFORMS") or "").split(",")[0] or None
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if num_processes != 1:
+            # JAX 0.12's CPU client hangs in the cross-process collectives of a program it
+            # loads from the persistent compilation cache (compiled by an earlier cluster, or
+            # by the same worker group before a restart); JAX 0.10's does not. So a
+            # multi-process CPU run compiles its programs afresh.
+            jax.config.update("jax_enable_compilation_cache", False)
     seconds = max(1, math.ceil(timeout))  # JAX takes whole seconds
     beat = {} if heartbeat_timeout is None else {"heartbeat_timeout_seconds": heartbeat_timeout}
     if missing:

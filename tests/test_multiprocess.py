@@ -60,6 +60,48 @@ def _launch(out: Path, num_processes: int = 2, *extra: str, devices: int = 2) ->
     return logs
 
 
+CACHED_PROGRAM = """
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from diloco_jax import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), platform="cpu")
+mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("x")), np.arange(3, dtype=np.float32) + 3 * jax.process_index())
+total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, P()))(x)
+print("total", float(total))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_cluster_runs_a_program_the_first_compiled(tmp_path):
+    """Two clusters of two processes, one after the other, share a persistent compilation
+    cache (as a restarted worker group does): the second must not hang in the program's
+    cross-process sum (JAX 0.12 does, with the cache on)."""
+    script = tmp_path / "program.py"
+    script.write_text(CACHED_PROGRAM)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+           "PYTHONPATH": str(HERE.parent), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
+    for _ in range(2):
+        coordinator = f"127.0.0.1:{_free_port()}"
+        procs = [subprocess.Popen([sys.executable, str(script), coordinator, str(i)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]  # fmt: skip
+        try:
+            logs = [p.communicate(timeout=60)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        for p, log in zip(procs, logs, strict=True):
+            assert p.returncode == 0, log[-3000:]
+            assert f"total {float(np.sum(np.arange(6.0) ** 2))}" in log  # 0 + 1 + ... + 25
+
+
 def _load(path: Path) -> dict[str, np.ndarray]:
     with np.load(path) as f:
         return {k: f[k] for k in f.files}
