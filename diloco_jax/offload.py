@@ -46,19 +46,21 @@ def fetch(tree: Any, after: Any = None) -> Any:
 
 def in_device_memory(tree: Any) -> Any:
     """`tree` with every array in host memory copied to device memory (the others as they
-    are), called outside jit: what a caller gets back as params. The copy is a compiled
-    identity whose outputs are in device memory: JAX 0.12's `device_put` refuses a CPU array
-    that a compiled program left in pinned host memory ("Unsupported layout")."""
+    are), called outside jit: what a caller gets back as params. The copy is `fetch`
+    compiled: JAX 0.12's eager `device_put` refuses a CPU array that a compiled program left
+    in pinned host memory ("Unsupported layout")."""
     leaves, treedef = jax.tree.flatten(tree)
     host = [i for i, x in enumerate(leaves)
             if getattr(getattr(x, "sharding", None), "memory_kind", None) == HOST]  # fmt: skip
     if not host:
         return tree
-    targets = [leaves[i].sharding.with_memory_kind("device") for i in host]
-    copies = jax.jit(lambda xs: xs, out_shardings=targets)([leaves[i] for i in host])
+    copies = _compiled_fetch([leaves[i] for i in host])
     for i, copy in zip(host, copies, strict=True):
         leaves[i] = copy
     return jax.tree.unflatten(treedef, leaves)
+
+
+_compiled_fetch = jax.jit(fetch)
 
 
 class DeviceMemory(Role):

@@ -35,21 +35,26 @@ def _launch(out: Path, num_processes: int = 2, *extra: str, devices: int = 2) ->
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]),
     }
     coordinator = f"127.0.0.1:{_free_port()}"
+    script = [sys.executable, str(HERE / "multiprocess_main.py"), coordinator]
+    return _run_cluster(
+        [[*script, str(num_processes), str(i), str(out), *extra] for i in range(num_processes)],
+        env,
+    )
+
+
+def _run_cluster(argvs: list[list[str]], env: dict[str, str], timeout: float = TIMEOUT_S):
+    """Runs a process per command line at once; returns their logs, once every one has
+    exited 0 (each is killed after `timeout` seconds)."""
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "multiprocess_main.py"), coordinator]
-            + [str(num_processes), str(i), str(out), *extra],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(num_processes)
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )  # fmt: skip
+        for argv in argvs
     ]
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            logs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -87,19 +92,9 @@ def test_a_second_cluster_runs_a_program_the_first_compiled(tmp_path):
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
     for _ in range(2):
         coordinator = f"127.0.0.1:{_free_port()}"
-        procs = [subprocess.Popen([sys.executable, str(script), coordinator, str(i)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(2)]  # fmt: skip
-        try:
-            logs = [p.communicate(timeout=60)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-        for p, log in zip(procs, logs, strict=True):
-            assert p.returncode == 0, log[-3000:]
-            assert f"total {float(np.sum(np.arange(6.0) ** 2))}" in log  # 0 + 1 + ... + 25
+        argvs = [[sys.executable, str(script), coordinator, str(i)] for i in range(2)]
+        for log in _run_cluster(argvs, env, timeout=60):
+            assert "total 55.0" in log  # 0² + 1² + ... + 5², the two processes' 3 numbers each
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:
