@@ -231,6 +231,7 @@ class Syncer:
 
     def _remove(self, worker: int, why: str) -> None:
         del self.members[worker]
+        self.awaited.discard(worker)  # a resumed syncer opens without it, not at join_timeout
         if worker not in self.pushed:  # the open sync won't wait for it, even if it rejoins
             self.participants.discard(worker)
         log.info("worker %d removed: %s (round %d)", worker, why, self.round)

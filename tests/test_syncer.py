@@ -125,6 +125,24 @@ def test_a_resumed_syncer_opens_without_a_member_that_does_not_come_back(tmp_pat
     assert again.is_open and again.participants == {0, 1} and again.round == 1
 
 
+def test_a_resumed_syncer_does_not_await_a_member_it_removed(tmp_path):
+    s = _syncer(tmp_path)
+    incs = _join_all(s, 3)
+    for m in range(3):
+        _push(s, m, incs[m], 0.1)
+    # join_timeout far away: only the removal of the silent worker 2 can open the round.
+    again = _syncer(tmp_path, join_timeout=60.0, min_workers=2)
+    deadline = time.monotonic() + 5.0
+    while not again.is_open and time.monotonic() < deadline:
+        for m in (0, 1):
+            again.heartbeat(m, incs[m])
+        again.tick()
+        time.sleep(0.05)
+    # Restored members get a heartbeat timeout more to come back: 2 x 0.3 s of silence.
+    assert time.monotonic() - (deadline - 5.0) < 2.0
+    assert again.is_open and again.participants == {0, 1} and 2 not in again.members
+
+
 def test_the_grace_window_closes_without_a_late_worker(tmp_path):
     s = _syncer(tmp_path, min_workers=2, grace_seconds=0.2)
     incs = _join_all(s, 3)
