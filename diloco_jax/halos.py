@@ -8,19 +8,23 @@ On `train_async`'s simulated clock, following the update order of the authors' s
   LPS sent it, then sends θ_start - θ_m; it reaches the LPS `worker_seconds` later;
 - the LPS applies each arriving delta at once with the local outer rule (`train_async`'s
   `outer_optimizer`; its age: the LPS's updates since the job started) and answers the
-  worker with its θ_L (after every delta arriving at that same instant), which reaches it
-  `worker_seconds` later and starts its next job;
+  worker at once with its θ_L of that moment (before a push the delta set off), which
+  reaches it `worker_seconds` later and starts its next job;
 - when the LPS has applied `local_updates` (K) deltas since it last merged, and none of its
   pushes is in flight, it sends Δ_L = snapshot - θ_L (its change since its last merge);
   `region_seconds[r]` later the GPS applies Δ_L with `global_optimizer` and sends θ_G back;
   another `region_seconds[r]` later the LPS merges θ_L ← (1 - α) θ_L + α θ_G (α =
   `merge_weight`), takes θ_L as its snapshot, and keeps its outer state;
 - at one instant, messages between the servers are handled before the workers' arrivals,
-  and arrivals before the replies to workers.
+  and arrivals in worker order (the authors break ties by worker index), each answered
+  before the next; a message between the servers with no latency (a hop of 0 s) is
+  handled as soon as it is sent, after the answer to the worker whose delta set it off, so a
+  hop of 0 is the limit of ever shorter hops.
 
 θ_G is the model: evaluated, and returned as the params. One region, K = 1, α = 1, no
 latency and a global SGD(1.0) make θ_G follow θ_L exactly (to rounding): asynchronous DiLoCo
-with the local rule as its server's.
+with the local rule as its server's, where no two workers arrive at the same instant
+(`train_async` restarts workers that arrive together from the θ after all of them).
 """
 
 import dataclasses
@@ -126,7 +130,7 @@ def _check_latency(name: str, value: Any) -> None:
 
 
 # Kinds of events, in the order they are handled at one instant.
-_SERVERS, _ARRIVAL, _REPLY = 0, 1, 2
+_SERVERS, _ARRIVAL = 0, 1
 
 
 def _train(spec: HALoS, run: Any) -> Any:
@@ -189,6 +193,14 @@ def _train(spec: HALoS, run: Any) -> Any:
     sent, region_sent = [0] * m_count, [0] * num_regions
     history, total_steps, time = [], 0, 0.0
 
+    def send(time, region, message) -> None:
+        """A message between the servers sent now; with no latency it is handled at once."""
+        hop = spec.hop_seconds(region)
+        if hop > 0:
+            post(time + hop, _SERVERS, region, message)
+        else:
+            serve(time, message)
+
     def serve(time, payload) -> None:
         """A message between the servers reaches its end."""
         what, r, value = payload
@@ -197,7 +209,7 @@ def _train(spec: HALoS, run: Any) -> Any:
                 gps.theta, gps.state, value, jnp.int32(gps.version - lps[r].seen)
             )
             gps.version += 1
-            post(time + spec.hop_seconds(r), _SERVERS, r, ("reply", r, gps.theta))
+            send(time, r, ("reply", r, gps.theta))
         else:  # θ_G reaches LPS r
             local = lps[r]
             local.theta = merge(local.theta, value, spec.merge_weight)
@@ -206,9 +218,6 @@ def _train(spec: HALoS, run: Any) -> Any:
 
     while len(history) < run.num_updates:
         time, kind, _, _, payload = heapq.heappop(events)
-        if kind == _REPLY:
-            start(payload, time + spec.worker_seconds)
-            continue
         if kind == _SERVERS:
             serve(time, payload)
             continue
@@ -220,13 +229,16 @@ def _train(spec: HALoS, run: Any) -> Any:
             local.theta, local.state, delta, jnp.int32(staleness)
         )
         local.version += 1
+        push = None
         if not local.in_flight and local.version == local.merged + spec.local_updates:
             local.in_flight = True
             region_sent[r] += per_model
-            post(time + spec.hop_seconds(r), _SERVERS, r,
-                 ("push", r, worker_delta(local.snapshot, local.theta)))  # fmt: skip
-        post(time, _REPLY, m, m)
+            push = ("push", r, worker_delta(local.snapshot, local.theta))
         last = len(history) + 1 == run.num_updates
+        if not last:  # the answer: its next job starts from this θ_L
+            start(m, time + spec.worker_seconds)
+        if push is not None:
+            send(time, r, push)
         while last and events and events[0][:2] <= (time, _SERVERS):  # due by the end
             due, _, _, _, message = heapq.heappop(events)
             serve(due, message)

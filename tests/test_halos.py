@@ -18,8 +18,10 @@ W0, B0 = [0.3, -0.2, 0.1], 0.5
 
 
 def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop, updates):
-    """float64 HALoS on the linear model [w0, w1, w2, b]: events in time order (server
-    messages, then worker arrivals, then replies at one instant; ties by worker or region).
+    """float64 HALoS on the linear model [w0, w1, w2, b] in the authors' simulator's order:
+    events in time order (server messages, then worker arrivals at one instant; ties by worker
+    or region); an arriving worker's next job starts at once from the LPS's θ, and a message
+    between the servers with no latency is handled as it is sent, after that.
     Returns (θ_G, [(time, worker, staleness, global updates, loss)])."""
     start_theta = np.array([*W0, B0], np.float64)
     glob = {"theta": start_theta.copy(), "v": np.zeros(4), "version": 0}
@@ -55,13 +57,19 @@ def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop
         post(at + h * seconds[m] + worker_hop, 1, m,
              (lps["theta"] - p, lps["version"], np.mean(losses)))  # fmt: skip
 
+    def send(time, r, payload):
+        if region_hop[r] > 0:
+            post(time + region_hop[r], 0, r, payload)
+        else:
+            serve(time, payload)
+
     def serve(time, payload):
         what, r, value = payload
         if what == "push":
             glob["v"] = value + GLOBAL_MOMENTUM * glob["v"]
             glob["theta"] = glob["theta"] - GLOBAL_LR * glob["v"]
             glob["version"] += 1
-            post(time + region_hop[r], 0, r, ("reply", r, glob["theta"].copy()))
+            send(time, r, ("reply", r, glob["theta"].copy()))
         else:
             lps = local[r]
             lps["theta"] = (1 - alpha) * lps["theta"] + alpha * value
@@ -74,8 +82,6 @@ def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop
         time, kind, who, _, payload = heapq.heappop(queue)
         if kind == 0:
             serve(time, payload)
-        elif kind == 2:
-            start(who, time + worker_hop)
         else:
             delta, started, loss = payload
             r = regions[who]
@@ -84,10 +90,14 @@ def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop
             lps["theta"] = lps["theta"] - LOCAL_LR * (delta + LOCAL_MOMENTUM * lps["v"])
             staleness = lps["version"] - started
             lps["version"] += 1
+            push = None
             if not lps["flight"] and lps["version"] == lps["merged"] + k_push:
                 lps["flight"] = True
-                post(time + region_hop[r], 0, r, ("push", r, lps["snap"] - lps["theta"]))
-            post(time, 2, who, None)
+                push = ("push", r, lps["snap"] - lps["theta"])
+            if len(out) + 1 < updates:
+                start(who, time + worker_hop)
+            if push is not None:
+                send(time, r, push)
             if len(out) + 1 == updates:
                 while queue and queue[0][:2] <= (time, 0):
                     item = heapq.heappop(queue)
@@ -143,8 +153,9 @@ def test_matches_the_numpy_reference(case, dtype, tol):
 
 
 def test_one_region_is_asynchronous_diloco_with_the_local_rule():
-    # K = 1, α = 1, no latency, a global SGD(1.0): θ_G = θ_L after every update.
-    seconds, h, updates = (1.0, 2.0, 3.0), 2, 11
+    # K = 1, α = 1, no latency, a global SGD(1.0): θ_G = θ_L after every update. No two
+    # arrivals at one instant (HALoS answers tied workers in turn, train_async together).
+    seconds, h, updates = (1.0, 2.2, 3.3), 2, 11
     rounds = make_data(np.random.default_rng(8), 8, 3, h)
     outer = dj.delayed_nesterov(0.6, 0.5, buffer_size=2)
     with precision("float64"):
@@ -171,6 +182,20 @@ def test_one_region_is_asynchronous_diloco_with_the_local_rule():
     assert [{k: x[k] for k in keys} for x in halos.history] == [
         {k: x[k] for k in keys} for x in plain.history
     ]
+
+
+def test_a_hop_of_zero_is_the_limit_of_small_hops():
+    # The authors' order: a worker's next job starts from the θ_L of its arrival, before the
+    # push that arrival set off comes back merged, however short the hops. (Handling the
+    # zero-latency messages before the worker's answer moved θ_G by ~0.2 here.)
+    rounds = make_data(np.random.default_rng(10), 12, 1, 2)
+    spec = dict(regions=(0,), local_updates=2, merge_weight=0.5)
+    with precision("float64"):  # 7 updates: the last sets off no push, due or not
+        runs = [_run(rounds, (1.0,), 2, 7, np.float64, region_seconds=hop, **spec)
+                for hop in (0.0, 1e-9)]  # fmt: skip
+    for name in ("w", "b"):
+        np.testing.assert_allclose(runs[0].params[name], runs[1].params[name], rtol=1e-12)
+    assert [x["global_updates"] for x in runs[0].history] == [0, 1, 1, 2, 2, 3, 3]
 
 
 def test_times_and_bytes_by_hand():
