@@ -28,6 +28,8 @@ many follow).
 import collections
 import dataclasses
 import functools
+import hashlib
+import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -206,9 +208,10 @@ def train_async(
     num_workers: int,
     inner_steps: int,
     num_updates: int,
-    step_seconds: Sequence[float],
+    step_seconds: Sequence[float] | None = None,
     grace_seconds: float = 0.0,
     dynamic_steps: bool = False,
+    arrivals: Sequence[AsyncEvent] | None = None,
     has_aux: bool = False,
     rng_seed: int | None = None,
     trainable: Any = None,
@@ -242,6 +245,13 @@ def train_async(
       num_workers: M >= 1. inner_steps: H >= 1. num_updates: >= 0.
       step_seconds: M positive finite floats, simulated seconds per inner step of each worker.
       grace_seconds, dynamic_steps: see `async_schedule`.
+      arrivals: instead of step_seconds (and without grace_seconds, dynamic_steps or a
+        server), a recorded arrival log to replay: at least num_updates `AsyncEvent`s in
+        update order (update u at index u), e.g. a real run's (`elastic.arrivals`). Each
+        names its worker, job (the worker's data position: its round of `data` and its
+        keys), steps (1..H), start_update (<= update: the θ it started from) and staleness
+        (update - start_update); a worker's jobs increase. The replay applies them in that
+        order, exactly as the simulated clock's own schedule.
       has_aux: `loss_fn` returns (loss, aux dict of scalars); each aux metric's mean over the
         job's steps joins its history entry beside "loss".
       rng_seed: `loss_fn(params, batch, key)`; job j of worker m, step h draws
@@ -299,9 +309,20 @@ def train_async(
     check_int("num_updates", num_updates, 0)
     check_int("eval_every", eval_every, 1)
     limits.check_steps("num_updates x inner_steps", num_updates, inner_steps)
-    seconds = _checked_step_seconds(step_seconds, num_workers)
     if not isinstance(dynamic_steps, bool):
         raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
+    if arrivals is None:
+        seconds = _checked_step_seconds(step_seconds, num_workers)
+        clock = {"step_seconds": list(seconds), "grace_seconds": _checked_grace(grace_seconds),
+                 "dynamic_steps": dynamic_steps}  # fmt: skip
+    else:
+        if step_seconds is not None or grace_seconds or dynamic_steps or server is not None:
+            raise ValueError(
+                "arrivals replays a recorded schedule: it takes no step_seconds, "
+                "grace_seconds, dynamic_steps or server"
+            )
+        recorded = recorded_schedule(arrivals, num_updates, num_workers, inner_steps)
+        clock = {"arrivals": _digest(recorded.events)}
     check_params(params)
     check_loss_options(has_aux, rng_seed)
     given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
@@ -338,19 +359,20 @@ def train_async(
         algorithm="async",
         num_workers=num_workers,
         inner_steps=inner_steps,
-        step_seconds=list(seconds),
-        grace_seconds=_checked_grace(grace_seconds),
-        dynamic_steps=dynamic_steps,
+        **clock,
         **({} if rng_seed is None else {"rng_seed": rng_seed}),
         **checkpoint.run_fields(checkpoint_fingerprint),
     )
-    schedule = async_schedule(
-        seconds,
-        inner_steps,
-        num_updates,
-        grace_seconds=grace_seconds,
-        dynamic_steps=dynamic_steps,
-    )
+    if arrivals is None:
+        schedule = async_schedule(
+            seconds,
+            inner_steps,
+            num_updates,
+            grace_seconds=grace_seconds,
+            dynamic_steps=dynamic_steps,
+        )
+    else:
+        schedule = recorded
     job_data = _job_data(data, num_workers, inner_steps, schedule.events, where)
     # On a mesh, a job runs under plain jit on its worker's slice of it: traced with that
     # slice's axes in context (the same axes for every worker) as a round's body is.
@@ -365,7 +387,7 @@ def train_async(
     outer_state = where.shared(outer_init(outer_optimizer, theta))
     inner_states = where.inner_states(inner_optimizer.init, theta, num_workers)
     events = schedule.events
-    if ckpt is not None:
+    if ckpt is not None and arrivals is None:
         # A checkpoint saves the theta each job in flight started from: look ahead to them.
         events = _with_jobs_in_flight(
             seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
@@ -555,6 +577,54 @@ class _Arrivals:
         }
         inner_states = self.where.unstack(saved.inner_opt_state, self.num_workers)
         return _Running(saved.params, saved.outer_opt_state, inner_states, starts, done)
+
+
+def recorded_schedule(
+    arrivals: Sequence[Any], num_updates: int, num_workers: int, inner_steps: int
+) -> AsyncSchedule:
+    """The first `num_updates` of a recorded arrival log as an `AsyncSchedule` (utilization:
+    the applied jobs' busy seconds / (M x elapsed_seconds); jobs lost to a fault don't count).
+    Raises ValueError naming arrivals where an event can't be replayed."""
+    try:
+        events = tuple(AsyncEvent(*e) for e in arrivals)
+    except TypeError:
+        raise ValueError(
+            "arrivals must be a sequence of AsyncEvent (update, worker, job, steps, start, time, "
+            "start_update, staleness)"
+        ) from None
+    if len(events) < num_updates:
+        raise ValueError(f"arrivals holds {len(events)} updates; num_updates = {num_updates}")
+    events = events[:num_updates]
+    last_job: dict[int, int] = {}
+    for i, e in enumerate(events):
+        fields = (e.update, e.worker, e.job, e.steps, e.start_update, e.staleness)
+        if not all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in fields):
+            raise ValueError(f"arrivals[{i}] must hold integer indices, got {e!r}")
+        why = None
+        if e.update != i:
+            why = f"its update must be {i} (in update order)"
+        elif not 0 <= e.worker < num_workers:
+            why = f"its worker must be in [0, {num_workers})"
+        elif not 1 <= e.steps <= inner_steps:
+            why = f"its steps must be in [1, inner_steps = {inner_steps}]"
+        elif not 0 <= e.start_update <= e.update or e.staleness != e.update - e.start_update:
+            why = "its start_update must be in [0, update] and staleness update - start_update"
+        elif e.job <= last_job.get(e.worker, -1):
+            why = f"worker {e.worker}'s jobs must increase"
+        if why is not None:
+            raise ValueError(f"arrivals[{i}] can't be replayed: {why}; got {e!r}")
+        last_job[e.worker] = e.job
+    if not events:
+        return AsyncSchedule((), 0.0, 0.0)
+    elapsed = max(e.time for e in events)
+    busy = sum(e.time - e.start for e in events)
+    return AsyncSchedule(events, elapsed, busy / (num_workers * elapsed) if elapsed > 0 else 0.0)
+
+
+def _digest(events: Sequence[AsyncEvent]) -> str:
+    """A checkpoint's fingerprint of a replayed log: the events' indices, hashed."""
+    text = json.dumps([[e.worker, e.job, e.steps, e.start_update] for e in events])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _with_jobs_in_flight(

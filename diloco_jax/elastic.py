@@ -21,6 +21,10 @@ hold their inner optimizer state (`diloco_jax.elastic_worker`). The result is
 OUT/syncer/final.msgpack (θ after R syncs; `final_params`), OUT/syncer/history.jsonl
 (per sync: who was included, the mean loss, every worker's position; `history`) and each
 worker's OUT/workers/worker-m/metrics.jsonl (per inner phase; `worker_metrics`).
+
+A task with `algo="async"` runs asynchronous DiLoCo instead (`diloco_jax.arrival_syncer`):
+no rounds, each delta applied as it arrives with its age, R server updates; history.jsonl is
+then the arrival log, and `train_async(..., arrivals=arrivals(OUT/syncer))` replays it.
 """
 
 import argparse
@@ -40,7 +44,15 @@ from typing import Any
 from diloco_jax import run_lock, wire
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
 
-__all__ = ["Elastic", "ElasticTask", "final_params", "history", "main", "worker_metrics"]
+__all__ = [
+    "Elastic",
+    "ElasticTask",
+    "arrivals",
+    "final_params",
+    "history",
+    "main",
+    "worker_metrics",
+]
 
 ADDRESS_FILE = "syncer.address"
 
@@ -58,6 +70,16 @@ def history(directory: str | os.PathLike) -> list[dict[str, Any]]:
     it), compute_s (each pushing worker's phase seconds), seconds (opened to closed) and time
     (when it closed, Unix seconds)."""
     return _jsonl(Path(directory) / "history.jsonl")
+
+
+def arrivals(directory: str | os.PathLike) -> tuple:
+    """An async run's arrival log (its syncer folder's history.jsonl) as `AsyncEvent`s in
+    update order: update, worker, job (the worker's data position), steps, start and time
+    (seconds since the first job started), start_update, staleness; for
+    `train_async(..., arrivals=...)`."""
+    from diloco_jax.arrival_syncer import arrival_events
+
+    return arrival_events(history(directory))
 
 
 def worker_metrics(directory: str | os.PathLike, worker: int) -> list[dict[str, Any]]:
@@ -110,14 +132,14 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 def run_syncer(args: argparse.Namespace) -> int:
+    from diloco_jax.arrival_syncer import make_syncer
     from diloco_jax.rpc import serve
-    from diloco_jax.syncer import Syncer
 
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     lock = run_lock.acquire(directory, what="--dir")
     task = load_task(args.task)
-    syncer = Syncer(task, _options(args).checked(task.num_workers), directory)
+    syncer = make_syncer(task, _options(args).checked(task.num_workers), directory)
     server, port = serve(syncer, args.port, args.host)
     (directory / ADDRESS_FILE).write_text(f"{args.host}:{port}\n")
     logging.getLogger("diloco_jax.syncer").info("serving on %s:%d", args.host, port)

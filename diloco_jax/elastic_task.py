@@ -11,7 +11,9 @@ from typing import Any
 import jax
 
 from diloco_jax import limits
-from diloco_jax.method import DiLoCo
+from diloco_jax.method import DiLoCo, only_optimizers
+
+ALGOS = ("diloco", "async")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +26,14 @@ class ElasticTask:
     batches: (worker m in [0, M), position p >= 0) -> one inner phase's batch, leaves
       [H, ...]. Position p is the worker's p-th completed inner phase: it advances once per
       phase that entered a sync, so no sample is skipped or repeated across a death.
-    num_workers: M >= 1. inner_steps: H >= 1. num_rounds: R >= 1 syncs.
+    num_workers: M >= 1. inner_steps: H >= 1. num_rounds: R >= 1 syncs (with algo "async":
+      server updates, one per delta applied).
+    algo: "diloco" (a sync per round over the round's members, `diloco_jax.syncer`) or
+      "async" (asynchronous DiLoCo: each delta applied as it arrives, with its age, and the
+      worker sent on from the θ of that moment; `diloco_jax.arrival_syncer`). Its replay on
+      the simulated clock: `train_async(arrivals=elastic.arrivals(syncer_dir))`.
+    dynamic_steps: with algo "async", DyLU: each job's inner steps floor(H v_m / max v), v
+      the workers' measured inner steps per second (H until a worker has pushed once).
     method: a `DiLoCo` (its inner and outer optimizers and outer_state_dtype; the parts that
       can't run elastically are refused, `refusal`); None: the paper's DiLoCo.
     rng_seed: None, or the seed of each step's key (`inner.worker_key(seed, round, m)`), as
@@ -48,8 +57,18 @@ class ElasticTask:
     rng_seed: int | None = None
     param_sharding: Any = None
     batch_sharding: Any = None
+    algo: str = "diloco"
+    dynamic_steps: bool = False
 
     def __post_init__(self):
+        if self.algo not in ALGOS:
+            raise ValueError(f"ElasticTask.algo must be one of {ALGOS}, got {self.algo!r}")
+        if not isinstance(self.dynamic_steps, bool):
+            raise ValueError(
+                f"ElasticTask.dynamic_steps must be True or False, got {self.dynamic_steps!r}"
+            )
+        if self.dynamic_steps and self.algo != "async":
+            raise ValueError("ElasticTask.dynamic_steps (DyLU) needs algo='async'")
         for name in ("num_workers", "inner_steps", "num_rounds"):
             limits.check_count(f"ElasticTask.{name}", getattr(self, name), 1)
             object.__setattr__(self, name, int(getattr(self, name)))
@@ -60,6 +79,9 @@ class ElasticTask:
         why = refusal(method)
         if why is not None:
             raise ValueError(f"ElasticTask.method can't run elastically: {why}")
+        if self.algo == "async":  # what train_async, its replay, takes
+            only_optimizers(method, "ElasticTask with algo='async'", "each arrival applies "
+                            "one worker's whole delta")  # fmt: skip
         object.__setattr__(self, "method", method)
         seed = self.rng_seed
         if seed is not None and (

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,9 @@ log = logging.getLogger("diloco_jax.worker")
 # Fault injection for tests and chaos runs: "ROUND" pauses this worker inside its push of
 # that round (after its first leaf) for an hour, so a test can kill it mid-push.
 PAUSE_PUSH_ENV = "DILOCO_JAX_PAUSE_PUSH"
+# A slower device for tests and chaos runs: this many seconds more per inner step, after the
+# phase's compute (the worker's measured step time, which DyLU reads, includes it).
+SLOW_STEP_ENV = "DILOCO_JAX_SLOW_STEP"
 KEEP_STATES = 3
 # One line per inner phase this worker ran: round, position, its mean loss, its seconds, time.
 METRICS_FILE = "metrics.jsonl"
@@ -49,6 +52,18 @@ METRICS_FILE = "metrics.jsonl"
 GROUP_HEARTBEAT_S = 10
 # The commands the leader shares with its group, by their index.
 COMMANDS = ("pending", "round", "rejoin", "push_again", "done", "abort")
+
+
+class Phase(NamedTuple):
+    """One inner phase run: the syncer's serial and round of it, Δ's leaves, the mean inner
+    loss, its seconds (batches drawn and inner steps) and of those the inner steps'."""
+
+    serial: int
+    round: int
+    leaves: list
+    loss: float
+    compute_s: float
+    steps_s: float
 
 
 class WorkerExit(Exception):
@@ -82,6 +97,7 @@ class Worker:
         self.states: dict[int, Any] = {}  # position -> inner state, the newest few
         self.opt_shardings = None  # under a param_sharding: where the inner state lives
         self.pause_round = os.environ.get(PAUSE_PUSH_ENV)
+        self.slow_step = float(os.environ.get(SLOW_STEP_ENV, "0"))
         self.incarnation: str | None = None
         self.options = Elastic()
         self.rejoined = True
@@ -125,7 +141,7 @@ class Worker:
                         push = pending
                 elif status == "round":
                     pending = self._round(command)
-                    after, push = pending[0], pending
+                    after, push = pending.serial, pending
                 command = self._command(functools.partial(self._next, after, push))
                 push = None
         except WorkerExit as end:
@@ -145,11 +161,11 @@ class Worker:
         beat.start()
         return {"status": "pending"}
 
-    def _next(self, after: int, push: tuple | None) -> dict:
+    def _next(self, after: int, push: "Phase | None") -> dict:
         """The leader's calls between two commands: push the last phase's delta (if any),
         then ask for the next command (joining again first where the syncer says so)."""
         if push is not None:
-            self._push(*push)
+            self._push(push)
         reply = self.client.call("Next", self._me(after=after, timeout=5.0))
         if reply["status"] == "rejoin":
             log.info("worker %d: the syncer left it out; joining again", self.worker)
@@ -177,12 +193,13 @@ class Worker:
         broadcast, then θ, when it is a round."""
         from jax.experimental import multihost_utils
 
-        numbers = np.zeros(5, np.int32)  # status, serial, round, position, fresh
+        numbers = np.zeros(6, np.int32)  # status, serial, round, position, fresh, steps
         if self.leader:
             numbers[0] = COMMANDS.index(reply["status"])
             numbers[4] = self.options.inner_state == "fresh"
             if reply["status"] == "round":
                 numbers[1:4] = [reply["serial"], reply["round"], reply["position"]]
+                numbers[5] = reply.get("steps", self.task.inner_steps)
         numbers = np.asarray(multihost_utils.broadcast_one_to_all(numbers, self.leader))
         status = COMMANDS[int(numbers[0])]
         inner_state = "fresh" if numbers[4] else "checkpoint"
@@ -196,15 +213,16 @@ class Worker:
         serial, round_, position = (int(x) for x in numbers[1:4])
         theta = jax.tree.map(np.asarray, theta)
         return {"status": status, "serial": serial, "round": round_, "position": position,
-                "theta": wire.leaves(theta)}  # fmt: skip
+                "steps": int(numbers[5]), "theta": wire.leaves(theta)}  # fmt: skip
 
     def _me(self, **fields: Any) -> dict[str, Any]:
         return {"worker": self.worker, "incarnation": self.incarnation, **fields}
 
-    def _round(self, reply: dict) -> tuple:
-        """Runs the round's inner phase: (serial, round, Δ's leaves, mean loss, its seconds:
-        the batches drawn and the H steps)."""
+    def _round(self, reply: dict) -> "Phase":
+        """Runs the round's inner phase (its first `steps` inner steps where the syncer
+        gives them: an async job under DyLU)."""
         serial, round_, position = int(reply["serial"]), int(reply["round"]), reply["position"]
+        steps = int(reply.get("steps", self.task.inner_steps))
         theta = self._placed(wire.tree_like(self.task.params, reply["theta"], "the syncer's θ"))
         opt_state = self._state(position)
         if self.task.param_sharding is not None:  # the inner state where jit puts θ's
@@ -216,19 +234,24 @@ class Worker:
             key = inner.worker_key(self.task.rng_seed, jnp.int32(round_), jnp.int32(self.worker))
         started = time.perf_counter()
         batches = self.task.batches(self.worker, position)
+        if steps != self.task.inner_steps:
+            batches = jax.tree.map(lambda x: x[:steps], batches)
         if self.task.batch_sharding is not None:
             batches = _put(batches, self.task.batch_sharding)
+        drawn = time.perf_counter()
         delta, opt_state, loss = self.phase(theta, opt_state, batches, key)
         # Whole on the host (gathered over a group's processes); waits for the phase to end.
         leaves, loss = wire.leaves(distributed.to_host(delta)), float(distributed.to_host(loss))
-        seconds = time.perf_counter() - started
+        time.sleep(self.slow_step * steps)
+        done = time.perf_counter()
+        seconds, steps_s = done - started, done - drawn
         self._keep(position + 1, distributed.to_host(opt_state))
         if self.leader:
-            line = {"round": round_, "position": position, "loss": loss, "compute_s": seconds,
-                    "time": time.time()}  # fmt: skip
+            line = {"round": round_, "position": position, "steps": steps, "loss": loss,
+                    "compute_s": seconds, "time": time.time()}  # fmt: skip
             with open(self.directory / METRICS_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        return serial, round_, leaves, loss, seconds
+        return Phase(serial, round_, leaves, loss, seconds, steps_s)
 
     def _devices(self) -> set:
         """The devices the task's shardings name (the default device without any)."""
@@ -253,10 +276,11 @@ class Worker:
         sharding = self.task.param_sharding
         return theta if sharding is None else _put(theta, sharding)
 
-    def _push(self, serial: int, round_: int, leaves: list, loss: float, seconds: float) -> None:
+    def _push(self, phase: "Phase") -> None:
         """The leader's push of one phase's delta."""
-        header = self._me(serial=serial, loss=loss, compute_s=seconds)
-        reply = self.client.push(header, leaves, functools.partial(self._pause, round_))
+        header = self._me(serial=phase.serial, loss=phase.loss, compute_s=phase.compute_s,
+                          steps_s=phase.steps_s)  # fmt: skip
+        reply = self.client.push(header, phase.leaves, functools.partial(self._pause, phase.round))
         if reply["status"] == "refused":
             raise WorkerExit(1, f"the syncer refused this worker's delta: {reply['reason']}")
 

@@ -4,7 +4,7 @@
 - Join {worker, incarnation?} -> {incarnation, options}
 - Heartbeat {worker, incarnation} -> {status}
 - Next {worker, incarnation, after, timeout} -> the worker's next round (`Syncer.next_round`)
-- Push: a stream of {worker, incarnation, serial, loss, compute_s, leaves: n} then n
+- Push: a stream of {worker, incarnation, serial, loss, compute_s, steps_s, leaves: n} then n
   messages {leaf},
   one per delta leaf -> {status}. A stream that ends before its n leaves (its sender died
   inside the push) is dropped whole.
@@ -67,6 +67,7 @@ def serve(syncer: Any, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server,
             reply = syncer.push(
                 header["worker"], header["incarnation"], int(header["serial"]), leaves,
                 float(header["loss"]), float(header.get("compute_s", 0.0)),
+                float(header.get("steps_s", 0.0)),
             )  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")

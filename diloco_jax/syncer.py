@@ -42,6 +42,10 @@ CHECKPOINT_GLOB = "sync-*.ckpt"
 KEEP_CHECKPOINTS = 2
 
 
+class Refused(Exception):
+    """A push the syncer will not merge (its reason is the message)."""
+
+
 @dataclasses.dataclass
 class Member:
     incarnation: str
@@ -161,16 +165,14 @@ class Syncer:
 
     def push(
         self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
-        compute_s: float = 0.0,
+        compute_s: float = 0.0, steps_s: float = 0.0,
     ) -> dict:  # fmt: skip
-        """Worker's delta for opening `serial` (its mean inner loss, and the seconds its
-        phase took): "ok", or "late" (that opening closed, or the worker is not in it),
-        "rejoin", "refused" (with "reason": leaves unlike θ's)."""
-        self._check_worker(worker)
+        """Worker's delta for opening `serial` (its mean inner loss, the seconds its phase
+        took, and of those its inner steps'): "ok", or "late" (that opening closed, or the
+        worker is not in it), "rejoin", "refused" (with "reason": leaves unlike θ's)."""
         try:
-            delta = wire.tree_like(self.delta_like, leaves, f"worker {worker}'s delta")
-        except ValueError as error:
-            log.warning("refused: %s", error)
+            delta = self._delta(worker, leaves)
+        except Refused as error:
             return {"status": "refused", "reason": str(error)}
         with self.cond:
             member = self.members.get(worker)
@@ -222,6 +224,15 @@ class Syncer:
                 return
 
     # ---- internals (called with the lock held) -----------------------------------------
+
+    def _delta(self, worker: int, leaves: list) -> Any:
+        """The pushed leaves as a delta tree; `Refused` if they are unlike θ's."""
+        self._check_worker(worker)
+        try:
+            return wire.tree_like(self.delta_like, leaves, f"worker {worker}'s delta")
+        except ValueError as error:
+            log.warning("refused: %s", error)
+            raise Refused(str(error)) from error
 
     def _check_worker(self, worker: Any) -> None:
         if isinstance(worker, bool) or not isinstance(worker, int):
@@ -309,8 +320,15 @@ class Syncer:
             "seconds": round(time.monotonic() - self.opened_at, 4),
             "time": time.time(),
         }
-        self.round += 1
         self.is_open = False
+        self._record(record, busy_since)
+        log.info("sync %d closed with workers %s", record["round"], included)
+        if not self._end_if_done():
+            self._open(set(self.members), reason="next")
+
+    def _record(self, record: dict, busy_since: float) -> None:
+        """Counts the update `record` describes, appends it to history.jsonl, checkpoints."""
+        self.round += 1
         with open(self.directory / "history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self._save()
@@ -319,13 +337,15 @@ class Syncer:
         busy = time.monotonic() - busy_since
         for member in self.members.values():
             member.last_seen += busy
-        log.info("sync %d closed with workers %s", record["round"], included)
-        if self.round >= self.task.num_rounds:
-            self.done = "finished"
-            wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)})
-            self.cond.notify_all()
-        else:
-            self._open(set(self.members), reason="next")
+
+    def _end_if_done(self) -> bool:
+        """Ends the run (final.msgpack) once its last update is in; whether it ended."""
+        if self.round < self.task.num_rounds:
+            return False
+        self.done = "finished"
+        wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)})
+        self.cond.notify_all()
+        return True
 
     def _save(self) -> None:
         message = {
@@ -335,6 +355,7 @@ class Syncer:
             "outer": wire.leaves(self.outer_state),
             "positions": list(self.positions),
             "members": {str(m): member.incarnation for m, member in self.members.items()},
+            **self._saved_extra(),
         }
         wire.write_file(checkpoint_path(self.directory, self.round), message)
         for old in sorted(self.directory.glob(CHECKPOINT_GLOB))[:-KEEP_CHECKPOINTS]:
@@ -351,6 +372,7 @@ class Syncer:
                 positions = [int(p) for p in message["positions"]]
                 if len(positions) != self.task.num_workers:
                     raise ValueError(f"{path}: {len(positions)} positions, not one per worker")
+                self._restore_extra(message, path)
             except (ValueError, KeyError, TypeError) as error:
                 log.warning("skipping checkpoint %s: %s", path.name, error)
                 continue
@@ -363,6 +385,13 @@ class Syncer:
             log.info("resumed from %s (round %d)", path.name, self.round)
             return True
         return False
+
+    def _saved_extra(self) -> dict:
+        """What a subclass's rule adds to the checkpoint (none here)."""
+        return {}
+
+    def _restore_extra(self, message: dict, path: Path) -> None:
+        """Restores `_saved_extra`'s fields from a checkpoint (none here)."""
 
     def _cut_history(self) -> None:
         path = self.directory / "history.jsonl"

@@ -1,0 +1,216 @@
+"""Asynchronous DiLoCo's syncer (Liu et al. 2024, arXiv 2401.09135) for real worker processes:
+the rule of `train_async`'s server on the real clock. `diloco_jax.syncer.Syncer` keeps the
+membership (joins, heartbeats, removals, the quorum), the checkpoints and history.jsonl; this
+rule replaces the round:
+
+- a worker that asks (`next_round`) gets a job at once: θ as it is, the updates applied so
+  far (the job's start), its data position and its inner steps (H, or with
+  `ElasticTask.dynamic_steps` DyLU's floor(H v_m / max v) from each worker's measured inner
+  steps per second);
+- its delta is applied the moment it arrives, with the outer rule and its age (the updates
+  applied since the job started: `diloco_jax.outer.outer_update`'s `age`, which CGAD and
+  Delayed Nesterov read), and its position advances; a delta of a job the syncer no longer
+  holds (its worker was removed, or rejoined, or the syncer restarted past it) is "late" and
+  its worker asks again, from the θ of then and the same position;
+- each update is one history.jsonl line (the arrival log: update, worker, position, steps,
+  start_update, staleness, loss, times) and a checkpoint (θ, the outer state, positions and
+  the jobs handed out), so a restarted syncer takes the pushes of jobs it handed out before
+  its checkpoint.
+
+`elastic.arrivals(directory)` reads the log as `AsyncEvent`s, and
+`train_async(..., arrivals=...)` replays it on the simulated clock: the same θ.
+"""
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import wire
+from diloco_jax.async_train import dynamic_local_steps
+from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.outer import outer_update
+from diloco_jax.syncer import Refused, Syncer
+
+log = logging.getLogger("diloco_jax.syncer")
+
+
+@dataclasses.dataclass
+class Job:
+    """A job handed out: its serial, the updates applied before it (`start_update`), the
+    worker's data position, its inner steps, and when it was handed out (monotonic, for the
+    round timeout; wall-clock, for the log)."""
+
+    serial: int
+    start_update: int
+    position: int
+    steps: int
+    handed_at: float
+    started: float
+
+
+class ArrivalSyncer(Syncer):
+    """The syncer with asynchronous DiLoCo's rule (see the module docstring)."""
+
+    def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
+        if task.algo != "async":
+            raise ValueError(f"ArrivalSyncer runs ElasticTask(algo='async'), got {task.algo!r}")
+        self.jobs: dict[int, Job] = {}
+        self.step_seconds: dict[int, float] = {}  # each worker's measured seconds per step
+        super().__init__(task, options, directory)
+        self.awaited = set()  # nobody waits for anybody
+        self._apply_one = jax.jit(functools.partial(outer_update, task.method.outer_optimizer))
+
+    def next_round(self, worker: int, incarnation: str, after: int, timeout: float) -> dict:
+        """A new job for the worker at once: {"status": "round", serial, round (= its
+        position: the job's key), position, steps, theta}; or "rejoin", "done", "abort"."""
+        self._check_worker(worker)
+        with self.cond:
+            if self.done is not None:
+                status = "done" if self.done == "finished" else "abort"
+                return {"status": status, "reason": self.done, "round": self.round}
+            member = self.members.get(worker)
+            if member is None or member.incarnation != incarnation:
+                return {"status": "rejoin"}
+            member.last_seen = time.monotonic()
+            self.serial += 1
+            job = Job(self.serial, self.round, self.positions[worker], self._steps(worker),
+                      time.monotonic(), time.time())  # fmt: skip
+            self.jobs[worker] = job
+            return {"status": "round", "serial": job.serial, "round": job.position,
+                    "position": job.position, "steps": job.steps,
+                    "theta": wire.leaves(self.theta)}  # fmt: skip
+
+    def push(
+        self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
+        compute_s: float = 0.0, steps_s: float = 0.0,
+    ) -> dict:  # fmt: skip
+        """The delta of job `serial`, applied at once: "ok"; "late" (a job the syncer no
+        longer holds), "rejoin", "refused" (leaves unlike θ's)."""
+        try:
+            delta = self._delta(worker, leaves)
+        except Refused as error:
+            return {"status": "refused", "reason": str(error)}
+        with self.cond:
+            member = self.members.get(worker)
+            if member is None or member.incarnation != incarnation:
+                return {"status": "rejoin"}
+            member.last_seen = time.monotonic()
+            job = self.jobs.get(worker)
+            if self.done is not None or job is None or job.serial != serial:
+                return {"status": "late"}
+            del self.jobs[worker]
+            if steps_s > 0:
+                self.step_seconds[worker] = steps_s / job.steps
+            if not all(np.isfinite(x).all() for x in jax.tree.leaves(delta)):
+                # Left out, as train_diloco's exclusion: the worker runs this position again.
+                log.warning("worker %d's delta of position %d is not finite: left out",
+                            worker, job.position)  # fmt: skip
+                return {"status": "ok"}
+            self._apply_arrival(worker, job, delta, loss, compute_s)
+            return {"status": "ok"}
+
+    def _apply_arrival(self, worker: int, job: Job, delta: Any, loss: float, compute_s: float):
+        busy_since = time.monotonic()
+        age = self.round - job.start_update
+        theta, outer = self._apply_one(self.theta, self.outer_state, delta, jnp.int32(age))
+        self.theta = jax.tree.map(np.asarray, theta)
+        self.outer_state = jax.tree.map(np.asarray, outer)
+        self.positions[worker] += 1
+        record = {
+            "round": self.round,  # the update's index (history.jsonl is cut back by it)
+            "worker": worker,
+            "position": job.position,
+            "steps": job.steps,
+            "start_update": job.start_update,
+            "staleness": age,
+            "loss": float(loss),
+            "compute_s": round(compute_s, 4),
+            "started": job.started,
+            "time": time.time(),
+            "positions": list(self.positions),
+        }
+        self._record(record, busy_since)
+        log.info("update %d: worker %d's delta of position %d, age %d",
+                 record["round"], worker, job.position, age)  # fmt: skip
+        self._end_if_done()
+        self.cond.notify_all()
+
+    def _steps(self, worker: int) -> int:
+        """The inner steps of the worker's next job: H, or DyLU's count from the measured
+        speeds (H for a worker not measured yet)."""
+        h = self.task.inner_steps
+        if not self.task.dynamic_steps or worker not in self.step_seconds:
+            return h
+        measured = sorted(self.step_seconds)
+        counts = dynamic_local_steps([self.step_seconds[m] for m in measured], h)
+        return counts[measured.index(worker)]
+
+    def _remove(self, worker: int, why: str) -> None:
+        self.jobs.pop(worker, None)
+        super()._remove(worker, why)
+
+    def _step(self) -> None:
+        """No round to open or close: removes a worker whose job outlasts round_timeout, and
+        ends the run after quorum_timeout with fewer than min_workers members."""
+        if self.done is not None:
+            return
+        o, now = self.options, time.monotonic()
+        if o.round_timeout is not None:
+            for worker, job in list(self.jobs.items()):
+                if worker in self.members and now - job.handed_at > o.round_timeout:
+                    self._remove(worker, f"no delta {now - job.handed_at:.1f} s into its job")
+        if len(self.members) < o.min_workers:
+            self._short(now, f"{len(self.members)} live workers")
+        else:
+            self.short_since = None
+
+    def _saved_extra(self) -> dict:
+        jobs = {str(m): [j.serial, j.start_update, j.position, j.steps, j.started]
+                for m, j in self.jobs.items()}  # fmt: skip
+        return {"jobs": jobs, "step_seconds": {str(m): s for m, s in self.step_seconds.items()}}
+
+    def _restore_extra(self, message: dict, path: Path) -> None:
+        # A job handed out before the checkpoint gets a heartbeat timeout more, as members do.
+        now = time.monotonic() + self.options.heartbeat_timeout
+        self.jobs = {
+            int(m): Job(int(serial), int(start), int(position), int(steps), now, float(started))
+            for m, (serial, start, position, steps, started) in message["jobs"].items()
+        }
+        self.step_seconds = {int(m): float(s) for m, s in message["step_seconds"].items()}
+
+
+def make_syncer(task: ElasticTask, options: Elastic, directory: Path) -> Syncer:
+    """The syncer of the task's algo: `Syncer` (rounds) or `ArrivalSyncer` (async)."""
+    kind = ArrivalSyncer if task.algo == "async" else Syncer
+    return kind(task, options, directory)
+
+
+def arrival_events(lines: list[dict[str, Any]]) -> tuple:
+    """An async run's history.jsonl lines as `AsyncEvent`s (times in seconds since the first
+    job started), for `train_async(arrivals=...)`."""
+    from diloco_jax.async_train import AsyncEvent
+
+    origin = min((x["started"] for x in lines), default=0.0)
+    return tuple(
+        AsyncEvent(
+            int(x["round"]),
+            int(x["worker"]),
+            int(x["position"]),
+            int(x["steps"]),
+            x["started"] - origin,
+            x["time"] - origin,
+            int(x["start_update"]),
+            int(x["staleness"]),
+        )  # fmt: skip
+        for x in lines
+    )
+
+
+__all__ = ["ArrivalSyncer", "Job", "arrival_events", "make_syncer"]
