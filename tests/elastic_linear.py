@@ -75,3 +75,16 @@ def make_sharded_task():
         param_sharding=NamedSharding(mesh, P()),
         batch_sharding=NamedSharding(mesh, P(None, "data")),
     )
+
+
+def make_async_task():
+    """make_task's task as asynchronous DiLoCo with DyLU: ELASTIC_OUTER names the server's
+    rule, "dn" (Delayed Nesterov 0.6, momentum 0.5, every 2 updates) or "cgad" (CGAD, lr 0.05,
+    decay 0.1, cutoff 8); both read each delta's age."""
+    outers = {
+        "dn": lambda: dj.delayed_nesterov(0.6, 0.5, buffer_size=2),
+        "cgad": lambda: dj.cgad(0.05, 0.1, 8),
+    }
+    outer = outers[os.environ.get("ELASTIC_OUTER", "dn")]()
+    return dataclasses.replace(make_task(), method=dj.DiLoCo(inner=METHOD.inner, outer=outer),
+                               algo="async", dynamic_steps=True)  # fmt: skip

@@ -1,0 +1,87 @@
+"""Asynchronous DiLoCo on real processes (`ElasticTask(algo="async")`): a syncer and four
+worker processes of unequal speeds (DyLU from their measured steps), one worker SIGKILLed and
+restarted and one SIGSTOPped past the heartbeat timeout, with Delayed Nesterov or CGAD at
+the syncer. The final θ must equal `train_async` replaying the run's arrival log on the
+simulated clock, within 1e-6 relative."""
+
+import signal
+
+import jax
+import numpy as np
+import pytest
+from elastic_linear import INNER_STEPS, METHOD, PARAMS, batch, make_async_task
+from reference import linear_loss
+from test_elastic import Cluster, _wait
+
+import diloco_jax as dj
+from diloco_jax.elastic import arrivals, final_params
+
+pytestmark = pytest.mark.slow
+
+UPDATES = 24
+# Seconds per inner step added to each worker: DyLU gives worker 0 and 2 about H steps, worker
+# 1 about H/2, worker 3 about H/3.
+SLOW = ("0.05", "0.1", "0.05", "0.15")
+
+
+def _replay(events, outer):
+    jobs = 1 + max(e.job for e in events)
+    rounds = [
+        jax.tree.map(lambda *x: np.stack(x), *(batch(m, j) for m in range(4))) for j in range(jobs)
+    ]
+    return dj.train_async(
+        linear_loss, PARAMS, rounds, num_workers=4, inner_steps=INNER_STEPS,
+        num_updates=len(events), arrivals=events, inner_optimizer=METHOD.inner,
+        outer_optimizer=outer,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("outer", ["dn", "cgad"])
+def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path, outer, monkeypatch):
+    monkeypatch.setenv("ELASTIC_OUTER", outer)  # the task here as in the processes
+    env = {"ELASTIC_ROUNDS": str(UPDATES), "ELASTIC_PHASE_SECONDS": "0", "ELASTIC_OUTER": outer}
+    cluster = Cluster(tmp_path, task="elastic_linear:make_async_task", env=env)
+    cluster.hold(2)  # every worker waits at its position 2
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    cluster.wait_for_syncs(8)
+    cluster.processes["worker-2"].kill()
+    stopped = cluster.processes["worker-3"]
+    stopped.send_signal(signal.SIGSTOP)
+    cluster.hold(4)  # workers 0 and 1 run on
+    removed = ("worker 2 removed: silent", "worker 3 removed: silent")
+    _wait(lambda: all(x in cluster.log("syncer") for x in removed), 60, "removals", cluster)
+    cluster.wait_for_syncs(12)
+    cluster.worker(2)
+    stopped.send_signal(signal.SIGCONT)
+    cluster.wait_for_join(2, 2)
+    cluster.wait_for_join(3, 2)
+    cluster.hold(None)
+    cluster.finish()
+    events = arrivals(tmp_path / "syncer")
+    assert [e.update for e in events] == list(range(UPDATES))
+    task = make_async_task()
+    real = final_params(tmp_path / "syncer", task)
+    replay = _replay(events, task.method.outer)
+    for name in ("w", "b"):
+        assert np.all(np.isfinite(real[name]))
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    # The faults are in the log: workers 2 and 3 each ran position 2 again after rejoining;
+    # DyLU gave the slowest worker fewer than H steps once measured.
+    assert [e.job for e in events if e.worker == 2][:3] == [0, 1, 2]
+    assert "joining again" in cluster.log("worker-3")
+    assert {e.steps for e in events if e.worker == 3 and e.job > 0} < set(range(1, INNER_STEPS))
+    # Control: the fault-free simulated clock at the workers' step times lands elsewhere.
+    seconds = [float(s) for s in SLOW]
+    clean = dj.train_async(
+        linear_loss, PARAMS, _rounds_for(UPDATES), num_workers=4, inner_steps=INNER_STEPS,
+        num_updates=UPDATES, step_seconds=seconds, dynamic_steps=True,
+        inner_optimizer=METHOD.inner, outer_optimizer=task.method.outer,
+    )  # fmt: skip
+    assert not np.allclose(real["w"], clean.params["w"], rtol=1e-4)
+
+
+def _rounds_for(updates):
+    return [
+        jax.tree.map(lambda *x: np.stack(x), *(batch(m, j) for m in range(4)))
+        for j in range(updates)
+    ]
