@@ -80,8 +80,9 @@ class ArrivalSyncer(Syncer):
                 return {"status": "rejoin"}
             member.last_seen = time.monotonic()
             self.serial += 1
-            job = Job(self.serial, self.round, self.positions[worker], self._steps(worker),
-                      time.monotonic(), time.time())  # fmt: skip
+            job = Job(serial=self.serial, start_update=self.round,
+                      position=self.positions[worker], steps=self._steps(worker),
+                      handed_at=time.monotonic(), started=time.time())  # fmt: skip
             self.jobs[worker] = job
             return {"status": "round", "serial": job.serial, "round": job.position,
                     "position": job.position, "steps": job.steps,
@@ -180,9 +181,10 @@ class ArrivalSyncer(Syncer):
         # A job handed out before the checkpoint gets a heartbeat timeout more, as members do.
         now = time.monotonic() + self.options.heartbeat_timeout
         self.jobs = {
-            int(m): Job(int(serial), int(start), int(position), int(steps), now, float(started))
+            int(m): Job(serial=int(serial), start_update=int(start), position=int(position),
+                        steps=int(steps), handed_at=now, started=float(started))
             for m, (serial, start, position, steps, started) in message["jobs"].items()
-        }
+        }  # fmt: skip
         self.step_seconds = {int(m): float(s) for m, s in message["step_seconds"].items()}
 
 
@@ -200,15 +202,15 @@ def arrival_events(lines: list[dict[str, Any]]) -> tuple:
     origin = min((x["started"] for x in lines), default=0.0)
     return tuple(
         AsyncEvent(
-            int(x["round"]),
-            int(x["worker"]),
-            int(x["position"]),
-            int(x["steps"]),
-            x["started"] - origin,
-            x["time"] - origin,
-            int(x["start_update"]),
-            int(x["staleness"]),
-        )  # fmt: skip
+            update=int(x["round"]),
+            worker=int(x["worker"]),
+            job=int(x["position"]),
+            steps=int(x["steps"]),
+            start=x["started"] - origin,
+            time=x["time"] - origin,
+            start_update=int(x["start_update"]),
+            staleness=int(x["staleness"]),
+        )
         for x in lines
     )
 

@@ -68,7 +68,10 @@ def history(directory: str | os.PathLike) -> list[dict[str, Any]]:
     whose deltas entered it), participants (the members when it opened), nonfinite, loss
     (the included workers' mean inner loss), positions (every worker's data position after
     it), compute_s (each pushing worker's phase seconds), seconds (opened to closed) and time
-    (when it closed, Unix seconds)."""
+    (when it closed, Unix seconds). An async run's (algo "async"): one dict per update:
+    round (the update's index), worker, position, steps, start_update, staleness, loss,
+    compute_s, started and time (when its job started and when it was applied, Unix
+    seconds), positions."""
     return _jsonl(Path(directory) / "history.jsonl")
 
 
@@ -85,8 +88,9 @@ def arrivals(directory: str | os.PathLike) -> tuple:
 def worker_metrics(directory: str | os.PathLike, worker: int) -> list[dict[str, Any]]:
     """Worker `worker`'s metrics from the workers' folder (`worker --dir`, OUT/workers
     under `run`): one dict per inner phase it ran, restarts included: round, position (its
-    data position), loss (its mean inner loss), compute_s (the phase's seconds: batches and H
-    steps) and time (when it ended, Unix seconds). A worker group's leader writes them."""
+    data position), steps (its inner steps), loss (its mean inner loss), compute_s (the
+    phase's seconds: batches and steps) and time (when it ended, Unix seconds). A worker
+    group's leader writes them."""
     folder = Path(directory) / f"worker-{worker}"
     leader = folder / "process-0"
     return _jsonl((leader if leader.is_dir() else folder) / "metrics.jsonl")

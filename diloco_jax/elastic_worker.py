@@ -251,7 +251,8 @@ class Worker:
                     "compute_s": seconds, "time": time.time()}  # fmt: skip
             with open(self.directory / METRICS_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        return Phase(serial, round_, leaves, loss, seconds, steps_s)
+        return Phase(serial=serial, round=round_, leaves=leaves, loss=loss, compute_s=seconds,
+                     steps_s=steps_s)  # fmt: skip
 
     def _devices(self) -> set:
         """The devices the task's shardings name (the default device without any)."""
