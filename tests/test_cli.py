@@ -335,7 +335,15 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             "--gossip-group-size needs --algo diloco",
         ),
         # --elastic: the parts its runtime can't run, each with its reason.
-        (["train", "--elastic", "--algo", "sync"], "--elastic runs --algo diloco, got sync"),
+        (["train", "--elastic", "--algo", "sync"], "--elastic runs --algo diloco or async, got"),
+        (
+            ["train", "--elastic", "--algo", "async", "--step-seconds", "1,2,3,4"],
+            "--elastic runs without --step-seconds: its workers run at their own speeds",
+        ),
+        (
+            ["train", "--elastic", "--algo", "async", "--server", "halos,regions=0/0/1/1"],
+            "--elastic runs without --server",
+        ),
         (["train", "--min-workers", "2"], "--min-workers needs --elastic"),
         (["train", "--restart-workers"], "--restart-workers needs --elastic"),
         (["train", "--elastic", "--min-workers", "5"], "--min-workers must be in [1, --workers=4]"),

@@ -215,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--elastic",
         action="store_true",
-        help="--algo diloco as a syncer and M worker processes on this host, where a worker "
-        "that dies, stalls or restarts never stops the others (docs/faults.md)",
+        help="--algo diloco or async as a syncer and M worker processes on this host, where a "
+        "worker that dies, stalls or restarts never stops the others (docs/faults.md); async: "
+        "M x R server updates, DyLU with --dynamic-steps from the workers' measured speeds",
     )
     train.add_argument("--min-workers", type=int, help="--elastic: the quorum of each sync")
     train.add_argument(
@@ -411,8 +412,16 @@ def _elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None
             if getattr(args, k, None) not in (None, False):
                 raise ConfigError(f"--{k.replace('_', '-')} needs --elastic")
         return None
-    if args.algo != "diloco":
-        raise ConfigError(f"--elastic runs --algo diloco, got {args.algo}")
+    if args.algo not in ("diloco", "async"):
+        raise ConfigError(f"--elastic runs --algo diloco or async, got {args.algo}")
+    real_clock = [f for f, k in (("--step-seconds", "step_seconds"), ("--server", "server"))
+                  if getattr(args, k, None) is not None]  # fmt: skip
+    if real_clock:
+        raise ConfigError(
+            f"--elastic runs without {real_clock[0]}: its workers run at their own speeds "
+            "(--step-seconds is the simulated clock's) and on the one server (Decoupled "
+            "DiLoCo and HALoS run on the simulated clock only)"
+        )
     given = [f for f, k in (("--mesh", "mesh"), ("--checkpoint-every", "checkpoint_every"),
              ("--tensorboard", "tensorboard"), ("--coordinator", "coordinator"))
              if getattr(args, k, None) not in (None, False)]  # fmt: skip
@@ -422,9 +431,13 @@ def _elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None
             "and the syncer checkpoints every sync"
         )
     from diloco_jax.elastic_task import refusal
+    from diloco_jax.method import only_optimizers
 
     try:
         why = refusal(config.method(cfg))
+        if why is None and args.algo == "async":
+            only_optimizers(config.method(cfg), "--elastic --algo async",
+                            "each arrival applies one worker's whole delta")  # fmt: skip
     except ValueError as e:  # the method's own refusal, as a run without --elastic says it
         raise ConfigError(str(e)) from None
     if why is not None:
@@ -502,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             from diloco_jax.lm.elastic import train_elastic
 
             argv = sys.argv[1:] if argv is None else argv
-            return train_elastic(run.cfg, corpus, out, argv, *run.elastic, progress=run.progress)
+            return train_elastic(run.cfg, corpus, out, argv, *run.elastic, progress=run.progress,
+                                 algo=run.algo or "diloco")  # fmt: skip
         if run.command == "train":
             train_command(
                 run.cfg,

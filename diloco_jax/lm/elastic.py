@@ -1,6 +1,8 @@
-"""`diloco-jax train --elastic`: the LM app's DiLoCo run on the elastic runtime
-(`diloco_jax.elastic`, docs/faults.md): a syncer and M worker processes on this host, where a
-worker that dies, stalls or restarts never stops the others.
+"""`diloco-jax train --elastic`: the LM app's DiLoCo (or, with --algo async, asynchronous
+DiLoCo's) run on the elastic runtime (`diloco_jax.elastic`, docs/faults.md): a syncer and M
+worker processes on this host, where a worker that dies, stalls or restarts never stops the
+others. An async run takes M x R server updates (each job H inner steps, or DyLU's count
+with --dynamic-steps), worker m's job at data position p reading the windows below.
 
 The command pretrains in its own process (the shared warm start), writes θ_0 and the command
 line to OUT/elastic, and launches the run; every process then builds the same task from them
@@ -72,14 +74,16 @@ def write_spec(folder: Path, argv: list[str], theta: Any) -> Path:
 
 def task() -> ElasticTask:
     """The run's task, in every process of it: the command line's config, the model, θ_0
-    from the spec's folder, the windows by (worker, position) and the config's method."""
+    from the spec's folder, the windows by (worker, position), the config's method and algo
+    (diloco: R syncs; async: M x R updates)."""
     from diloco_jax.lm import cli, experiment
     from diloco_jax.lm import config as config_lib
     from diloco_jax.lm import model as model_lib
 
     spec_path = Path(os.environ[ENV])
     spec = json.loads(spec_path.read_text())
-    cfg = cli.parse(spec["argv"]).cfg
+    run = cli.parse(spec["argv"])
+    cfg, algo = run.cfg, run.algo or "diloco"
     model_cfg, params, _ = experiment.init_model(cfg)
     message = wire.read_file(spec_path.parent / spec["theta"])
     params = wire.tree_like(params, message["theta"], "the pretrained θ_0")
@@ -89,19 +93,22 @@ def task() -> ElasticTask:
         batches=_Windows(cfg),
         num_workers=cfg.workers,
         inner_steps=cfg.inner_steps,
-        num_rounds=cfg.rounds,
+        num_rounds=cfg.rounds if algo == "diloco" else cfg.rounds * cfg.workers,
         method=config_lib.method(cfg),
+        algo=algo,
+        dynamic_steps=cfg.dynamic_steps,
     )
 
 
 def train_elastic(
     cfg: Any, corpus: Any, out: Path, argv: list[str], min_workers: int,
-    restart_workers: bool, progress: bool = True,
+    restart_workers: bool, progress: bool = True, algo: str = "diloco",
 ) -> int:  # fmt: skip
     """`diloco-jax train --elastic`: the warm start here, then the elastic run in OUT/elastic
     (its syncer, worker folders and a log per process), then the final θ's evaluation.
     Writes OUT/config.json, OUT/metrics.jsonl (the pretrain's records, then one per sync:
-    round, the included workers' mean inner loss, who was included, its seconds) and
+    round, the included workers' mean inner loss, who was included, its seconds; async: one
+    per update: update, worker, steps, staleness, the job's mean inner loss) and
     OUT/summary.json. Returns the exit code: the launcher's (1: the run ended early, its
     line printed; 130: Ctrl-C or SIGTERM), else 0."""
     import math
@@ -114,7 +121,7 @@ def train_elastic(
     from diloco_jax.lm.runlog import RunLog, write_json, write_jsonl
 
     started = time.perf_counter()
-    write_json(out / "config.json", experiment.config_record(cfg, corpus, algo="diloco",
+    write_json(out / "config.json", experiment.config_record(cfg, corpus, algo=algo,
                                                              elastic=True))  # fmt: skip
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -132,26 +139,42 @@ def train_elastic(
     theta = runtime.final_params(folder / "syncer", run_task)
     eval_fn = jax.jit(experiment.make_eval_fn(run_task.loss_fn, corpus))
     eval_loss = float(eval_fn(theta)["eval_loss"])
-    syncs = runtime.history(folder / "syncer")
+    lines = runtime.history(folder / "syncer")
+    summary = {
+        "algo": algo,
+        "elastic": True,
+        "final_eval_loss": eval_loss,
+        "final_eval_ppl": math.exp(eval_loss),
+        "final_eval_bpb": experiment.bits_per_byte(eval_loss, corpus.eval_bytes_per_token),
+    }
+    records, counts, said = (_sync_records if algo == "diloco" else _update_records)(cfg, lines)
+    write_jsonl(metrics, pre_history + records)
+    summary.update(counts, wall_seconds=time.perf_counter() - started)
+    write_json(out / "summary.json", summary)
+    print(f"{algo} (elastic): eval loss {eval_loss:.4f} (ppl {summary['final_eval_ppl']:.3f}), "
+          f"{said}, {summary['wall_seconds']:.0f}s -> {out}")  # fmt: skip
+    return 0
+
+
+def _sync_records(cfg: Any, syncs: list[dict]) -> tuple[list[dict], dict[str, int], str]:
+    """A DiLoCo run's metrics lines (one per sync), counts for its summary, and its line."""
     records = [
         {"run": "diloco", "round": s["round"], "step": (s["round"] + 1) * cfg.inner_steps,
          "loss": s["loss"], "included": s["included"], "seconds": s["seconds"]}
         for s in syncs
     ]  # fmt: skip
-    write_jsonl(metrics, pre_history + records)
     full = sum(len(s["included"]) == cfg.workers for s in syncs)
-    summary = {
-        "algo": "diloco",
-        "elastic": True,
-        "final_eval_loss": eval_loss,
-        "final_eval_ppl": math.exp(eval_loss),
-        "final_eval_bpb": experiment.bits_per_byte(eval_loss, corpus.eval_bytes_per_token),
-        "rounds": len(syncs),
-        "syncs_with_every_worker": full,
-        "wall_seconds": time.perf_counter() - started,
-    }
-    write_json(out / "summary.json", summary)
-    print(f"diloco (elastic): eval loss {eval_loss:.4f} (ppl {summary['final_eval_ppl']:.3f}), "
-          f"{full} of {len(syncs)} syncs with every worker, {summary['wall_seconds']:.0f}s -> "
-          f"{out}")  # fmt: skip
-    return 0
+    counts = {"rounds": len(syncs), "syncs_with_every_worker": full}
+    return records, counts, f"{full} of {len(syncs)} syncs with every worker"
+
+
+def _update_records(cfg: Any, updates: list[dict]) -> tuple[list[dict], dict[str, int], str]:
+    """An async run's metrics lines (one per update), counts for its summary, its line."""
+    records = [
+        {"run": "async", "update": u["round"], "worker": u["worker"], "steps": u["steps"],
+         "staleness": u["staleness"], "loss": u["loss"]}
+        for u in updates
+    ]  # fmt: skip
+    steps = sum(u["steps"] for u in updates)
+    counts = {"updates": len(updates), "inner_steps": steps}
+    return records, counts, f"{len(updates)} updates of {steps} inner steps in all"
