@@ -4,7 +4,9 @@ steps and the paper's Nesterov outer step. Sized by the environment, so the benc
 processes build the same task: ELASTIC_PRESET (default tiny), ELASTIC_BATCH (8),
 ELASTIC_WORKERS (M, 4), ELASTIC_INNER_STEPS (H, 25), ELASTIC_ROUNDS (R, 30). ELASTIC_DATA=corpus
 draws the windows from the LM app's default corpus (the embedded text, byte tokens) instead,
-so the loss curve means something: each worker reads its own contiguous shard."""
+so the loss curve means something: each worker reads its own contiguous shard.
+ELASTIC_ALGO=async makes it asynchronous DiLoCo with Delayed Nesterov (lr 0.7, momentum 0.9,
+buffer M) at the syncer, and DyLU unless ELASTIC_DYLU=0."""
 
 import os
 import sys
@@ -15,6 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+import diloco_jax as dj  # noqa: E402
 from diloco_jax.elastic import ElasticTask  # noqa: E402
 from diloco_jax.lm import data as data_lib  # noqa: E402
 
@@ -39,6 +42,12 @@ def task() -> ElasticTask:
             windows = shard[starts[..., None] + np.arange(seq_len + 1)]
         return {"inputs": windows[..., :-1], "targets": windows[..., 1:]}
 
+    algo = os.environ.get("ELASTIC_ALGO", "diloco")
+    asynchronous = {}
+    if algo == "async":
+        outer = dj.delayed_nesterov(0.7, 0.9, buffer_size=workers)
+        asynchronous = dict(algo="async", method=dj.DiLoCo(outer=outer),
+                            dynamic_steps=os.environ.get("ELASTIC_DYLU", "1") == "1")  # fmt: skip
     return ElasticTask(
         loss_fn=workload.loss_fn,
         params=workload.params,
@@ -46,6 +55,7 @@ def task() -> ElasticTask:
         num_workers=workers,
         inner_steps=steps,
         num_rounds=int(os.environ.get("ELASTIC_ROUNDS", "30")),
+        **asynchronous,
     )
 
 

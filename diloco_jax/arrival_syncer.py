@@ -73,8 +73,7 @@ class ArrivalSyncer(Syncer):
         self._check_worker(worker)
         with self.cond:
             if self.done is not None:
-                status = "done" if self.done == "finished" else "abort"
-                return {"status": status, "reason": self.done, "round": self.round}
+                return self._ended(worker)
             member = self.members.get(worker)
             if member is None or member.incarnation != incarnation:
                 return {"status": "rejoin"}
@@ -114,10 +113,12 @@ class ArrivalSyncer(Syncer):
                 log.warning("worker %d's delta of position %d is not finite: left out",
                             worker, job.position)  # fmt: skip
                 return {"status": "ok"}
-            self._apply_arrival(worker, job, delta, loss, compute_s)
+            self._apply_arrival(worker, job, delta, loss, (compute_s, steps_s))
             return {"status": "ok"}
 
-    def _apply_arrival(self, worker: int, job: Job, delta: Any, loss: float, compute_s: float):
+    def _apply_arrival(self, worker: int, job: Job, delta: Any, loss: float, seconds: tuple):
+        """Applies the job's delta with its age and records the update (`seconds`: the
+        phase's and of those its inner steps')."""
         busy_since = time.monotonic()
         age = self.round - job.start_update
         theta, outer = self._apply_one(self.theta, self.outer_state, delta, jnp.int32(age))
@@ -132,7 +133,8 @@ class ArrivalSyncer(Syncer):
             "start_update": job.start_update,
             "staleness": age,
             "loss": float(loss),
-            "compute_s": round(compute_s, 4),
+            "compute_s": round(seconds[0], 4),
+            "steps_s": round(seconds[1], 4),
             "started": job.started,
             "time": time.time(),
             "positions": list(self.positions),

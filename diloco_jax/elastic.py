@@ -70,8 +70,8 @@ def history(directory: str | os.PathLike) -> list[dict[str, Any]]:
     it), compute_s (each pushing worker's phase seconds), seconds (opened to closed) and time
     (when it closed, Unix seconds). An async run's (algo "async"): one dict per update:
     round (the update's index), worker, position, steps, start_update, staleness, loss,
-    compute_s, started and time (when its job started and when it was applied, Unix
-    seconds), positions."""
+    compute_s (its phase's seconds) and steps_s (of those, its inner steps'), started and
+    time (when its job started and when it was applied, Unix seconds), positions."""
     return _jsonl(Path(directory) / "history.jsonl")
 
 
@@ -154,8 +154,12 @@ def run_syncer(args: argparse.Namespace) -> int:
     while not stop.wait(0.1) and syncer.done is None:
         pass
     if syncer.done is not None:
-        # Let the workers hear the end (each asks within its Next's timeout).
-        stop.wait(2 * syncer.options.heartbeat_interval + 1.0)
+        # Let the workers hear the end: each asks within its Next's timeout, or hears it in a
+        # heartbeat during its phase (an async worker's); a silent one is dead anyway.
+        deadline = time.monotonic() + syncer.options.heartbeat_timeout + 1.0
+        while not syncer.all_told() and time.monotonic() < deadline:
+            stop.wait(0.05)
+        stop.wait(2 * syncer.options.heartbeat_interval)
     stop.set()
     server.stop(grace=1.0).wait()
     lock.release()

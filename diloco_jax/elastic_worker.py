@@ -102,6 +102,7 @@ class Worker:
         self.options = Elastic()
         self.rejoined = True
         self.stop = threading.Event()
+        self.ended: dict | None = None  # the run's end, heard in a heartbeat
 
     def join(self) -> None:
         reply = self.client.call("Join", {"worker": self.worker, "incarnation": None})
@@ -119,7 +120,10 @@ class Worker:
         long inner phase is not taken for a death)."""
         while not self.stop.wait(self.options.heartbeat_interval):
             me = {"worker": self.worker, "incarnation": self.incarnation}
-            self.client.once("Heartbeat", me, deadline=self.options.heartbeat_interval * 4)
+            reply = self.client.once("Heartbeat", me, deadline=self.options.heartbeat_interval * 4)
+            if reply is not None and reply["status"] in ("done", "abort"):
+                self.ended = reply  # the run ended during this phase: no push, no next
+                return
 
     def run(self) -> int:
         """Trains until the run ends; returns the process's exit code."""
@@ -164,6 +168,8 @@ class Worker:
     def _next(self, after: int, push: "Phase | None") -> dict:
         """The leader's calls between two commands: push the last phase's delta (if any),
         then ask for the next command (joining again first where the syncer says so)."""
+        if self.ended is not None:
+            return self.ended
         if push is not None:
             self._push(push)
         reply = self.client.call("Next", self._me(after=after, timeout=5.0))

@@ -92,6 +92,7 @@ class Syncer:
         self.opened_at = self.quorum_at = self.short_since = None
         self.started = time.monotonic()
         self.done: str | None = None  # "finished" or the abort's line
+        self.told: set[int] = set()  # the workers that heard the end
         # Resumed: the members of the last sync not heard from since. The round opens once
         # each is back (reattached, or a new process of it joined: a whole-cluster restart),
         # or as a starting syncer's first round does, after join_timeout.
@@ -123,8 +124,12 @@ class Syncer:
             return {"incarnation": member.incarnation, "options": self.options.to_message()}
 
     def heartbeat(self, worker: int, incarnation: str) -> dict[str, Any]:
+        """{"status": "ok"}, "rejoin", or the run's end ("done" / "abort" with its reason:
+        a worker in the middle of a phase hears it here and ends after the phase)."""
         self._check_worker(worker)
         with self.cond:
+            if self.done is not None:
+                return self._ended(worker)
             member = self.members.get(worker)
             if member is None or member.incarnation != incarnation:
                 return {"status": "rejoin"}
@@ -141,8 +146,7 @@ class Syncer:
         with self.cond:
             while True:
                 if self.done is not None:
-                    status = "done" if self.done == "finished" else "abort"
-                    return {"status": status, "reason": self.done, "round": self.round}
+                    return self._ended(worker)
                 member = self.members.get(worker)
                 if member is None or member.incarnation != incarnation:
                     return {"status": "rejoin"}
@@ -224,6 +228,17 @@ class Syncer:
                 return
 
     # ---- internals (called with the lock held) -----------------------------------------
+
+    def _ended(self, worker: int) -> dict[str, Any]:
+        """The run's end as a reply to `worker`, which now knows it."""
+        self.told.add(worker)
+        status = "done" if self.done == "finished" else "abort"
+        return {"status": status, "reason": self.done, "round": self.round}
+
+    def all_told(self) -> bool:
+        """Whether every member has heard the run's end."""
+        with self.cond:
+            return set(self.members) <= self.told
 
     def _delta(self, worker: int, leaves: list) -> Any:
         """The pushed leaves as a delta tree; `Refused` if they are unlike θ's."""

@@ -114,6 +114,10 @@ def test_the_log_replays_on_the_simulated_clock(tmp_path):
         if s.done is None:
             held[m] = run(m)
     assert s.done == "finished"
+    # Workers in the middle of a job hear the end in a heartbeat; the syncer waits for that.
+    assert not s.all_told()
+    assert [s.heartbeat(m, inc[m])["status"] for m in range(3)] == ["done"] * 3
+    assert s.all_told()
     rounds = [
         jax.tree.map(lambda *x: np.stack(x), *(batch(m, j) for m in range(3))) for j in range(4)
     ]

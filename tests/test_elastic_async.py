@@ -5,6 +5,7 @@ the syncer. The final θ must equal `train_async` replaying the run's arrival lo
 simulated clock, within 1e-6 relative."""
 
 import signal
+import time
 
 import jax
 import numpy as np
@@ -85,3 +86,18 @@ def _rounds_for(updates):
         jax.tree.map(lambda *x: np.stack(x), *(batch(m, j) for m in range(4)))
         for j in range(updates)
     ]
+
+
+def test_a_worker_in_the_middle_of_a_job_at_the_end_hears_it_and_exits(tmp_path):
+    # Worker 1 takes 3 x 2 s a job; worker 0 makes the 4 updates long before: worker 1 is in
+    # its phase when the run ends, hears the end in a heartbeat and exits 0 after its phase
+    # (it used to push to a syncer already gone and fail after syncer_timeout).
+    env = {"ELASTIC_WORKERS": "2", "ELASTIC_ROUNDS": "4", "ELASTIC_PHASE_SECONDS": "0"}
+    cluster = Cluster(tmp_path, task="elastic_linear:make_async_task", env=env)
+    cluster.syncer()
+    cluster.worker(0)
+    cluster.worker(1, DILOCO_JAX_SLOW_STEP="2.0")
+    started = time.monotonic()
+    cluster.finish(timeout=60)
+    assert time.monotonic() - started < 30
+    assert {e.worker for e in arrivals(tmp_path / "syncer")} == {0}
