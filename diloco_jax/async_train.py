@@ -321,8 +321,10 @@ def train_async(
                 "arrivals replays a recorded schedule: it takes no step_seconds, "
                 "grace_seconds, dynamic_steps or server"
             )
-        recorded = recorded_schedule(arrivals, num_updates, num_workers, inner_steps)
-        clock = {"arrivals": _digest(recorded.events)}
+        recorded = _recorded_events(arrivals, num_workers, inner_steps)
+        if len(recorded) < num_updates:
+            raise ValueError(f"arrivals holds {len(recorded)} updates; num_updates = {num_updates}")
+        clock = {"arrivals": _digest(recorded)}
     check_params(params)
     check_loss_options(has_aux, rng_seed)
     given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
@@ -372,7 +374,7 @@ def train_async(
             dynamic_steps=dynamic_steps,
         )
     else:
-        schedule = recorded
+        schedule = _recorded_schedule(recorded[:num_updates], num_workers)
     job_data = _job_data(data, num_workers, inner_steps, schedule.events, where)
     # On a mesh, a job runs under plain jit on its worker's slice of it: traced with that
     # slice's axes in context (the same axes for every worker) as a round's body is.
@@ -387,11 +389,11 @@ def train_async(
     outer_state = where.shared(outer_init(outer_optimizer, theta))
     inner_states = where.inner_states(inner_optimizer.init, theta, num_workers)
     events = schedule.events
-    if ckpt is not None and arrivals is None:
+    if ckpt is not None:
         # A checkpoint saves the theta each job in flight started from: look ahead to them.
-        events = _with_jobs_in_flight(
+        events = recorded if arrivals is not None else _with_jobs_in_flight(
             seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
-        )
+        )  # fmt: skip
     shards = where.shards(params)  # on a mesh: each device sends its shard of a delta
     arrivals = _Arrivals(
         events=events,
@@ -579,12 +581,11 @@ class _Arrivals:
         return _Running(saved.params, saved.outer_opt_state, inner_states, starts, done)
 
 
-def recorded_schedule(
-    arrivals: Sequence[Any], num_updates: int, num_workers: int, inner_steps: int
-) -> AsyncSchedule:
-    """The first `num_updates` of a recorded arrival log as an `AsyncSchedule` (utilization:
-    the applied jobs' busy seconds / (M x elapsed_seconds); jobs lost to a fault don't count).
-    Raises ValueError naming arrivals where an event can't be replayed."""
+def _recorded_events(
+    arrivals: Sequence[Any], num_workers: int, inner_steps: int
+) -> tuple[AsyncEvent, ...]:
+    """A recorded arrival log as `AsyncEvent`s, checked: ValueError naming arrivals[i] where
+    an event can't be replayed."""
     try:
         events = tuple(AsyncEvent(*e) for e in arrivals)
     except TypeError:
@@ -592,9 +593,6 @@ def recorded_schedule(
             "arrivals must be a sequence of AsyncEvent (update, worker, job, steps, start, time, "
             "start_update, staleness)"
         ) from None
-    if len(events) < num_updates:
-        raise ValueError(f"arrivals holds {len(events)} updates; num_updates = {num_updates}")
-    events = events[:num_updates]
     last_job: dict[int, int] = {}
     for i, e in enumerate(events):
         fields = (e.update, e.worker, e.job, e.steps, e.start_update, e.staleness)
@@ -614,6 +612,12 @@ def recorded_schedule(
         if why is not None:
             raise ValueError(f"arrivals[{i}] can't be replayed: {why}; got {e!r}")
         last_job[e.worker] = e.job
+    return events
+
+
+def _recorded_schedule(events: tuple[AsyncEvent, ...], num_workers: int) -> AsyncSchedule:
+    """Recorded events as an `AsyncSchedule` (utilization: the applied jobs' busy seconds /
+    (M x elapsed_seconds); jobs a fault cut short don't count)."""
     if not events:
         return AsyncSchedule((), 0.0, 0.0)
     elapsed = max(e.time for e in events)
@@ -622,7 +626,8 @@ def recorded_schedule(
 
 
 def _digest(events: Sequence[AsyncEvent]) -> str:
-    """A checkpoint's fingerprint of a replayed log: the events' indices, hashed."""
+    """A checkpoint's fingerprint of a replayed log: every event's indices, hashed (a
+    longer replay of the same log resumes a shorter one)."""
     text = json.dumps([[e.worker, e.job, e.steps, e.start_update] for e in events])
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -222,3 +222,29 @@ def test_a_log_that_cant_be_replayed_is_refused(change, message):
     with pytest.raises(ValueError, match="takes no step_seconds"):
         dj.train_async(linear_loss, PARAMS, rounds, num_workers=3, inner_steps=3,
                        num_updates=1, arrivals=[event], step_seconds=(1.0,) * 3)  # fmt: skip
+
+
+def test_a_replay_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    """A replay of 8 updates checkpointed, then resumed for 12 of the same log, equals the
+    12 at once (jobs in flight across the cut start from their recorded θ)."""
+    log = dj.async_schedule((1.0, 1.7, 3.0), 3, 16, dynamic_steps=True).events
+    rounds = [
+        jax.tree.map(lambda *x: np.stack(x), *(batch(m, j) for m in range(3))) for j in range(16)
+    ]
+    outer = dj.delayed_nesterov(0.5, buffer_size=3, c=0.1)
+
+    def run(num_updates, **options):
+        return dj.train_async(
+            linear_loss, PARAMS, rounds, num_workers=3, inner_steps=INNER_STEPS,
+            num_updates=num_updates, arrivals=log, inner_optimizer=optax.adam(0.05),
+            outer_optimizer=outer, **options,
+        )  # fmt: skip
+
+    full = run(12)
+    assert any(e.update >= 8 and e.start_update < 8 for e in log[:12])  # across the cut
+    run(8, checkpoint_dir=tmp_path, checkpoint_every=3)
+    resumed = run(12, checkpoint_dir=tmp_path, checkpoint_every=3)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
+    assert resumed.history == full.history
+    with pytest.raises(ValueError, match="arrivals holds 16 updates; num_updates = 17"):
+        run(17)
