@@ -239,9 +239,6 @@ def _train(spec: HALoS, run: Any) -> Any:
             start(m, time + spec.worker_seconds)
         if push is not None:
             send(time, r, push)
-        while last and events and events[0][:2] <= (time, _SERVERS):  # due by the end
-            due, _, _, _, message = heapq.heappop(events)
-            serve(due, message)
         sent[m] += per_model
         total_steps += e.steps
         loss, aux = jax.device_get(means)
