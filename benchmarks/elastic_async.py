@@ -10,9 +10,9 @@ One real run with DyLU off and one with it on. For each:
 - real: wall seconds from the first job's start to the last update, and the inner steps and
   tokens per second over them (every worker's applied jobs);
 - simulated: `async_schedule` for the same number of updates at each worker's measured
-  seconds per inner step (the median over its jobs of their steps' seconds / steps, leaving
-  out each step count's first job, which compiled it): the clock `train_async` would sweep,
-  and its tokens per second;
+  seconds per inner step (the median over its timed jobs of their steps' seconds / steps; a
+  step count's first job compiles its program and is not timed): the clock `train_async`
+  would sweep, and its tokens per second;
 - real / simulated tokens per second: what the simulated clock leaves out (the hops, each
   update's outer step and checkpoint, the batches drawn);
 - replay: `train_async(arrivals=...)` on the run's arrival log from the same θ_0: the
@@ -78,14 +78,9 @@ def real_run(args: argparse.Namespace, dylu: bool, workdir: Path) -> Path:
 
 
 def _seconds_per_step(jobs: list[dict]) -> float:
-    """The median seconds per inner step over a worker's jobs, leaving out the first job of
-    each step count (it compiled that count's program) where another is left."""
-    seen, warm = set(), []
-    for x in jobs:
-        if x["steps"] in seen:
-            warm.append(x)
-        seen.add(x["steps"])
-    return statistics.median(x["steps_s"] / x["steps"] for x in warm or jobs)
+    """The median seconds per inner step over a worker's timed jobs (a step count's first job
+    in a process compiles its program and reports no time)."""
+    return statistics.median(x["steps_s"] / x["steps"] for x in jobs if x["steps_s"] > 0)
 
 
 def measure(args: argparse.Namespace, dylu: bool, syncer_dir: Path) -> dict:

@@ -33,7 +33,8 @@ class ElasticTask:
       worker sent on from the θ of that moment; `diloco_jax.arrival_syncer`). Its replay on
       the simulated clock: `train_async(arrivals=elastic.arrivals(syncer_dir))`.
     dynamic_steps: with algo "async", DyLU: each job's inner steps floor(H v_m / max v), v
-      the workers' measured inner steps per second (H until a worker has pushed once).
+      the workers' measured inner steps per second (H for a worker not timed yet; a step
+      count's first phase in a worker process compiles its program and is not timed).
     method: a `DiLoCo` (its inner and outer optimizers and outer_state_dtype; the parts that
       can't run elastically are refused, `refusal`); None: the paper's DiLoCo.
     rng_seed: None, or the seed of each step's key (`inner.worker_key(seed, round, m)`), as

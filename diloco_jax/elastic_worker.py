@@ -98,6 +98,7 @@ class Worker:
         self.opt_shardings = None  # under a param_sharding: where the inner state lives
         self.pause_round = os.environ.get(PAUSE_PUSH_ENV)
         self.slow_step = float(os.environ.get(SLOW_STEP_ENV, "0"))
+        self.timed_counts: set[int] = set()  # step counts whose program has run here
         self.incarnation: str | None = None
         self.options = Elastic()
         self.rejoined = True
@@ -251,6 +252,9 @@ class Worker:
         time.sleep(self.slow_step * steps)
         done = time.perf_counter()
         seconds, steps_s = done - started, done - drawn
+        if steps not in self.timed_counts:  # this count's first phase compiled its program:
+            self.timed_counts.add(steps)  # no measure of speed (DyLU keeps its last one)
+            steps_s = 0.0
         self._keep(position + 1, distributed.to_host(opt_state))
         if self.leader:
             line = {"round": round_, "position": position, "steps": steps, "loss": loss,

@@ -67,10 +67,11 @@ def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path, outer, mon
         assert np.all(np.isfinite(real[name]))
         np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
     # The faults are in the log: workers 2 and 3 each ran position 2 again after rejoining;
-    # DyLU gave the slowest worker fewer than H steps once measured.
+    # DyLU gave the slowest worker fewer than H steps once timed (its first job compiled).
     assert [e.job for e in events if e.worker == 2][:3] == [0, 1, 2]
     assert "joining again" in cluster.log("worker-3")
-    assert {e.steps for e in events if e.worker == 3 and e.job > 0} < set(range(1, INNER_STEPS))
+    later = {e.steps for e in events if e.worker == 3 and e.job > 1}
+    assert later and max(later) < INNER_STEPS
     # Control: the fault-free simulated clock at the workers' step times lands elsewhere.
     seconds = [float(s) for s in SLOW]
     clean = dj.train_async(
