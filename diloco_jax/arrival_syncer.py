@@ -5,8 +5,8 @@ rule replaces the round:
 
 - a worker that asks (`next_round`) gets a job at once: θ as it is, the updates applied so
   far (the job's start), its data position and its inner steps (H, or with
-  `ElasticTask.dynamic_steps` DyLU's floor(H v_m / max v) from each worker's measured inner
-  steps per second);
+  `ElasticTask.dynamic_steps` DyLU's floor(H v_m / max v), v_m from the median of the
+  worker's last few timed phases);
 - its delta is applied the moment it arrives, with the outer rule and its age (the updates
   applied since the job started: `diloco_jax.outer.outer_update`'s `age`, which CGAD and
   Delayed Nesterov read), and its position advances; a delta of a job the syncer no longer
@@ -24,6 +24,7 @@ rule replaces the round:
 import dataclasses
 import functools
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from diloco_jax.outer import outer_update
 from diloco_jax.syncer import Refused, Syncer
 
 log = logging.getLogger("diloco_jax.syncer")
+TIMED_PHASES = 5  # the timed phases per worker DyLU's speed is the median of
 
 
 @dataclasses.dataclass
@@ -62,7 +64,9 @@ class ArrivalSyncer(Syncer):
         if task.algo != "async":
             raise ValueError(f"ArrivalSyncer runs ElasticTask(algo='async'), got {task.algo!r}")
         self.jobs: dict[int, Job] = {}
-        self.step_seconds: dict[int, float] = {}  # each worker's measured seconds per step
+        # Each worker's last few timed seconds per step; DyLU reads their median, so one
+        # noisy phase does not move its count (and compile a program for a new one).
+        self.step_seconds: dict[int, list[float]] = {}
         super().__init__(task, options, directory)
         self.awaited = set()  # nobody waits for anybody
         self._apply_one = jax.jit(functools.partial(outer_update, task.method.outer_optimizer))
@@ -107,7 +111,8 @@ class ArrivalSyncer(Syncer):
                 return {"status": "late"}
             del self.jobs[worker]
             if steps_s > 0:
-                self.step_seconds[worker] = steps_s / job.steps
+                recent = self.step_seconds.setdefault(worker, [])
+                recent[:] = [*recent, steps_s / job.steps][-TIMED_PHASES:]
             if not all(np.isfinite(x).all() for x in jax.tree.leaves(delta)):
                 # Left out, as train_diloco's exclusion: the worker runs this position again.
                 log.warning("worker %d's delta of position %d is not finite: left out",
@@ -152,7 +157,7 @@ class ArrivalSyncer(Syncer):
         if not self.task.dynamic_steps or worker not in self.step_seconds:
             return h
         measured = sorted(self.step_seconds)
-        counts = dynamic_local_steps([self.step_seconds[m] for m in measured], h)
+        counts = dynamic_local_steps([statistics.median(self.step_seconds[m]) for m in measured], h)
         return counts[measured.index(worker)]
 
     def _remove(self, worker: int, why: str) -> None:
@@ -187,7 +192,9 @@ class ArrivalSyncer(Syncer):
                         steps=int(steps), handed_at=now, started=float(started))
             for m, (serial, start, position, steps, started) in message["jobs"].items()
         }  # fmt: skip
-        self.step_seconds = {int(m): float(s) for m, s in message["step_seconds"].items()}
+        self.step_seconds = {
+            int(m): [float(x) for x in s] for m, s in message["step_seconds"].items()
+        }
 
 
 def make_syncer(task: ElasticTask, options: Elastic, directory: Path) -> Syncer:

@@ -140,6 +140,11 @@ def test_dylu_steps_follow_the_measured_speeds(tmp_path):
     s.push(1, inc[1], jobs[1]["serial"], _delta(0.0), 0.0, compute_s=1.0, steps_s=0.75)
     steps = [s.next_round(m, inc[m], -1, 0.1)["steps"] for m in range(3)]
     assert steps == [3, 1, 3]  # floor(3 x 4 / 10) = 1; worker 2 not measured yet: H
+    # One fast phase among slow ones leaves worker 1's count: the median of its last phases.
+    for per_step in (0.25, 0.1):
+        job = s.next_round(1, inc[1], -1, 0.1)
+        s.push(1, inc[1], job["serial"], _delta(0.0), 0.0, steps_s=per_step * job["steps"])
+    assert s.next_round(1, inc[1], -1, 0.1)["steps"] == 1  # median(0.25, 0.25, 0.1) = 0.25
 
 
 def test_late_and_removed_workers_are_not_applied(tmp_path):
