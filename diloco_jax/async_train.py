@@ -291,7 +291,8 @@ def train_async(
         never wait, a syncer merging a quorum of pushes; `diloco_jax.decoupled`) or
         `dj.HALoS(...)` (a server per region under a global one; `diloco_jax.halos`). Their
         history entries and results are described there; they run on one device, without
-        `checkpoint_dir`, `grace_seconds` (a syncer has its own window) or a mesh.
+        `grace_seconds` (a syncer has its own window) or a mesh; HALoS saves checkpoints
+        (`checkpoint_dir`, resumed bit for bit), Decoupled DiLoCo refuses them.
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has
@@ -345,15 +346,8 @@ def train_async(
         else [d for m in where.meshes for d in m.devices.flat]
     )
     limits.check_fits(f"num_workers={num_workers}", num_workers * per_worker, on)
-    if server is not None:
-        return _other_server(
-            server,
-            AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
-                     dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
-                     eval_every, callback, getattr(where, "device", None)),
-            mesh=mesh, checkpoint_dir=checkpoint_dir, grace_seconds=grace_seconds,
-        )  # fmt: skip
-    ckpt = checkpoints(
+    run_checkpoints = functools.partial(
+        checkpoints,
         checkpoint_dir,
         checkpoint_every,
         keep_checkpoints,
@@ -365,6 +359,16 @@ def train_async(
         **({} if rng_seed is None else {"rng_seed": rng_seed}),
         **checkpoint.run_fields(checkpoint_fingerprint),
     )
+    if server is not None:
+        return _other_server(
+            server,
+            AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
+                     dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
+                     eval_every, callback, getattr(where, "device", None)),
+            mesh=mesh, checkpoint_dir=checkpoint_dir, grace_seconds=grace_seconds,
+            checkpoints=run_checkpoints,
+        )  # fmt: skip
+    ckpt = run_checkpoints()
     if arrivals is None:
         schedule = async_schedule(
             seconds,
@@ -437,10 +441,15 @@ class AsyncRun(NamedTuple):
     eval_every: int
     callback: Callable | None
     device: Any
+    checkpoints: Any = None  # diloco_jax.loop.Checkpoints, for a part that saves them
 
 
-def _other_server(server: Any, run: AsyncRun, *, mesh, checkpoint_dir, grace_seconds):
-    """Runs a `server=` part (its `train(run)`), after refusing what it doesn't take."""
+def _other_server(
+    server: Any, run: AsyncRun, *, mesh, checkpoint_dir, grace_seconds, checkpoints
+):  # fmt: skip
+    """Runs a `server=` part (its `train(run)`), after refusing what it doesn't take; a part
+    with `checkpoint_fields()` saves checkpoints (`run.checkpoints`, made by
+    `checkpoints(**fields)` with those fields in the run's fingerprint)."""
     if not callable(getattr(server, "train", None)):
         raise ValueError(
             f"server must be None, dj.DecoupledDiLoCo(...) or dj.HALoS(...), got {server!r}"
@@ -448,12 +457,14 @@ def _other_server(server: Any, run: AsyncRun, *, mesh, checkpoint_dir, grace_sec
     name = type(server).__name__
     if mesh is not None:
         raise ValueError(f"server={name}(...) runs on one device: it takes no mesh=")
-    if checkpoint_dir is not None:
+    if checkpoint_dir is not None and not hasattr(server, "checkpoint_fields"):
         raise ValueError(f"server={name}(...) does not save checkpoints: leave checkpoint_dir out")
     if _checked_grace(grace_seconds):
         raise ValueError(
             f"grace_seconds belongs to the single server; server={name}(...) sets its own timing"
         )
+    if checkpoint_dir is not None:
+        run = run._replace(checkpoints=checkpoints(server=server.checkpoint_fields()))
     return server.train(run)
 
 

@@ -28,7 +28,7 @@ with the local rule as its server's, where no two workers arrive at the same ins
 """
 
 import dataclasses
-import heapq
+import functools
 from typing import Any
 
 import jax
@@ -108,6 +108,14 @@ class HALoS:
                 f"{len(self.regions)}"
             )
 
+    def checkpoint_fields(self) -> dict:
+        """What a checkpoint's fingerprint records of this part (train_async resumes only the
+        same run); the global rule is the caller's to keep (a function has no stable text)."""
+        return {"regions": list(self.regions), "local_updates": self.local_updates,
+                "merge_weight": self.merge_weight, "worker_seconds": self.worker_seconds,
+                "region_seconds": self.region_seconds if not isinstance(self.region_seconds, tuple)
+                else list(self.region_seconds)}  # fmt: skip
+
     def arrivals(self, step_seconds, steps, count: int) -> tuple[tuple[float, int], ...]:
         """The first `count` (time, worker) arrivals the LPSs apply, in order, for jobs of
         `steps` (one count per worker): they depend on the step times and the worker hop
@@ -134,146 +142,322 @@ _SERVERS, _ARRIVAL = 0, 1
 
 
 def _train(spec: HALoS, run: Any) -> Any:
+    """`train_async` with this server (see the module docstring): the loop of
+    `diloco_jax.loop` over the LPS updates, checkpointed with `run.checkpoints`."""
     from diloco_jax import async_train
-    from diloco_jax.async_placement import OneDevice
+    from diloco_jax.loop import Loop
 
-    m_count = run.num_workers
-    spec.checked(m_count)
-    seconds = run.step_seconds
-    steps = (
-        async_train.dynamic_local_steps(seconds, run.inner_steps)
-        if run.dynamic_steps
-        else (run.inner_steps,) * m_count
+    spec.checked(run.num_workers)
+    job = _Job.of(spec, run)
+    loop = Loop(run.num_updates, run.checkpoints, run.callback, unit="updates",
+                total_name="num_updates")  # fmt: skip
+    state, history = loop.run(job, job.initial())
+    elapsed = state.time if history else 0.0
+    busy = state.busy + sum(
+        max(0.0, min(w.at + w.steps * s, elapsed) - w.at)
+        for w, s in zip(state.workers, run.step_seconds, strict=True)
+        if not w.pending
     )
-    global_rule = spec.global_optimizer or default_global_optimizer()
-    where = OneDevice(run.device)
-    run_job, apply_local = async_train._programs(
-        run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed
-    )
-    apply_global = jax.jit(lambda p, s, d, age: outer_update(global_rule, p, s, d, age))
-    merge = jax.jit(_merge)
-    job_data = async_train._job_data(run.data, m_count, run.inner_steps, (), where)
-    evaluate = jax.jit(run.eval_fn) if run.eval_fn is not None else None
+    utilization = busy / (run.num_workers * elapsed) if elapsed else 0.0
+    outer = {"global": state.gps.state, "local": tuple(s.state for s in state.lps)}
+    stacked = job.where.stack(state.inner_states)
+    result_state = async_train.AsyncState(state.gps.theta, outer, stacked, run.num_updates)
+    return async_train.AsyncResult(state.gps.theta, result_state, history, elapsed, utilization)
 
-    theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), run.params))
-    num_regions = spec.num_regions
-    gps = _Server(theta, where.shared(outer_init(global_rule, theta)))
-    lps = [
-        _Server(theta, where.shared(outer_init(run.outer_optimizer, theta)))
-        for _ in range(num_regions)
-    ]
-    inner_states = where.inner_states(run.inner_optimizer.init, theta, m_count)
-    jobs = [0] * m_count
-    events: list = []
-    seq = iter(range(1 << 62))
 
-    def post(time, kind, who, payload):  # ties: by kind, then worker or region index
-        heapq.heappush(events, (time, kind, who, next(seq), payload))
+@dataclasses.dataclass
+class _Worker:
+    """A worker between two LPS updates: `pending` (its next job waits to start at `at` from
+    `theta`, the θ_L of its answer, after `start_update` LPS updates) or in flight (its job
+    started at `at`; `theta` is its delta, arriving at `arrives`, with the job's mean loss
+    and aux in `means`). `job` and `steps`: the job's index and inner steps."""
 
-    def start(m: int, at: float) -> None:
-        """Worker m receives θ_L at `at` and runs its next job; its delta arrives later."""
-        r = spec.regions[m]
-        e = async_train.AsyncEvent(0, m, jobs[m], steps[m], at, 0.0, lps[r].version, 0)
-        delta, inner_states[m], means = run_job(
-            lps[r].theta, inner_states[m], job_data(e), jnp.int32(e.job), jnp.int32(m),
+    pending: bool
+    theta: Any
+    at: float
+    start_update: int
+    job: int
+    steps: int
+    arrives: float = 0.0
+    means: Any = None
+
+
+@dataclasses.dataclass
+class _Message:
+    """A message between the servers in flight to or from region r: "push" (Δ_L) or
+    "reply" (θ_G), due at `due`."""
+
+    what: str
+    due: float
+    value: Any
+
+
+@dataclasses.dataclass
+class _State:
+    """Everything a HALoS run holds between two LPS updates (all a checkpoint saves):
+    the servers, each worker's inner state and job, the messages in flight (one per region
+    at most: an LPS has one push in flight at most), the clock, and the counters."""
+
+    gps: Any
+    lps: list
+    inner_states: list
+    workers: list
+    messages: list
+    time: float = 0.0
+    busy: float = 0.0  # worker-seconds of the jobs applied so far
+    total_steps: int = 0
+    sent: list = dataclasses.field(default_factory=list)
+    region_sent: list = dataclasses.field(default_factory=list)
+    last_steps: int = 0
+
+
+@dataclasses.dataclass
+class _Job:
+    """The loop's `Job` (`diloco_jax.loop`) for HALoS: one iteration is one LPS update."""
+
+    spec: HALoS
+    run: Any
+    where: Any
+    steps: tuple[int, ...]
+    run_job: Any
+    apply_local: Any
+    apply_global: Any
+    merge: Any
+    job_data: Any
+    evaluate_fn: Any
+    per_model: int
+    means_like: Any
+
+    @classmethod
+    def of(cls, spec: HALoS, run: Any) -> "_Job":
+        from diloco_jax import async_train
+        from diloco_jax.async_placement import OneDevice
+
+        m_count = run.num_workers
+        steps = (
+            async_train.dynamic_local_steps(run.step_seconds, run.inner_steps)
+            if run.dynamic_steps
+            else (run.inner_steps,) * m_count
+        )
+        global_rule = spec.global_optimizer or default_global_optimizer()
+        where = OneDevice(run.device)
+        run_job, apply_local = async_train._programs(
+            run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed
+        )
+        job_data = async_train._job_data(run.data, m_count, run.inner_steps, (), where)
+        per_model = sum(
+            int(np.prod(np.shape(x))) * np.dtype(jnp.result_type(x)).itemsize
+            for x in jax.tree.leaves(run.params)
+        )
+        # A job's (loss, aux) as the job program gives them: a checkpoint holds one per worker.
+        e = async_train.AsyncEvent(0, 0, 0, steps[0], 0.0, 0.0, 0, 0)
+        means_like = jax.eval_shape(
+            functools.partial(run_job, num_steps=steps[0]), run.params,
+            run.inner_optimizer.init(run.params), job_data(e), jnp.int32(0), jnp.int32(0),
+        )[2]  # fmt: skip
+        return cls(
+            spec, run, where, steps, run_job, apply_local,
+            jax.jit(lambda p, st, d, age: outer_update(global_rule, p, st, d, age)),
+            jax.jit(_merge), job_data,
+            jax.jit(run.eval_fn) if run.eval_fn is not None else None, per_model, means_like,
+        )  # fmt: skip
+
+    def initial(self) -> _State:
+        run, where = self.run, self.where
+        rule = self.spec.global_optimizer or default_global_optimizer()
+        theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), run.params))
+        lps = [
+            _Server(theta, where.shared(outer_init(run.outer_optimizer, theta)))
+            for _ in range(self.spec.num_regions)
+        ]
+        workers = [
+            _Worker(True, theta, float(self.spec.worker_seconds), 0, 0, self.steps[m])
+            for m in range(run.num_workers)
+        ]
+        return _State(
+            _Server(theta, where.shared(outer_init(rule, theta))), lps,
+            where.inner_states(run.inner_optimizer.init, theta, run.num_workers), workers,
+            [None] * self.spec.num_regions, sent=[0] * run.num_workers,
+            region_sent=[0] * self.spec.num_regions,
+        )  # fmt: skip
+
+    def items(self, start: int) -> range:
+        return range(start, self.run.num_updates)
+
+    def step(self, state: _State, update: int) -> tuple[_State, Any]:
+        """The next LPS update: start the jobs waiting, handle the server messages due
+        before the next arrival, then apply that arrival."""
+        for m, w in enumerate(state.workers):
+            if w.pending:
+                self._start(state, m)
+        while True:
+            time, kind, who = min(
+                [(w.arrives, _ARRIVAL, m) for m, w in enumerate(state.workers)]
+                + [(x.due, _SERVERS, r) for r, x in enumerate(state.messages) if x is not None]
+            )
+            if kind == _ARRIVAL:
+                break
+            message, state.messages[who] = state.messages[who], None
+            self._serve(state, time, who, message)
+        state.time = time
+        return state, self._arrive(state, update, who, time)
+
+    def _start(self, state: _State, m: int) -> None:
+        """Worker m's waiting job runs, from the θ_L of its answer; its delta arrives later."""
+        from diloco_jax.async_train import AsyncEvent
+
+        w = state.workers[m]
+        e = AsyncEvent(0, m, w.job, w.steps, w.at, 0.0, w.start_update, 0)
+        delta, state.inner_states[m], means = self.run_job(
+            w.theta, state.inner_states[m], self.job_data(e), jnp.int32(e.job), jnp.int32(m),
             num_steps=e.steps,
         )  # fmt: skip
-        finish = at + steps[m] * seconds[m]
-        spans.append((at, finish))
-        post(finish + spec.worker_seconds, _ARRIVAL, m, (m, e, delta, means))
-        jobs[m] += 1
+        w.pending, w.theta, w.means = False, delta, means
+        w.arrives = w.at + w.steps * self.run.step_seconds[m] + self.spec.worker_seconds
 
-    spans: list = []
-    for m in range(m_count):
-        start(m, spec.worker_seconds)
-    per_model = sum(
-        int(np.prod(np.shape(x))) * np.dtype(jnp.result_type(x)).itemsize
-        for x in jax.tree.leaves(run.params)
-    )
-    sent, region_sent = [0] * m_count, [0] * num_regions
-    history, total_steps, time = [], 0, 0.0
+    def _arrive(self, state: _State, update: int, m: int, time: float) -> Any:
+        """Worker m's delta reaches its LPS: applied with its age; the worker is answered
+        with the θ_L of now (its next job waits to start); a push is sent if due."""
+        spec, w = self.spec, state.workers[m]
+        r = spec.regions[m]
+        local = state.lps[r]
+        staleness = local.version - w.start_update
+        local.theta, local.state = self.apply_local(
+            local.theta, local.state, w.theta, jnp.int32(staleness)
+        )
+        local.version += 1
+        state.busy += w.steps * self.run.step_seconds[m]
+        state.total_steps += w.steps
+        state.last_steps = w.steps
+        state.sent[m] += self.per_model
+        means = w.means
+        entry = {"update": update, "time": time, "worker": m, "region": r, "steps": w.steps,
+                 "total_steps": state.total_steps, "staleness": staleness}  # fmt: skip
+        state.workers[m] = _Worker(True, local.theta, time + spec.worker_seconds, local.version,
+                                   w.job + 1, self.steps[m])  # fmt: skip
+        if not local.in_flight and local.version == local.merged + spec.local_updates:
+            local.in_flight = True
+            state.region_sent[r] += self.per_model
+            self._send(state, time, r, "push", worker_delta(local.snapshot, local.theta))
+        sent = round(sum(state.sent) / len(state.sent))
+        entry.update(
+            global_updates=state.gps.version, bytes_communicated=sent, wire_bytes=sent,
+            worker_bytes=list(state.sent), region_bytes=list(state.region_sent),
+        )  # fmt: skip
+        return entry, means
 
-    def send(time, region, message) -> None:
+    def _send(self, state: _State, time: float, r: int, what: str, value: Any) -> None:
         """A message between the servers sent now; with no latency it is handled at once."""
-        hop = spec.hop_seconds(region)
+        hop = self.spec.hop_seconds(r)
         if hop > 0:
-            post(time + hop, _SERVERS, region, message)
+            state.messages[r] = _Message(what, time + hop, value)
         else:
-            serve(time, message)
+            self._serve(state, time, r, _Message(what, time, value))
 
-    def serve(time, payload) -> None:
+    def _serve(self, state: _State, time: float, r: int, message: _Message) -> None:
         """A message between the servers reaches its end."""
-        what, r, value = payload
-        if what == "push":  # Δ_L reaches the GPS
-            gps.theta, gps.state = apply_global(
-                gps.theta, gps.state, value, jnp.int32(gps.version - lps[r].seen)
+        gps, local = state.gps, state.lps[r]
+        if message.what == "push":  # Δ_L reaches the GPS
+            gps.theta, gps.state = self.apply_global(
+                gps.theta, gps.state, message.value, jnp.int32(gps.version - local.seen)
             )
             gps.version += 1
-            send(time, r, ("reply", r, gps.theta))
+            self._send(state, time, r, "reply", gps.theta)
         else:  # θ_G reaches LPS r
-            local = lps[r]
-            local.theta = merge(local.theta, value, spec.merge_weight)
+            local.theta = self.merge(local.theta, message.value, self.spec.merge_weight)
             local.snapshot, local.merged, local.in_flight = local.theta, local.version, False
             local.seen = gps.version
 
-    while len(history) < run.num_updates:
-        time, kind, _, _, payload = heapq.heappop(events)
-        if kind == _SERVERS:
-            serve(time, payload)
-            continue
-        m, e, delta, means = payload
-        r = spec.regions[m]
-        local = lps[r]
-        staleness = local.version - e.start_update
-        local.theta, local.state = apply_local(
-            local.theta, local.state, delta, jnp.int32(staleness)
-        )
-        local.version += 1
-        push = None
-        if not local.in_flight and local.version == local.merged + spec.local_updates:
-            local.in_flight = True
-            region_sent[r] += per_model
-            push = ("push", r, worker_delta(local.snapshot, local.theta))
-        last = len(history) + 1 == run.num_updates
-        if not last:  # the answer: its next job starts from this θ_L
-            start(m, time + spec.worker_seconds)
-        if push is not None:
-            send(time, r, push)
-        sent[m] += per_model
-        total_steps += e.steps
+    def evaluate(self, state: _State, done: int) -> Any:
+        # As train_async: every eval_every inner steps per worker, and after the last update.
+        if self.evaluate_fn is None:
+            return None
+        every = self.run.num_workers * self.run.eval_every
+        now, steps = state.total_steps, state.last_steps
+        crossed = now // every > (now - steps) // every
+        due = crossed or done == self.run.num_updates
+        return self.evaluate_fn(state.gps.theta) if due else None
+
+    def record(self, i: int, item: int, metrics: Any, evals: Any) -> dict:
+        entry, means = metrics
         loss, aux = jax.device_get(means)
-        entry = {
-            "update": len(history),
-            "time": time,
-            "worker": m,
-            "region": r,
-            "steps": e.steps,
-            "total_steps": total_steps,
-            "staleness": staleness,
-            "global_updates": gps.version,
-            "loss": float(loss),
-            "bytes_communicated": round(sum(sent) / m_count),
-            "wire_bytes": round(sum(sent) / m_count),
-            "worker_bytes": list(sent),
-            "region_bytes": list(region_sent),
-        }
+        entry = {**entry, "loss": float(loss)}
         for name, value in aux.items():
             if name in entry:
                 raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
             entry[name] = float(value)
-        every = m_count * run.eval_every  # as train_async: every eval_every steps per worker
-        crossed = total_steps // every > (total_steps - e.steps) // every
-        if evaluate is not None and (crossed or last):
-            entry.update({k: float(v) for k, v in jax.device_get(evaluate(gps.theta)).items()})
-        history.append(entry)
-        if run.callback is not None:
-            run.callback(entry)
-    elapsed = time if history else 0.0
-    busy = sum(max(0.0, min(finish, elapsed) - begin) for begin, finish in spans)
-    utilization = busy / (m_count * elapsed) if elapsed else 0.0
-    outer = {"global": gps.state, "local": tuple(s.state for s in lps)}
-    state = async_train.AsyncState(gps.theta, outer, where.stack(inner_states), run.num_updates)
-    return async_train.AsyncResult(gps.theta, state, history, elapsed, utilization)
+        if evals is not None:
+            entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
+        return entry
+
+    def savable(self, state: _State) -> dict:
+        """The state as a pytree of arrays of one structure at every update: an empty
+        message or a waiting job's means hold zeros of their shapes."""
+        zero_means = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.means_like)
+        theta0 = state.gps.theta
+        return {
+            "gps": _saved_server(state.gps),
+            "lps": [_saved_server(s) for s in state.lps],
+            "inner": list(state.inner_states),
+            "workers": [
+                {"pending": np.asarray(w.pending, np.bool_), "theta": w.theta, "at": _f64(w.at),
+                 "arrives": _f64(w.arrives), "start_update": _i64(w.start_update),
+                 "job": _i64(w.job), "steps": _i64(w.steps),
+                 "means": zero_means if w.means is None else w.means}
+                for w in state.workers
+            ],
+            "messages": [
+                {"kind": _i64(0 if x is None else 1 + (x.what == "reply")),
+                 "due": _f64(0.0 if x is None else x.due),
+                 "value": theta0 if x is None else x.value}
+                for x in state.messages
+            ],
+            "clock": np.asarray([state.time, state.busy], np.float64),
+            "counts": np.asarray([state.total_steps, state.last_steps], np.int64),
+            "sent": np.asarray(state.sent, np.int64),
+            "region_sent": np.asarray(state.region_sent, np.int64),
+        }  # fmt: skip
+
+    def restored(self, saved: dict, done: int) -> _State:
+        workers = [
+            _Worker(bool(w["pending"]), w["theta"], float(w["at"]), int(w["start_update"]),
+                    int(w["job"]), int(w["steps"]), float(w["arrives"]),
+                    None if bool(w["pending"]) else w["means"])
+            for w in saved["workers"]
+        ]  # fmt: skip
+        messages = [
+            None if int(x["kind"]) == 0
+            else _Message("push" if int(x["kind"]) == 1 else "reply", float(x["due"]), x["value"])
+            for x in saved["messages"]
+        ]  # fmt: skip
+        time, busy = (float(x) for x in saved["clock"])
+        total_steps, last_steps = (int(x) for x in saved["counts"])
+        return _State(
+            _restored_server(saved["gps"]), [_restored_server(s) for s in saved["lps"]],
+            list(saved["inner"]), workers, messages, time, busy, total_steps,
+            [int(x) for x in saved["sent"]], [int(x) for x in saved["region_sent"]], last_steps,
+        )  # fmt: skip
+
+
+def _f64(x: float) -> np.ndarray:
+    return np.asarray(x, np.float64)  # a 0-d array: Orbax saves arrays, not NumPy scalars
+
+
+def _i64(x: int) -> np.ndarray:
+    return np.asarray(x, np.int64)
+
+
+def _saved_server(server: "_Server") -> dict:
+    return {"theta": server.theta, "state": server.state, "snapshot": server.snapshot,
+            "counts": np.asarray([server.version, server.merged, server.in_flight, server.seen],
+                                 np.int64)}  # fmt: skip
+
+
+def _restored_server(saved: dict) -> "_Server":
+    version, merged, in_flight, seen = (int(x) for x in saved["counts"])
+    server = _Server(saved["theta"], saved["state"], version, None, merged, bool(in_flight), seen)
+    server.snapshot = saved["snapshot"]
+    return server
 
 
 @dataclasses.dataclass

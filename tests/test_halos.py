@@ -6,6 +6,8 @@ times by hand, and its refusals."""
 
 import heapq
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -283,3 +285,57 @@ def test_too_few_rounds_name_data():
     rounds = make_data(np.random.default_rng(0), 2, 2, 2)
     with pytest.raises(ValueError, match="data has 2 rounds"):
         _run(rounds, (1.0, 4.0), 2, 6, regions=(0, 1))
+
+
+@pytest.mark.parametrize("hops", [(0.1, (0.3, 1.7)), (0.0, 0.0)], ids=["latencies", "none"])
+def test_a_run_killed_and_resumed_from_its_checkpoint_equals_the_uninterrupted_run(hops, tmp_path):
+    """Checkpoints every 3 updates; a crash after update 7 resumes from the one after 6 (jobs
+    and server messages in flight across the cut) and ends bit for bit as the run that never
+    stopped; a finished run of 9 resumed for 14 equals 14 at once."""
+    worker_hop, region_hops = hops
+    rounds = make_data(np.random.default_rng(11), 12, 4, 2)
+    spec = dict(regions=(0, 0, 1, 1), local_updates=2, merge_weight=0.25,
+                worker_seconds=worker_hop, region_seconds=region_hops)  # fmt: skip
+    seconds = (1.0, 1.5, 2.0, 3.0)
+
+    def run(updates, **options):
+        return dj.train_async(
+            linear_loss, _params(np.float32), rounds, num_workers=4, inner_steps=2,
+            num_updates=updates, step_seconds=seconds, inner_optimizer=optax.adam(INNER_LR),
+            outer_optimizer=optax.sgd(LOCAL_LR, momentum=LOCAL_MOMENTUM, nesterov=True),
+            eval_fn=lambda p: {"eval_loss": jnp.sum(p["w"] ** 2)}, eval_every=3,
+            server=dj.HALoS(global_optimizer=dj.delayed_nesterov(0.5, 0.5, buffer_size=2),
+                            **spec),
+            **options,
+        )  # fmt: skip
+
+    full = run(14)
+    crash = tmp_path / "crash"
+
+    def die_after_7(entry):
+        if entry["update"] == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(14, checkpoint_dir=crash, checkpoint_every=3, callback=die_after_7)
+    assert dj.checkpoint.latest_step(crash) == 6
+    resumed = run(14, checkpoint_dir=crash, checkpoint_every=3)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
+    assert resumed.history == full.history
+    assert (resumed.elapsed_seconds, resumed.utilization) == (
+        full.elapsed_seconds, full.utilization,
+    )  # fmt: skip
+    longer = tmp_path / "longer"
+    run(9, checkpoint_dir=longer, checkpoint_every=4)
+    again = run(14, checkpoint_dir=longer, checkpoint_every=4)
+    jax.tree.map(np.testing.assert_array_equal, again.state, full.state)
+    keys = ("update", "time", "worker", "staleness", "global_updates", "loss", "region_bytes")
+    assert [{k: x[k] for k in keys} for x in again.history] == [
+        {k: x[k] for k in keys} for x in full.history
+    ]
+    with pytest.raises(ValueError, match="checkpoint_dir"):  # another spec: another run
+        dj.train_async(
+            linear_loss, _params(np.float32), rounds, num_workers=4, inner_steps=2,
+            num_updates=14, step_seconds=seconds, checkpoint_dir=longer,
+            server=dj.HALoS(**{**spec, "local_updates": 3}),
+        )  # fmt: skip
