@@ -37,7 +37,7 @@ from diloco_jax import wire
 from diloco_jax.async_train import dynamic_local_steps
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.outer import outer_update
-from diloco_jax.syncer import Refused, Syncer
+from diloco_jax.syncer import Pushed, Syncer
 
 log = logging.getLogger("diloco_jax.syncer")
 TIMED_PHASES = 5  # the timed phases per worker DyLU's speed is the median of
@@ -91,42 +91,31 @@ class ArrivalSyncer(Syncer):
                     "position": job.position, "steps": job.steps,
                     "theta": wire.leaves(self.theta)}  # fmt: skip
 
-    def push(
-        self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
-        compute_s: float = 0.0, steps_s: float = 0.0,
-    ) -> dict:  # fmt: skip
-        """The delta of job `serial`, applied at once: "ok"; "late" (a job the syncer no
-        longer holds), "rejoin", "refused" (leaves unlike θ's)."""
-        try:
-            delta = self._delta(worker, leaves)
-        except Refused as error:
-            return {"status": "refused", "reason": str(error)}
-        with self.cond:
-            member = self.members.get(worker)
-            if member is None or member.incarnation != incarnation:
-                return {"status": "rejoin"}
-            member.last_seen = time.monotonic()
-            job = self.jobs.get(worker)
-            if self.done is not None or job is None or job.serial != serial:
-                return {"status": "late"}
-            del self.jobs[worker]
-            if steps_s > 0:
-                recent = self.step_seconds.setdefault(worker, [])
-                recent[:] = [*recent, steps_s / job.steps][-TIMED_PHASES:]
-            if not all(np.isfinite(x).all() for x in jax.tree.leaves(delta)):
-                # Left out, as train_diloco's exclusion: the worker runs this position again.
-                log.warning("worker %d's delta of position %d is not finite: left out",
-                            worker, job.position)  # fmt: skip
-                return {"status": "ok"}
-            self._apply_arrival(worker, job, delta, loss, (compute_s, steps_s))
+    def _take(self, worker: int, serial: int, pushed: Pushed, steps_s: float) -> dict:
+        """The delta of job `serial`, applied at once: "ok", or "late" (a job the syncer no
+        longer holds: its worker asks again)."""
+        job = self.jobs.get(worker)
+        if self.done is not None or job is None or job.serial != serial:
+            return {"status": "late"}
+        del self.jobs[worker]
+        if steps_s > 0:
+            recent = self.step_seconds.setdefault(worker, [])
+            recent[:] = [*recent, steps_s / job.steps][-TIMED_PHASES:]
+        if not pushed.finite:
+            # Left out, as train_diloco's exclusion: the worker runs this position again.
+            log.warning("worker %d's delta of position %d is not finite: left out",
+                        worker, job.position)  # fmt: skip
             return {"status": "ok"}
+        self._apply_arrival(worker, job, pushed, steps_s)
+        return {"status": "ok"}
 
-    def _apply_arrival(self, worker: int, job: Job, delta: Any, loss: float, seconds: tuple):
-        """Applies the job's delta with its age and records the update (`seconds`: the
-        phase's and of those its inner steps')."""
+    def _apply_arrival(self, worker: int, job: Job, pushed: Pushed, steps_s: float) -> None:
+        """Applies the job's delta with its age and records the update (`steps_s`: the
+        seconds of the phase's inner steps)."""
         busy_since = time.monotonic()
         age = self.round - job.start_update
-        theta, outer = self._apply_one(self.theta, self.outer_state, delta, jnp.int32(age))
+        theta, outer = self._apply_one(self.theta, self.outer_state, pushed.leaves,
+                                       jnp.int32(age))  # fmt: skip
         self.theta = jax.tree.map(np.asarray, theta)
         self.outer_state = jax.tree.map(np.asarray, outer)
         self.positions[worker] += 1
@@ -137,9 +126,9 @@ class ArrivalSyncer(Syncer):
             "steps": job.steps,
             "start_update": job.start_update,
             "staleness": age,
-            "loss": float(loss),
-            "compute_s": round(seconds[0], 4),
-            "steps_s": round(seconds[1], 4),
+            "loss": pushed.loss,
+            "compute_s": round(pushed.compute_s, 4),
+            "steps_s": round(steps_s, 4),
             "started": job.started,
             "time": time.time(),
             "positions": list(self.positions),

@@ -183,15 +183,21 @@ class Syncer:
             if member is None or member.incarnation != incarnation:
                 return {"status": "rejoin"}
             member.last_seen = time.monotonic()
-            if not self.is_open or serial != self.serial or worker not in self.participants:
-                return {"status": "late"}
-            if worker not in self.pushed:
-                finite = all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
-                self.pushed[worker] = Pushed(delta, float(loss), finite, float(compute_s))
-                if self.quorum_at is None and len(self.pushed) >= self.options.min_workers:
-                    self.quorum_at = time.monotonic()
-                self._step()
-            return {"status": "ok"}
+            finite = all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
+            pushed = Pushed(delta, float(loss), finite, float(compute_s))
+            return self._take(worker, serial, pushed, float(steps_s))
+
+    def _take(self, worker: int, serial: int, pushed: Pushed, steps_s: float) -> dict:
+        """The rule's part of a push from a live member (with the lock held): this one
+        keeps the delta for the open round's mean (`steps_s` unused: rounds are H steps)."""
+        if not self.is_open or serial != self.serial or worker not in self.participants:
+            return {"status": "late"}
+        if worker not in self.pushed:
+            self.pushed[worker] = pushed
+            if self.quorum_at is None and len(self.pushed) >= self.options.min_workers:
+                self.quorum_at = time.monotonic()
+            self._step()
+        return {"status": "ok"}
 
     # ---- the clock ---------------------------------------------------------------------
 
