@@ -472,19 +472,26 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("server", [[], ["--server", "halos,regions=0/1,local_updates=1"]],
+                         ids=["one", "halos"])  # fmt: skip
+def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys, server):
     argv, out = _async_cli(tmp_path)
-    argv += ["--checkpoint-every", "1"]
+    argv += ["--checkpoint-every", "1", *server]
     assert main(argv) == 0
     straight = _async_records(out)
     # A crash before the last checkpoint: every round (M = 2 updates) was saved; drop the last.
     run_dir = out / "checkpoints" / "run"
-    assert dj.checkpoint.all_steps(run_dir) == [2, 4]
-    dj.checkpoint.discard_after(run_dir, 2)
+    steps = dj.checkpoint.all_steps(run_dir)
+    assert steps[:2] == [2, 4] and len(steps) >= 2
+    dj.checkpoint.discard_after(run_dir, steps[-2])
     assert main(argv) == 0
     resumed = _async_records(out)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert resumed[-1]["eval_loss"] == straight[-1]["eval_loss"]
+    # Resumed, not run again: the updates before the cut keep their first run's wall clock.
+    cut = steps[-2]
+    assert [r["wall_seconds"] for r in resumed[:cut]] == [r["wall_seconds"] for r in straight[:cut]]
+    assert resumed[cut]["wall_seconds"] != straight[cut]["wall_seconds"]
     # Another --rounds is another learning-rate schedule: not a resume of these checkpoints.
     assert_cli_refuses(
         [*argv, "--rounds", "3"], "holds checkpoints of another run (rounds 2 -> 3)", capsys
@@ -515,7 +522,7 @@ def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys):
         (["--algo", "async", "--server", "decoupled", "--dynamic-steps"], "never stop"),
         (
             ["--algo", "async", "--server", "decoupled", "--checkpoint-every", "1"],
-            "--server runs without checkpoints",
+            "--server decoupled runs without checkpoints",
         ),
         (
             ["--algo", "async", "--server", "halos,regions=0/1", "--mesh", "workers=2"],
@@ -616,7 +623,7 @@ def test_the_lm_apps_run_refuses_checkpoints_for_a_server_before_training(tmp_pa
     from diloco_jax.lm import experiment
     from diloco_jax.lm.config import ConfigError, make_config
 
-    cfg = make_config("micro", server="halos,regions=0/1", inner_steps=3, rounds=2)
+    cfg = make_config("micro", server="decoupled", inner_steps=3, rounds=2)
     corpus = experiment.load_corpus(cfg)
     folder = tmp_path / "checkpoints"
     with pytest.raises(ConfigError, match="runs without checkpoints: no checkpoint_dir"):
