@@ -76,12 +76,9 @@ class ArrivalSyncer(Syncer):
         position: the job's key), position, steps, theta}; or "rejoin", "done", "abort"."""
         self._check_worker(worker)
         with self.cond:
-            if self.done is not None:
-                return self._ended(worker)
-            member = self.members.get(worker)
-            if member is None or member.incarnation != incarnation:
-                return {"status": "rejoin"}
-            member.last_seen = time.monotonic()
+            ended = self._heard(worker, incarnation)
+            if ended is not None:
+                return ended
             self.serial += 1
             job = Job(serial=self.serial, start_update=self.round,
                       position=self.positions[worker], steps=self._steps(worker),

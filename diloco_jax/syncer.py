@@ -128,14 +128,7 @@ class Syncer:
         a worker in the middle of a phase hears it here and ends after the phase)."""
         self._check_worker(worker)
         with self.cond:
-            if self.done is not None:
-                return self._ended(worker)
-            member = self.members.get(worker)
-            if member is None or member.incarnation != incarnation:
-                return {"status": "rejoin"}
-            member.last_seen = time.monotonic()
-            self.awaited.discard(worker)
-            return {"status": "ok"}
+            return self._heard(worker, incarnation) or {"status": "ok"}
 
     def next_round(self, worker: int, incarnation: str, after: int, timeout: float) -> dict:
         """Blocks (at most `timeout` s) until worker's next round: {"status": "round", serial,
@@ -145,13 +138,9 @@ class Syncer:
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                if self.done is not None:
-                    return self._ended(worker)
-                member = self.members.get(worker)
-                if member is None or member.incarnation != incarnation:
-                    return {"status": "rejoin"}
-                member.last_seen = time.monotonic()
-                self.awaited.discard(worker)
+                ended = self._heard(worker, incarnation)
+                if ended is not None:
+                    return ended
                 if self.is_open and worker in self.participants and worker not in self.pushed:
                     if self.serial != after:
                         return {
@@ -173,16 +162,16 @@ class Syncer:
     ) -> dict:  # fmt: skip
         """Worker's delta for opening `serial` (its mean inner loss, the seconds its phase
         took, and of those its inner steps'): "ok", or "late" (that opening closed, or the
-        worker is not in it), "rejoin", "refused" (with "reason": leaves unlike θ's)."""
+        worker is not in it), "rejoin", "refused" (with "reason": leaves unlike θ's), or the
+        run's end ("done" / "abort")."""
         try:
             delta = self._delta(worker, leaves)
         except Refused as error:
             return {"status": "refused", "reason": str(error)}
         with self.cond:
-            member = self.members.get(worker)
-            if member is None or member.incarnation != incarnation:
-                return {"status": "rejoin"}
-            member.last_seen = time.monotonic()
+            ended = self._heard(worker, incarnation)
+            if ended is not None:
+                return ended
             finite = all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
             pushed = Pushed(delta, float(loss), finite, float(compute_s))
             return self._take(worker, serial, pushed, float(steps_s))
@@ -234,6 +223,18 @@ class Syncer:
                 return
 
     # ---- internals (called with the lock held) -----------------------------------------
+
+    def _heard(self, worker: int, incarnation: str) -> dict[str, Any] | None:
+        """With the lock held: the reply that ends a worker's call (the run's end, or "rejoin"
+        for a worker not held as that incarnation), or None once it is noted alive."""
+        if self.done is not None:
+            return self._ended(worker)
+        member = self.members.get(worker)
+        if member is None or member.incarnation != incarnation:
+            return {"status": "rejoin"}
+        member.last_seen = time.monotonic()
+        self.awaited.discard(worker)
+        return None
 
     def _ended(self, worker: int) -> dict[str, Any]:
         """The run's end as a reply to `worker`, which now knows it."""
