@@ -42,10 +42,6 @@ CHECKPOINT_GLOB = "sync-*.ckpt"
 KEEP_CHECKPOINTS = 2
 
 
-class Refused(Exception):
-    """A push the syncer will not merge (its reason is the message)."""
-
-
 @dataclasses.dataclass
 class Member:
     incarnation: str
@@ -164,9 +160,11 @@ class Syncer:
         took, and of those its inner steps'): "ok", or "late" (that opening closed, or the
         worker is not in it), "rejoin", "refused" (with "reason": leaves unlike θ's), or the
         run's end ("done" / "abort")."""
+        self._check_worker(worker)
         try:
-            delta = self._delta(worker, leaves)
-        except Refused as error:
+            delta = wire.tree_like(self.delta_like, leaves, f"worker {worker}'s delta")
+        except ValueError as error:
+            log.warning("refused: %s", error)
             return {"status": "refused", "reason": str(error)}
         with self.cond:
             ended = self._heard(worker, incarnation)
@@ -246,15 +244,6 @@ class Syncer:
         """Whether every member has heard the run's end."""
         with self.cond:
             return set(self.members) <= self.told
-
-    def _delta(self, worker: int, leaves: list) -> Any:
-        """The pushed leaves as a delta tree; `Refused` if they are unlike θ's."""
-        self._check_worker(worker)
-        try:
-            return wire.tree_like(self.delta_like, leaves, f"worker {worker}'s delta")
-        except ValueError as error:
-            log.warning("refused: %s", error)
-            raise Refused(str(error)) from error
 
     def _check_worker(self, worker: Any) -> None:
         if isinstance(worker, bool) or not isinstance(worker, int):
