@@ -102,3 +102,29 @@ def test_a_worker_in_the_middle_of_a_job_at_the_end_hears_it_and_exits(tmp_path)
     cluster.finish(timeout=60)
     assert time.monotonic() - started < 30
     assert {e.worker for e in arrivals(tmp_path / "syncer")} == {0}
+
+
+def test_a_killed_syncer_and_worker_at_random_moments_reproduce_the_replay(tmp_path):
+    """The syncer SIGKILLed twice and a worker once at random moments of the run, each
+    restarted: the syncer resumes from its newest checkpoint (the jobs it handed out before
+    it taken back), and θ equals the replay of the arrival log it kept."""
+    rng = np.random.default_rng(int(time.time()))
+    env = {"ELASTIC_ROUNDS": str(UPDATES), "ELASTIC_PHASE_SECONDS": "0"}
+    cluster = Cluster(tmp_path, task="elastic_linear:make_async_task", env=env)
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    for name, at in sorted([("syncer", rng.integers(2, 8)), ("worker-1", rng.integers(8, 12)),
+                            ("syncer", rng.integers(13, 19))], key=lambda x: x[1]):  # fmt: skip
+        cluster.wait_for_syncs(int(at))
+        time.sleep(rng.uniform(0, 0.3))
+        cluster.processes[name].kill()
+        cluster.processes[name].wait()
+        cluster.syncer() if name == "syncer" else cluster.worker(1)
+    cluster.finish()
+    assert cluster.log("syncer").count("resumed from") == 2
+    events = arrivals(tmp_path / "syncer")
+    assert [e.update for e in events] == list(range(UPDATES))
+    task = make_async_task()
+    real = final_params(tmp_path / "syncer", task)
+    replay = _replay(events, task.method.outer)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
