@@ -135,15 +135,41 @@ def _stop_on_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def _folder(path: str | os.PathLike, flag: str) -> Path:
+    """`path` as a folder, created where missing; ValueError naming `flag` if it can't be."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"{flag} {str(path)!r} can't be created: {error.strerror or error}"
+        ) from error
+    return folder
+
+
+def _check_port(port: int, flag: str) -> None:
+    # gRPC would wrap a number outside the range into it silently (70000 binds 4464).
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{flag} must be in [0, 65535], got {port}")
+
+
+def _check_address(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--syncer must be HOST:PORT, got {address!r}")
+    _check_port(int(port), "--syncer's port")
+
+
 def run_syncer(args: argparse.Namespace) -> int:
     from diloco_jax.arrival_syncer import make_syncer
     from diloco_jax.rpc import serve
 
-    directory = Path(args.dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = run_lock.acquire(directory, what="--dir")
+    _check_port(args.port, "--port")
     task = load_task(args.task)
-    syncer = make_syncer(task, _options(args).checked(task.num_workers), directory)
+    options = _options(args).checked(task.num_workers)
+    directory = _folder(args.dir, "--dir")
+    lock = run_lock.acquire(directory, what="--dir")
+    syncer = make_syncer(task, options, directory)
     server, port = serve(syncer, args.port, args.host)
     (directory / ADDRESS_FILE).write_text(f"{args.host}:{port}\n")
     logging.getLogger("diloco_jax.syncer").info("serving on %s:%d", args.host, port)
@@ -177,6 +203,14 @@ def run_worker(args: argparse.Namespace) -> int:
     from diloco_jax.elastic_worker import GROUP_HEARTBEAT_S, Worker, worker_folder
     from diloco_jax.rpc import SyncerLost
 
+    _check_address(args.syncer)
+    if args.syncer_timeout is not None and not args.syncer_timeout > 0:
+        raise ValueError(f"--syncer-timeout must be > 0, got {args.syncer_timeout}")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise ValueError(
+            f"--num-processes must be >= 1 and --process-id in [0, --num-processes), got "
+            f"{args.num_processes} and {args.process_id}"
+        )
     if args.num_processes > 1 or args.coordinator is not None:
         import jax
 
@@ -189,11 +223,12 @@ def run_worker(args: argparse.Namespace) -> int:
             args.coordinator, args.num_processes, args.process_id,
             heartbeat_timeout=GROUP_HEARTBEAT_S,
         )  # fmt: skip
-    folder = worker_folder(args.dir, args.worker)
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = run_lock.acquire(folder, what=f"worker {args.worker}'s folder")
     task = load_task(args.task)
-    worker = Worker(task, args.worker, args.syncer, Path(args.dir))
+    if not 0 <= args.worker < task.num_workers:  # before its folder is made
+        raise ValueError(f"--worker must be in [0, {task.num_workers}), got {args.worker}")
+    folder = _folder(worker_folder(args.dir, args.worker), "--dir")
+    lock = run_lock.acquire(folder, what=f"worker {args.worker}'s folder")
+    worker = Worker(task, args.worker, args.syncer, Path(args.dir), args.syncer_timeout)
     try:
         return worker.run()
     except SyncerLost as error:
@@ -238,15 +273,15 @@ def _end(processes: list[subprocess.Popen], timeout: float = 5.0) -> None:
 
 
 def launch(args: argparse.Namespace) -> int:
-    out = Path(args.out)
     if not 1 <= args.processes_per_worker <= 1024:
         raise ValueError(
             f"--processes-per-worker must be in [1, 1024], got {args.processes_per_worker}"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    lock = run_lock.acquire(out, what="--out")
-    task = load_task(args.task)  # refused here, before any process starts
+    _check_port(args.port, "--port")
+    task = load_task(args.task)  # refused here, before any folder or process
     options = _options(args).checked(task.num_workers)
+    out = _folder(args.out, "--out")
+    lock = run_lock.acquire(out, what="--out")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     syncer_dir = out / "syncer"
@@ -366,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                         "processes or hosts)")  # fmt: skip
     worker.add_argument("--num-processes", type=int, default=1, help="the group's size")
     worker.add_argument("--process-id", type=int, default=0, help="this process, in the group")
+    worker.add_argument("--syncer-timeout", type=float, default=None,
+                        help="seconds to keep retrying an unreachable syncer before exiting 1 "
+                        "(default: the syncer's, 60 s until it is reached)")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,

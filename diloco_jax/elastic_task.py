@@ -154,16 +154,18 @@ def refusal(method: DiLoCo) -> str | None:
 
 def load_task(spec: str) -> ElasticTask:
     """The task `module:function` names: `function()` (or `function` itself if it is already
-    an `ElasticTask`). Raises ValueError naming the spec if it can't be imported or is not a
-    task."""
+    an `ElasticTask`). Raises ValueError naming the spec if it can't be imported, raises while
+    it is imported or called, or is not a task."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"task must be 'module:function', got {spec!r}")
-    try:
+    try:  # whatever the user's module raises (a syntax error too): one line, not a traceback
         value = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"task {spec!r} can't be loaded: {error}") from error
-    task = value if isinstance(value, ElasticTask) else value()
+        task = value if isinstance(value, ElasticTask) else value()
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(
+            f"task {spec!r} can't be loaded: {type(error).__name__}: {error}"
+        ) from error
     if not isinstance(task, ElasticTask):
         raise ValueError(f"task {spec!r} must give an ElasticTask, got {type(task).__name__}")
     return task

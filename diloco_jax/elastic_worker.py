@@ -82,7 +82,10 @@ def _phase(loss_fn, optimizer, theta, opt_state, batches, key):
 
 
 class Worker:
-    def __init__(self, task: ElasticTask, worker: int, address: str, directory: Path):
+    def __init__(
+        self, task: ElasticTask, worker: int, address: str, directory: Path,
+        syncer_timeout: float | None = None,
+    ):  # fmt: skip
         if not 0 <= worker < task.num_workers:
             raise ValueError(f"worker must be in [0, {task.num_workers}), got {worker}")
         self.task, self.worker = task, worker
@@ -90,7 +93,11 @@ class Worker:
         self.leader = jax.process_index() == 0
         self.directory = worker_folder(directory, worker)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.client = SyncerClient(address) if self.leader else None
+        # The worker's own syncer_timeout, or (None) the syncer's, told at the join.
+        self.syncer_timeout = syncer_timeout
+        self.client = None
+        if self.leader:
+            self.client = SyncerClient(address, syncer_timeout or Elastic().syncer_timeout)
         self.optimizer = task.method.inner_optimizer
         self.phase = jax.jit(functools.partial(_phase, task.loss_fn, self.optimizer))
         self.opt_like = jax.tree.map(np.asarray, self.optimizer.init(task.params))
@@ -103,13 +110,13 @@ class Worker:
         self.options = Elastic()
         self.rejoined = True
         self.stop = threading.Event()
-        self.ended: dict | None = None  # the run's end, heard in a heartbeat
 
     def join(self) -> None:
         reply = self.client.call("Join", {"worker": self.worker, "incarnation": None})
         self.incarnation = reply["incarnation"]
         self.options = Elastic.from_message(reply["options"])
-        self.client.syncer_timeout = self.options.syncer_timeout
+        if self.syncer_timeout is None:
+            self.client.syncer_timeout = self.options.syncer_timeout
         self.rejoined = True
         where = f"{len(self._devices())} device(s)"
         if self.grouped:
@@ -121,9 +128,8 @@ class Worker:
         long inner phase is not taken for a death)."""
         while not self.stop.wait(self.options.heartbeat_interval):
             me = {"worker": self.worker, "incarnation": self.incarnation}
-            reply = self.client.once("Heartbeat", me, deadline=self.options.heartbeat_interval * 4)
-            if reply is not None and reply["status"] in ("done", "abort"):
-                self.ended = reply  # the run ended during this phase: no push, no next
+            self.client.once("Heartbeat", me, deadline=self.options.heartbeat_interval * 4)
+            if self.client.ended is not None:  # the run ended during this phase: no push, no next
                 return
 
     def run(self) -> int:
@@ -169,8 +175,8 @@ class Worker:
     def _next(self, after: int, push: "Phase | None") -> dict:
         """The leader's calls between two commands: push the last phase's delta (if any),
         then ask for the next command (joining again first where the syncer says so)."""
-        if self.ended is not None:
-            return self.ended
+        if self.client.ended is not None:
+            return self.client.ended
         if push is not None:
             self._push(push)
         reply = self.client.call("Next", self._me(after=after, timeout=5.0))

@@ -99,6 +99,9 @@ class SyncerClient:
 
     def __init__(self, address: str, syncer_timeout: float = 60.0):
         self.address, self.syncer_timeout = address, syncer_timeout
+        # The run's end ("done" / "abort" reply) once any call heard it: a call the syncer
+        # cannot answer then returns it, as the syncer exits once its members heard the end.
+        self.ended: dict[str, Any] | None = None
         self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._unary = {
             name: self.channel.unary_unary(f"/{SERVICE}/{name}")
@@ -108,12 +111,12 @@ class SyncerClient:
 
     def call(self, name: str, message: dict[str, Any], deadline: float = 15.0) -> dict:
         """One call, retried while the syncer is unreachable (at most syncer_timeout)."""
-        return self._retried(lambda: self._unary[name](wire.pack(message), timeout=deadline))
+        return self._retried(name, lambda: self._unary[name](wire.pack(message), timeout=deadline))
 
     def once(self, name: str, message: dict[str, Any], deadline: float) -> dict | None:
         """One call, not retried: its reply, or None if the syncer did not answer."""
         try:
-            return wire.unpack(self._unary[name](wire.pack(message), timeout=deadline))
+            return self._heard(wire.unpack(self._unary[name](wire.pack(message), timeout=deadline)))
         except grpc.RpcError:
             return None
 
@@ -127,23 +130,30 @@ class SyncerClient:
                 pause(i)
                 yield wire.pack({"leaf": leaf})
 
-        return self._retried(lambda: self._push(messages(), timeout=120.0))
+        return self._retried("Push", lambda: self._push(messages(), timeout=120.0))
 
-    def _retried(self, send: Callable[[], bytes]) -> dict:
+    def _retried(self, name: str, send: Callable[[], bytes]) -> dict:
         start, wait = time.monotonic(), 0.05
         while True:
             try:
-                return wire.unpack(send())
+                return self._heard(wire.unpack(send()))
             except grpc.RpcError as error:
                 if error.code() not in RETRIED:
                     raise
+                if self.ended is not None:
+                    return self.ended
                 if time.monotonic() - start > self.syncer_timeout:
                     raise SyncerLost(
-                        f"the syncer at {self.address} did not answer for "
-                        f"{self.syncer_timeout:g} s ({error.code().name})"
+                        f"the syncer at {self.address} did not answer {name} for "
+                        f"{self.syncer_timeout:g} s ({error.code().name}: {error.details()})"
                     ) from error
                 time.sleep(wait)
                 wait = min(wait * 2, 1.0)
+
+    def _heard(self, reply: dict[str, Any]) -> dict[str, Any]:
+        if reply.get("status") in ("done", "abort"):
+            self.ended = reply
+        return reply
 
     def close(self) -> None:
         self.channel.close()

@@ -339,7 +339,74 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
             "--min-workers", "9"]  # fmt: skip
     assert main(argv) == 2
     assert "min_workers must be at most" in capsys.readouterr().err
-    assert not (tmp_path / "o" / "logs").exists()  # refused before any process started
+    assert not (tmp_path / "o").exists()  # refused before any folder or process
+
+
+TASK = "elastic_linear:make_task"  # 4 workers
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["syncer", "--task", TASK, "--dir", "{tmp}/s", "--port", "70000"],
+         "--port must be in [0, 65535], got 70000"),
+        (["syncer", "--task", TASK, "--dir", "{tmp}/s", "--port", "-3"],
+         "--port must be in [0, 65535], got -3"),
+        (["run", "--task", TASK, "--out", "{tmp}/s", "--port", "65536"],
+         "--port must be in [0, 65535], got 65536"),
+        (["run", "--task", TASK, "--out", "/dev/null/x"],
+         "--out '/dev/null/x' can't be created: Not a directory"),
+        (["syncer", "--task", TASK, "--dir", "/dev/null/x"],
+         "--dir '/dev/null/x' can't be created: Not a directory"),
+        (["worker", "--task", TASK, "--worker", "0", "--syncer", "127.0.0.1:9", "--dir",
+          "/dev/null/x"], "--dir '/dev/null/x/worker-0' can't be created: Not a directory"),
+        (["worker", "--task", TASK, "--worker", "4", "--syncer", "127.0.0.1:9", "--dir",
+          "{tmp}/s"], "--worker must be in [0, 4), got 4"),
+        (["worker", "--task", TASK, "--worker", "0", "--syncer", "127.0.0.1", "--dir",
+          "{tmp}/s"], "--syncer must be HOST:PORT, got '127.0.0.1'"),
+        (["worker", "--task", TASK, "--worker", "0", "--syncer", "h:99999", "--dir",
+          "{tmp}/s"], "--syncer's port must be in [0, 65535], got 99999"),
+        (["worker", "--task", TASK, "--worker", "0", "--syncer", "h:1", "--dir", "{tmp}/s",
+          "--syncer-timeout", "0"], "--syncer-timeout must be > 0, got 0.0"),
+        (["worker", "--task", TASK, "--worker", "0", "--syncer", "h:1", "--dir", "{tmp}/s",
+          "--num-processes", "2", "--process-id", "2"], "--process-id in [0, --num-processes)"),
+        (["syncer", "--task", "broken_task:make", "--dir", "{tmp}/s"],
+         "task 'broken_task:make' can't be loaded: SyntaxError"),
+        (["run", "--task", "raising_task:make", "--out", "{tmp}/s"],
+         "task 'raising_task:make' can't be loaded: RuntimeError: no data here"),
+    ],
+)  # fmt: skip
+def test_cli_bad_flags_are_one_line_exit_2_and_create_nothing(tmp_path, argv, message, capsys,
+                                                               monkeypatch):  # fmt: skip
+    (tmp_path / "broken_task.py").write_text("def make(:\n")
+    (tmp_path / "raising_task.py").write_text(
+        "def make():\n    raise RuntimeError('no data here')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("diloco-jax elastic: ") and message in err[0], err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_worker_gives_up_on_an_unreachable_syncer_after_its_syncer_timeout(tmp_path, capsys):
+    port = _free_port()  # nobody serves there
+    argv = ["worker", "--task", TASK, "--worker", "1", "--syncer", f"127.0.0.1:{port}",
+            "--dir", str(tmp_path), "--syncer-timeout", "0.5"]  # fmt: skip
+    started = time.monotonic()
+    assert main(argv) == 1
+    assert time.monotonic() - started < 20  # the default would be 60 s
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("diloco-jax elastic: worker 1: the syncer at 127.0.0.1:")
+    assert "did not answer Join for 0.5 s (UNAVAILABLE" in err
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _worker(tmp_path, inner_state):
@@ -371,3 +438,36 @@ def test_inner_state_fresh_starts_a_rejoining_worker_afresh(tmp_path):
     worker._keep(3, jax.tree.map(lambda x: np.full_like(x, 7), worker.opt_like))
     assert all(np.all(x == 0) for x in jax.tree.leaves(worker._state(3)))  # rejoined: fresh
     assert all(np.all(x == 7) for x in jax.tree.leaves(worker._state(3)))  # then its own
+
+
+def test_a_worker_that_heard_the_end_stops_calling_a_syncer_gone_after_it(tmp_path):
+    """The end heard in one call (a heartbeat during a phase) answers a later call the syncer,
+    gone since (it exits once its members heard the end), cannot: at once, not after
+    syncer_timeout (a worker failed so in CI, its push retried while its heartbeat heard)."""
+    from diloco_jax.rpc import SyncerClient, SyncerLost, serve
+
+    s = _syncer(tmp_path, workers=2, rounds=1)
+    incs = _join_all(s, 2)
+    server, port = serve(s, 0)
+    client = SyncerClient(f"127.0.0.1:{port}", syncer_timeout=5.0)
+    try:
+        assert client.once("Heartbeat", {"worker": 0, "incarnation": incs[0]}, 5.0) == {
+            "status": "ok"
+        }
+        assert client.ended is None
+        for m in range(2):
+            assert _push(s, m, incs[m], 0.1) == "ok"  # the one round: the run is done
+        heard = client.once("Heartbeat", {"worker": 0, "incarnation": incs[0]}, 5.0)
+        assert heard["status"] == "done" and client.ended == heard
+        server.stop(grace=None).wait()
+        started = time.monotonic()
+        me = {"worker": 0, "incarnation": incs[0], "after": 0, "timeout": 1.0}
+        assert client.call("Next", me) == heard
+        assert time.monotonic() - started < 2.0
+        stranger = SyncerClient(f"127.0.0.1:{port}", syncer_timeout=0.3)  # heard nothing
+        with pytest.raises(SyncerLost, match="did not answer Next"):
+            stranger.call("Next", me)
+        stranger.close()
+    finally:
+        server.stop(grace=None)
+        client.close()
