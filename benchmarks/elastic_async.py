@@ -33,6 +33,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from diloco_jax.auth import new_secret
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results" / "elastic_async.json"
@@ -49,6 +51,7 @@ def real_run(args: argparse.Namespace, dylu: bool, workdir: Path) -> Path:
     """One run to its end; returns its syncer folder."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
                XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               DILOCO_JAX_SECRET=new_secret().decode(),
                ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.updates),
                ELASTIC_INNER_STEPS=str(args.inner_steps), ELASTIC_ALGO="async",
                ELASTIC_DYLU="1" if dylu else "0")  # fmt: skip

@@ -29,6 +29,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from diloco_jax.auth import new_secret
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results" / "elastic_faults.json"
@@ -102,6 +104,7 @@ class Run:
 def one_run(args: argparse.Namespace, timeout: float, workdir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
                XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               DILOCO_JAX_SECRET=new_secret().decode(),
                ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.rounds),
                ELASTIC_INNER_STEPS=str(args.inner_steps))  # fmt: skip
     run = Run(workdir, env, timeout)

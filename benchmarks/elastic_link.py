@@ -40,6 +40,8 @@ from link import (  # noqa: E402
 )
 from link_worker import switch_link  # noqa: E402
 
+from diloco_jax.auth import new_secret  # noqa: E402
+
 DEFAULT_OUT = HERE / "results" / "elastic_link.json"
 SYNCER_PORT = 47101
 
@@ -107,7 +109,8 @@ class NamespacedRun:
 def task_env(workers: int, rounds: int, **extra: str) -> dict[str, str]:
     env = python_env() | dict(
         ELASTIC_WORKERS=str(workers), ELASTIC_ROUNDS=str(rounds), ELASTIC_INNER_STEPS="25",
-        ELASTIC_BATCH="8", ELASTIC_PRESET="tiny", **extra,
+        ELASTIC_BATCH="8", ELASTIC_PRESET="tiny", DILOCO_JAX_SECRET=new_secret().decode(),
+        **extra,
     )  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)])
     return env

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_jax import run_lock, wire
+from diloco_jax import auth, run_lock, wire
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 ADDRESS_FILE = "syncer.address"
+SECRET_FILE = "secret"
 
 
 def final_params(directory: str | os.PathLike, task: ElasticTask) -> Any:
@@ -165,12 +166,13 @@ def run_syncer(args: argparse.Namespace) -> int:
     from diloco_jax.rpc import serve
 
     _check_port(args.port, "--port")
+    secret = auth.load_secret(args.secret_file)
     task = load_task(args.task)
     options = _options(args).checked(task.num_workers)
     directory = _folder(args.dir, "--dir")
     lock = run_lock.acquire(directory, what="--dir")
     syncer = make_syncer(task, options, directory)
-    server, port = serve(syncer, args.port, args.host)
+    server, port = serve(syncer, args.port, secret, args.host)
     (directory / ADDRESS_FILE).write_text(f"{args.host}:{port}\n")
     logging.getLogger("diloco_jax.syncer").info("serving on %s:%d", args.host, port)
     stop = threading.Event()
@@ -204,6 +206,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from diloco_jax.rpc import SyncerLost
 
     _check_address(args.syncer)
+    secret = auth.load_secret(args.secret_file)
     if args.syncer_timeout is not None and not args.syncer_timeout > 0:
         raise ValueError(f"--syncer-timeout must be > 0, got {args.syncer_timeout}")
     if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
@@ -228,7 +231,7 @@ def run_worker(args: argparse.Namespace) -> int:
         raise ValueError(f"--worker must be in [0, {task.num_workers}), got {args.worker}")
     folder = _folder(worker_folder(args.dir, args.worker), "--dir")
     lock = run_lock.acquire(folder, what=f"worker {args.worker}'s folder")
-    worker = Worker(task, args.worker, args.syncer, Path(args.dir), args.syncer_timeout)
+    worker = Worker(task, args.worker, args.syncer, Path(args.dir), secret, args.syncer_timeout)
     try:
         return worker.run()
     except SyncerLost as error:
@@ -242,10 +245,11 @@ def run_worker(args: argparse.Namespace) -> int:
         lock.release()
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+def _spawn(argv: list[str], log_path: Path, secret: bytes) -> subprocess.Popen:
     # Several JAX processes share this host's accelerators: none takes 75% of a GPU's memory
     # up front (JAX's default), unless the user said otherwise.
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+    env[auth.SECRET_ENV] = os.fsdecode(secret)  # the run's: each process proves it
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "diloco_jax.elastic", *argv],
@@ -280,8 +284,12 @@ def launch(args: argparse.Namespace) -> int:
     _check_port(args.port, "--port")
     task = load_task(args.task)  # refused here, before any folder or process
     options = _options(args).checked(task.num_workers)
+    given = args.secret_file is not None or os.environ.get(auth.SECRET_ENV)
+    secret = auth.load_secret(args.secret_file) if given else None
     out = _folder(args.out, "--out")
     lock = run_lock.acquire(out, what="--out")
+    if secret is None:  # the run's own, kept for a restarted launcher or a process of it
+        secret = auth.write_secret(out / SECRET_FILE)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     syncer_dir = out / "syncer"
@@ -291,7 +299,7 @@ def launch(args: argparse.Namespace) -> int:
     ]
     syncer = _spawn(
         ["syncer", "--task", args.task, "--dir", str(syncer_dir), "--port", str(args.port),
-         *flags], logs / "syncer.log",
+         *flags], logs / "syncer.log", secret,
     )  # fmt: skip
     processes = [syncer]
     stop = threading.Event()
@@ -307,12 +315,16 @@ def launch(args: argparse.Namespace) -> int:
                     "--dir", str(out / "workers")]  # fmt: skip
             size = args.processes_per_worker
             if size == 1:
-                groups[m] = [_spawn(argv, logs / f"worker-{m}.log")]
+                groups[m] = [_spawn(argv, logs / f"worker-{m}.log", secret)]
             else:  # a JAX cluster of its own, at a fresh port each start
                 group = ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes",
                          str(size)]  # fmt: skip
                 groups[m] = [
-                    _spawn([*argv, *group, "--process-id", str(i)], logs / f"worker-{m}.{i}.log")
+                    _spawn(
+                        [*argv, *group, "--process-id", str(i)],
+                        logs / f"worker-{m}.{i}.log",
+                        secret,
+                    )  # fmt: skip
                     for i in range(size)
                 ]
             processes.extend(groups[m])
@@ -381,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", required=True)
     run.add_argument("--port", type=int, default=0)
     run.add_argument("--restart-workers", action="store_true")
+    run.add_argument("--secret-file", default=None,
+                     help="a file holding the run's secret (default: $DILOCO_JAX_SECRET, or "
+                     "OUT/secret, made the first time)")  # fmt: skip
     run.add_argument("--processes-per-worker", type=int, default=1,
                      help="N > 1: each worker a JAX cluster of N processes on this host (its "
                      "task's shardings span their devices)")  # fmt: skip
@@ -390,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     syncer.add_argument("--dir", required=True)
     syncer.add_argument("--host", default="127.0.0.1")
     syncer.add_argument("--port", type=int, default=0)
+    syncer.add_argument(
+        "--secret-file",
+        default=None,
+        help="a file holding the run's secret (default: $DILOCO_JAX_SECRET)",
+    )
     _add_options(syncer)
     worker = sub.add_parser("worker", help="one worker")
     worker.add_argument("--task", required=True)
@@ -401,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
                         "processes or hosts)")  # fmt: skip
     worker.add_argument("--num-processes", type=int, default=1, help="the group's size")
     worker.add_argument("--process-id", type=int, default=0, help="this process, in the group")
+    worker.add_argument(
+        "--secret-file",
+        default=None,
+        help="a file holding the run's secret (default: $DILOCO_JAX_SECRET)",
+    )
     worker.add_argument("--syncer-timeout", type=float, default=None,
                         help="seconds to keep retrying an unreachable syncer before exiting 1 "
                         "(default: the syncer's, 60 s until it is reached)")  # fmt: skip

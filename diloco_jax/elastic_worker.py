@@ -83,7 +83,7 @@ def _phase(loss_fn, optimizer, theta, opt_state, batches, key):
 
 class Worker:
     def __init__(
-        self, task: ElasticTask, worker: int, address: str, directory: Path,
+        self, task: ElasticTask, worker: int, address: str, directory: Path, secret: bytes,
         syncer_timeout: float | None = None,
     ):  # fmt: skip
         if not 0 <= worker < task.num_workers:
@@ -97,7 +97,8 @@ class Worker:
         self.syncer_timeout = syncer_timeout
         self.client = None
         if self.leader:
-            self.client = SyncerClient(address, syncer_timeout or Elastic().syncer_timeout)
+            timeout = syncer_timeout or Elastic().syncer_timeout
+            self.client = SyncerClient(address, secret, timeout)
         self.optimizer = task.method.inner_optimizer
         self.phase = jax.jit(functools.partial(_phase, task.loss_fn, self.optimizer))
         self.opt_like = jax.tree.map(np.asarray, self.optimizer.init(task.params))

@@ -9,11 +9,16 @@
   one per delta leaf -> {status}. A stream that ends before its n leaves (its sender died
   inside the push) is dropped whole.
 
+Every message the client sends proves the run's secret (`diloco_jax.auth`); the syncer
+refuses one that does not with UNAUTHENTICATED, logging the caller's address, before it reads
+the message.
+
 The client retries a call the syncer could not answer (it is down or restarting) until
 `syncer_timeout` has passed, then raises `SyncerLost`.
 """
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -21,8 +26,9 @@ from typing import Any
 
 import grpc
 
-from diloco_jax import wire
+from diloco_jax import auth, wire
 
+log = logging.getLogger("diloco_jax.syncer")
 SERVICE = "diloco_jax.Syncer"
 # Deltas and θ travel whole in one message each: no size cap beyond gRPC's own 2 GB.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
@@ -41,14 +47,25 @@ class SyncerLost(ConnectionError):
     """The syncer did not answer for longer than the worker's syncer_timeout."""
 
 
-def serve(syncer: Any, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server, int]:
-    """Starts the syncer's gRPC server on host:port (0: any free port). Returns (server, the
-    port it bound)."""
+def serve(
+    syncer: Any, port: int, secret: bytes, host: str = "127.0.0.1"
+) -> tuple[grpc.Server, int]:
+    """Starts the syncer's gRPC server on host:port (0: any free port), taking only calls that
+    prove `secret`. Returns (server, the port it bound)."""
+    verifier = auth.Verifier(secret)
 
-    def unary(call: Callable[[dict], dict]) -> grpc.RpcMethodHandler:
+    def refuse(context: grpc.ServicerContext, error: auth.Refused) -> None:
+        log.warning("refused %s: %s", context.peer(), error)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+
+    def unary(name: str, call: Callable[[dict], dict]) -> grpc.RpcMethodHandler:
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             try:
-                return wire.pack(call(wire.unpack(request)))
+                message = wire.unpack(verifier.call(name, request))
+            except auth.Refused as error:
+                refuse(context, error)
+            try:
+                return wire.pack(call(message))
             except (ValueError, KeyError, TypeError) as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
 
@@ -56,9 +73,15 @@ def serve(syncer: Any, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server,
 
     def push(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         try:
-            header = wire.unpack(next(requests))
+            head = next(requests)
+            header = wire.unpack(verifier.call("Push", head))
             count = int(header["leaves"])
-            leaves = [wire.unpack(chunk)["leaf"] for chunk in itertools.islice(requests, count)]
+            leaves = [
+                wire.unpack(verifier.part(head, i, chunk))["leaf"]
+                for i, chunk in enumerate(itertools.islice(requests, count))
+            ]
+        except auth.Refused as error:
+            refuse(context, error)
         except (StopIteration, ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed push: {error}")
         if len(leaves) != count:  # the sender went away inside its push
@@ -71,15 +94,20 @@ def serve(syncer: Any, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server,
             )  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
+        if reply["status"] in ("rejoin", "refused"):  # not merged: say who sent it
+            why = reply.get("reason", "an incarnation the syncer does not hold (told to rejoin)")
+            log.warning("push from %s as worker %s not merged: %s", context.peer(),
+                        header["worker"], why)  # fmt: skip
         return wire.pack(reply)
 
     handlers = {
-        "Join": unary(lambda m: syncer.join(m["worker"], m.get("incarnation"))),
-        "Heartbeat": unary(lambda m: syncer.heartbeat(m["worker"], m["incarnation"])),
+        "Join": unary("Join", lambda m: syncer.join(m["worker"], m.get("incarnation"))),
+        "Heartbeat": unary("Heartbeat", lambda m: syncer.heartbeat(m["worker"], m["incarnation"])),
         "Next": unary(
+            "Next",
             lambda m: syncer.next_round(
                 m["worker"], m["incarnation"], int(m["after"]), min(float(m["timeout"]), 10.0)
-            )
+            ),
         ),
         "Push": grpc.stream_unary_rpc_method_handler(push),
     }
@@ -97,8 +125,9 @@ def serve(syncer: Any, port: int, host: str = "127.0.0.1") -> tuple[grpc.Server,
 class SyncerClient:
     """A worker's calls to the syncer at `address` ("host:port")."""
 
-    def __init__(self, address: str, syncer_timeout: float = 60.0):
+    def __init__(self, address: str, secret: bytes, syncer_timeout: float = 60.0):
         self.address, self.syncer_timeout = address, syncer_timeout
+        self.signer = auth.Signer(secret)
         # The run's end ("done" / "abort" reply) once any call heard it: a call the syncer
         # cannot answer then returns it, as the syncer exits once its members heard the end.
         self.ended: dict[str, Any] | None = None
@@ -111,12 +140,12 @@ class SyncerClient:
 
     def call(self, name: str, message: dict[str, Any], deadline: float = 15.0) -> dict:
         """One call, retried while the syncer is unreachable (at most syncer_timeout)."""
-        return self._retried(name, lambda: self._unary[name](wire.pack(message), timeout=deadline))
+        return self._retried(name, lambda: self._send(name, message, deadline))
 
     def once(self, name: str, message: dict[str, Any], deadline: float) -> dict | None:
         """One call, not retried: its reply, or None if the syncer did not answer."""
         try:
-            return self._heard(wire.unpack(self._unary[name](wire.pack(message), timeout=deadline)))
+            return self._heard(wire.unpack(self._send(name, message, deadline)))
         except grpc.RpcError:
             return None
 
@@ -124,13 +153,18 @@ class SyncerClient:
         """Streams a delta (header, then one message per leaf; `pause(i)` runs before leaf
         i is sent, for fault injection)."""
 
-        def messages():
-            yield wire.pack({**header, "leaves": len(leaves)})
+        def messages():  # signed afresh for each try (a new nonce: no replay)
+            head = self.signer.call("Push", wire.pack({**header, "leaves": len(leaves)}))
+            yield head
             for i, leaf in enumerate(leaves):
                 pause(i)
-                yield wire.pack({"leaf": leaf})
+                yield self.signer.part(head, i, wire.pack({"leaf": leaf}))
 
         return self._retried("Push", lambda: self._push(messages(), timeout=120.0))
+
+    def _send(self, name: str, message: dict[str, Any], deadline: float) -> bytes:
+        request = self.signer.call(name, wire.pack(message))
+        return self._unary[name](request, timeout=deadline)
 
     def _retried(self, name: str, send: Callable[[], bytes]) -> dict:
         start, wait = time.monotonic(), 0.05

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).parent
 HEARTBEAT_TIMEOUT = 2.0
+SECRET = "the run's secret for these tests"
 ROUNDS = 12
 
 
@@ -40,7 +41,7 @@ def _env(hold: Path, **extra: str) -> dict[str, str]:
     if not env["XLA_FLAGS"]:
         del env["XLA_FLAGS"]
     env.update(ELASTIC_WORKERS="4", ELASTIC_ROUNDS=str(ROUNDS), ELASTIC_PHASE_SECONDS="0.5",
-               ELASTIC_HOLD=str(hold))  # fmt: skip
+               ELASTIC_HOLD=str(hold), DILOCO_JAX_SECRET=SECRET)  # fmt: skip
     env.update(extra)
     return env
 
@@ -312,8 +313,10 @@ def _launch(
     argv = [sys.executable, "-m", "diloco_jax.elastic", "run", "--task", task, "--out",
             str(out), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--min-workers", "2",
             *flags]  # fmt: skip
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=_env(out / "hold", **env), text=True)  # fmt: skip
+    env = _env(out / "hold", **env)
+    del env["DILOCO_JAX_SECRET"]  # the launcher makes the run's own (OUT/secret)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True)  # fmt: skip
 
 
 def _wait_syncs(out: Path, count: int, launcher: subprocess.Popen) -> None:
@@ -344,6 +347,8 @@ def test_the_launcher_restarts_a_dead_worker_and_the_run_reproduces_the_simulati
     assert launcher.wait(120) == 0
     printed = launcher.stdout.read()
     assert "worker 1 exited with -9; restarting it" in printed
+    secret = out / "secret"  # made by the launcher, readable by its user only
+    assert len(secret.read_bytes().strip()) == 64 and secret.stat().st_mode & 0o777 == 0o600
     syncs = history(out / "syncer")
     # Restarted at once, it joins within round 3 or 4 and takes part from the next one.
     assert [1 in s["included"] for s in syncs][:4] == [True] * 3 + [False]

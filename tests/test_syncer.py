@@ -18,6 +18,13 @@ from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
 from diloco_jax.syncer import Syncer
 
 LR, MOMENTUM = 0.7, 0.9  # elastic_linear's outer Nesterov
+SECRET = b"the run's secret for these tests"
+
+
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch):
+    """The run's secret, as `run` hands it to the processes it starts."""
+    monkeypatch.setenv("DILOCO_JAX_SECRET", SECRET.decode())
 
 
 def _syncer(tmp_path, workers=3, rounds=4, **options):
@@ -412,7 +419,7 @@ def _free_port():
 def _worker(tmp_path, inner_state):
     from diloco_jax.elastic_worker import Worker
 
-    worker = Worker(make_task(), 1, "127.0.0.1:9", tmp_path)  # never connects here
+    worker = Worker(make_task(), 1, "127.0.0.1:9", tmp_path, SECRET)  # never connects here
     worker.options, worker.rejoined = Elastic(inner_state=inner_state), True
     return worker
 
@@ -448,8 +455,8 @@ def test_a_worker_that_heard_the_end_stops_calling_a_syncer_gone_after_it(tmp_pa
 
     s = _syncer(tmp_path, workers=2, rounds=1)
     incs = _join_all(s, 2)
-    server, port = serve(s, 0)
-    client = SyncerClient(f"127.0.0.1:{port}", syncer_timeout=5.0)
+    server, port = serve(s, 0, SECRET)
+    client = SyncerClient(f"127.0.0.1:{port}", SECRET, syncer_timeout=5.0)
     try:
         assert client.once("Heartbeat", {"worker": 0, "incarnation": incs[0]}, 5.0) == {
             "status": "ok"
@@ -464,7 +471,7 @@ def test_a_worker_that_heard_the_end_stops_calling_a_syncer_gone_after_it(tmp_pa
         me = {"worker": 0, "incarnation": incs[0], "after": 0, "timeout": 1.0}
         assert client.call("Next", me) == heard
         assert time.monotonic() - started < 2.0
-        stranger = SyncerClient(f"127.0.0.1:{port}", syncer_timeout=0.3)  # heard nothing
+        stranger = SyncerClient(f"127.0.0.1:{port}", SECRET, syncer_timeout=0.3)  # heard nothing
         with pytest.raises(SyncerLost, match="did not answer Next"):
             stranger.call("Next", me)
         stranger.close()

@@ -1,0 +1,151 @@
+"""Only the run's own processes: every message a worker sends the syncer proves the run's
+secret, and the syncer refuses (and logs, with the caller's address) any message that does
+not. Nothing from a refused call is read further, merged or answered with θ.
+
+The secret is bytes every process of the run holds, at least MIN_SECRET_BYTES long: the
+environment variable DILOCO_JAX_SECRET, or a file (`--secret-file`). `python -m
+diloco_jax.elastic run` makes one (OUT/secret, mode 0600) the first time and hands it to the
+processes it starts; `syncer` and `worker` started on their own need one of the two.
+
+The proof is a keyed BLAKE2b MAC (`hashlib.blake2b(key=secret)`, 32 bytes) in front of each
+message:
+
+- a call (Join, Heartbeat, Next, a push's header) is MAC ‖ sent ‖ nonce ‖ body, the MAC over
+  the call's name, `sent` (the sender's wall clock, 8 bytes), a random 16-byte nonce and the
+  body. The syncer refuses one sent more than WINDOW_S from its own clock or whose nonce it
+  has seen in that window: a recorded call replayed (a Join that would evict a live worker)
+  is refused.
+- each leaf of a push is MAC ‖ leaf, the MAC over the header's MAC, the leaf's index and its
+  bytes: a leaf can't be moved into another push or another place in the same one.
+
+What it does not do: encrypt. θ and the deltas cross the network readable by whoever can
+capture it (as torchft's and gloo's traffic does); across untrusted networks run the syncer's
+port through a tunnel or VPN. The syncer's replies are not signed: a worker trusts the
+address it was given.
+"""
+
+import hashlib
+import heapq
+import hmac
+import os
+import secrets
+import struct
+import threading
+import time
+from pathlib import Path
+
+SECRET_ENV = "DILOCO_JAX_SECRET"
+MIN_SECRET_BYTES = 16
+WINDOW_S = 300.0  # how far a call's clock may be from the syncer's (hosts run NTP)
+MAC_BYTES, STAMP_BYTES, NONCE_BYTES = 32, 8, 16
+CALL_HEAD = MAC_BYTES + STAMP_BYTES + NONCE_BYTES
+
+
+class Refused(ValueError):
+    """A message that does not prove the run's secret (or is stale, or replayed)."""
+
+
+def new_secret() -> bytes:
+    """A fresh random secret (64 hex characters)."""
+    return secrets.token_hex(32).encode()
+
+
+def load_secret(path: str | os.PathLike | None) -> bytes:
+    """The run's secret: the file at `path` (its bytes, a trailing newline dropped) or, with
+    None, the environment variable DILOCO_JAX_SECRET. ValueError naming where it looked when
+    there is none or it is shorter than MIN_SECRET_BYTES."""
+    if path is not None:
+        try:
+            secret = Path(path).read_bytes().rstrip(b"\r\n")
+        except OSError as error:
+            raise ValueError(
+                f"--secret-file {str(path)!r} can't be read: {error.strerror}"
+            ) from None
+        where = f"--secret-file {str(path)!r}"
+    else:
+        secret = os.environb.get(SECRET_ENV.encode(), b"")
+        where = f"${SECRET_ENV}"
+        if not secret:
+            raise ValueError(
+                f"the run's secret is missing: set {SECRET_ENV} or pass --secret-file (every "
+                "process of the run needs the same one; `run` makes one for the processes it "
+                "starts)"
+            )
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{where} holds {len(secret)} bytes; a secret needs at least "
+                         f"{MIN_SECRET_BYTES}")  # fmt: skip
+    return secret
+
+
+def write_secret(path: Path) -> bytes:
+    """The secret at `path`, made there (mode 0600, before any byte is written) if missing."""
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(new_secret() + b"\n")
+    return load_secret(path)
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    digest = hashlib.blake2b(key=secret, digest_size=MAC_BYTES)
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
+
+
+class Signer:
+    """A worker's side: frames its messages with their MACs."""
+
+    def __init__(self, secret: bytes):
+        self.secret = secret
+
+    def call(self, name: str, body: bytes) -> bytes:
+        """The frame of call `name` carrying `body`."""
+        stamp = struct.pack("<d", time.time())
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return _mac(self.secret, name.encode(), stamp, nonce, body) + stamp + nonce + body
+
+    def part(self, head: bytes, index: int, body: bytes) -> bytes:
+        """The frame of leaf `index` of the push whose header frame is `head`."""
+        return _mac(self.secret, head[:MAC_BYTES], struct.pack("<q", index), body) + body
+
+
+class Verifier:
+    """The syncer's side: checks each frame and returns its body, or raises Refused."""
+
+    def __init__(self, secret: bytes, window: float = WINDOW_S):
+        self.secret, self.window = secret, window
+        # The nonces of the calls taken, until their time is outside the window everywhere.
+        self._seen: set[bytes] = set()
+        self._expiry: list[tuple[float, bytes]] = []  # a heap of (when to forget, nonce)
+        self._lock = threading.Lock()
+
+    def call(self, name: str, frame: bytes) -> bytes:
+        """The body of a call's frame."""
+        if len(frame) < CALL_HEAD:
+            raise Refused(f"a {name} call without the run's secret (a {len(frame)}-byte frame)")
+        mac, stamp = frame[:MAC_BYTES], frame[MAC_BYTES : MAC_BYTES + STAMP_BYTES]
+        nonce, body = frame[MAC_BYTES + STAMP_BYTES : CALL_HEAD], frame[CALL_HEAD:]
+        if not hmac.compare_digest(mac, _mac(self.secret, name.encode(), stamp, nonce, body)):
+            raise Refused(f"a {name} call without the run's secret (its MAC does not match)")
+        (sent,) = struct.unpack("<d", stamp)
+        now = time.time()
+        if not abs(now - sent) <= self.window:
+            raise Refused(f"a {name} call stamped {sent - now:+.0f} s from the syncer's clock "
+                          f"(beyond {self.window:g} s: replayed late, or a clock off)")  # fmt: skip
+        with self._lock:
+            while self._expiry and self._expiry[0][0] < now:
+                self._seen.discard(heapq.heappop(self._expiry)[1])
+            if nonce in self._seen:
+                raise Refused(f"a {name} call replayed (its nonce was taken before)")
+            self._seen.add(nonce)
+            heapq.heappush(self._expiry, (max(sent, now) + self.window, nonce))
+        return body
+
+    def part(self, head: bytes, index: int, frame: bytes) -> bytes:
+        """The body of leaf `index` of the push whose header frame is `head`."""
+        mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
+        expected = _mac(self.secret, head[:MAC_BYTES], struct.pack("<q", index), body)
+        if len(frame) < MAC_BYTES or not hmac.compare_digest(mac, expected):
+            raise Refused(f"leaf {index} of a push without the run's secret")
+        return body
