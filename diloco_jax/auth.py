@@ -7,8 +7,7 @@ environment variable DILOCO_JAX_SECRET, or a file (`--secret-file`). `python -m
 diloco_jax.elastic run` makes one (OUT/secret, mode 0600) the first time and hands it to the
 processes it starts; `syncer` and `worker` started on their own need one of the two.
 
-The proof is a keyed BLAKE2b MAC (`hashlib.blake2b(key=secret)`, 32 bytes) in front of each
-message:
+The proof is an HMAC-SHA256 (32 bytes) in front of each message:
 
 - a call (Join, Heartbeat, Next, a push's header) is MAC ‖ sent ‖ nonce ‖ body, the MAC over
   the call's name, `sent` (the sender's wall clock, 8 bytes), a random 16-byte nonce and the
@@ -86,8 +85,8 @@ def write_secret(path: Path) -> bytes:
     return load_secret(path)
 
 
-def _mac(secret: bytes, *parts: bytes) -> bytes:
-    digest = hashlib.blake2b(key=secret, digest_size=MAC_BYTES)
+def _mac(secret: bytes, *parts: bytes | memoryview) -> bytes:
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
     for part in parts:
         digest.update(part)
     return digest.digest()
@@ -105,7 +104,7 @@ class Signer:
         nonce = secrets.token_bytes(NONCE_BYTES)
         return _mac(self.secret, name.encode(), stamp, nonce, body) + stamp + nonce + body
 
-    def part(self, head: bytes, index: int, body: bytes) -> bytes:
+    def part(self, head: bytes, index: int, body: bytes | memoryview) -> bytes:
         """The frame of leaf `index` of the push whose header frame is `head`."""
         return _mac(self.secret, head[:MAC_BYTES], struct.pack("<q", index), body) + body
 
@@ -142,9 +141,10 @@ class Verifier:
             heapq.heappush(self._expiry, (max(sent, now) + self.window, nonce))
         return body
 
-    def part(self, head: bytes, index: int, frame: bytes) -> bytes:
-        """The body of leaf `index` of the push whose header frame is `head`."""
-        mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
+    def part(self, head: bytes, index: int, frame: bytes) -> memoryview:
+        """The body of leaf `index` of the push whose header frame is `head` (a view of
+        `frame`, not a copy)."""
+        mac, body = frame[:MAC_BYTES], memoryview(frame)[MAC_BYTES:]
         expected = _mac(self.secret, head[:MAC_BYTES], struct.pack("<q", index), body)
         if len(frame) < MAC_BYTES or not hmac.compare_digest(mac, expected):
             raise Refused(f"leaf {index} of a push without the run's secret")

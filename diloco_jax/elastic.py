@@ -190,6 +190,7 @@ def run_syncer(args: argparse.Namespace) -> int:
         stop.wait(2 * syncer.options.heartbeat_interval)
     stop.set()
     server.stop(grace=1.0).wait()
+    syncer.flush()  # the newest checkpoint on disk before the folder is let go
     lock.release()
     if syncer.done == "finished":
         return 0

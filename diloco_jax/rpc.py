@@ -3,11 +3,14 @@
 
 - Join {worker, incarnation?} -> {incarnation, options}
 - Heartbeat {worker, incarnation} -> {status}
-- Next {worker, incarnation, after, timeout} -> the worker's next round (`Syncer.next_round`)
+- Next {worker, incarnation, after, timeout} -> a stream: the worker's next round
+  (`Syncer.next_round`) with {leaves: n}, then n messages, θ's leaves (their raw bytes)
 - Push: a stream of {worker, incarnation, serial, loss, compute_s, steps_s, leaves: n} then n
-  messages {leaf},
-  one per delta leaf -> {status}. A stream that ends before its n leaves (its sender died
-  inside the push) is dropped whole.
+  messages, one per delta leaf (its raw bytes) -> {status}. A stream that ends before its n
+  leaves (its sender died inside the push) is dropped whole.
+
+θ's leaf bytes are made once per θ for every worker; the receiver reads raw leaves as the
+leaves of the tree it already has (`wire.tree_like`).
 
 Every message the client sends proves the run's secret (`diloco_jax.auth`); the syncer
 refuses one that does not with UNAUTHENTICATED, logging the caller's address, before it reads
@@ -76,8 +79,8 @@ def serve(
             head = next(requests)
             header = wire.unpack(verifier.call("Push", head))
             count = int(header["leaves"])
-            leaves = [
-                wire.unpack(verifier.part(head, i, chunk))["leaf"]
+            leaves = [  # raw bytes, read as θ's leaves by the syncer
+                verifier.part(head, i, chunk)
                 for i, chunk in enumerate(itertools.islice(requests, count))
             ]
         except auth.Refused as error:
@@ -100,15 +103,34 @@ def serve(
                         header["worker"], why)  # fmt: skip
         return wire.pack(reply)
 
+    sent = [((), [], [])]  # the θ leaves last sent, their ids and raw bytes (one entry)
+
+    def raw_theta(theta: list) -> list[bytes]:
+        """θ's raw bytes, made once per θ for every worker that asks."""
+        ids, _, raw = sent[0]
+        if ids != tuple(map(id, theta)):
+            raw = [bytes(wire.raw(x)) for x in theta]
+            sent[0] = (tuple(map(id, theta)), theta, raw)  # θ held: its ids stay its own
+        return raw
+
+    def next_round(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            m = wire.unpack(verifier.call("Next", request))
+        except auth.Refused as error:
+            refuse(context, error)
+        try:
+            timeout = min(float(m["timeout"]), 10.0)
+            reply = syncer.next_round(m["worker"], m["incarnation"], int(m["after"]), timeout)
+        except (ValueError, KeyError, TypeError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
+        raw = raw_theta(reply.pop("theta")) if "theta" in reply else []
+        yield wire.pack({**reply, "leaves": len(raw)})
+        yield from raw  # gRPC's own copy is the only one made for this worker
+
     handlers = {
         "Join": unary("Join", lambda m: syncer.join(m["worker"], m.get("incarnation"))),
         "Heartbeat": unary("Heartbeat", lambda m: syncer.heartbeat(m["worker"], m["incarnation"])),
-        "Next": unary(
-            "Next",
-            lambda m: syncer.next_round(
-                m["worker"], m["incarnation"], int(m["after"]), min(float(m["timeout"]), 10.0)
-            ),
-        ),
+        "Next": grpc.unary_stream_rpc_method_handler(next_round),
         "Push": grpc.stream_unary_rpc_method_handler(push),
     }
     # A thread per call in flight: each worker's Next and heartbeat, plus pushes.
@@ -133,19 +155,20 @@ class SyncerClient:
         self.ended: dict[str, Any] | None = None
         self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._unary = {
-            name: self.channel.unary_unary(f"/{SERVICE}/{name}")
-            for name in ("Join", "Heartbeat", "Next")
+            name: self.channel.unary_unary(f"/{SERVICE}/{name}") for name in ("Join", "Heartbeat")
         }
+        self._next = self.channel.unary_stream(f"/{SERVICE}/Next")
         self._push = self.channel.stream_unary(f"/{SERVICE}/Push")
 
     def call(self, name: str, message: dict[str, Any], deadline: float = 15.0) -> dict:
-        """One call, retried while the syncer is unreachable (at most syncer_timeout)."""
+        """One call, retried while the syncer is unreachable (at most syncer_timeout). Next's
+        reply holds θ (if any) as raw leaf bytes."""
         return self._retried(name, lambda: self._send(name, message, deadline))
 
     def once(self, name: str, message: dict[str, Any], deadline: float) -> dict | None:
         """One call, not retried: its reply, or None if the syncer did not answer."""
         try:
-            return self._heard(wire.unpack(self._send(name, message, deadline)))
+            return self._heard(self._send(name, message, deadline))
         except grpc.RpcError:
             return None
 
@@ -158,19 +181,25 @@ class SyncerClient:
             yield head
             for i, leaf in enumerate(leaves):
                 pause(i)
-                yield self.signer.part(head, i, wire.pack({"leaf": leaf}))
+                yield self.signer.part(head, i, wire.raw(leaf))
 
-        return self._retried("Push", lambda: self._push(messages(), timeout=120.0))
+        return self._retried("Push", lambda: wire.unpack(self._push(messages(), timeout=120.0)))
 
-    def _send(self, name: str, message: dict[str, Any], deadline: float) -> bytes:
+    def _send(self, name: str, message: dict[str, Any], deadline: float) -> dict:
         request = self.signer.call(name, wire.pack(message))
-        return self._unary[name](request, timeout=deadline)
+        if name != "Next":
+            return wire.unpack(self._unary[name](request, timeout=deadline))
+        head, *leaves = self._next(request, timeout=deadline)  # the reply, then θ's leaves
+        reply = wire.unpack(head)
+        if reply.pop("leaves") != len(leaves):
+            raise ValueError(f"the syncer's Next sent {len(leaves)} leaves of θ, not all")
+        return {**reply, "theta": leaves} if leaves else reply
 
-    def _retried(self, name: str, send: Callable[[], bytes]) -> dict:
+    def _retried(self, name: str, send: Callable[[], dict]) -> dict:
         start, wait = time.monotonic(), 0.05
         while True:
             try:
-                return self._heard(wire.unpack(send()))
+                return self._heard(send())
             except grpc.RpcError as error:
                 if error.code() not in RETRIED:
                     raise

@@ -12,10 +12,14 @@ speaks next. A worker joining while a round is open takes part from the next one
 
 State on disk (`directory`): `sync-RRRRRRRR.ckpt` (the state after sync R: θ, outer state,
 each worker's data position, the members; the two newest are kept) and `history.jsonl` (one
-line per sync). A restarted syncer resumes from its newest intact checkpoint and opens that
-round again once each member it had is back: reattached (their deltas pushed before the
-restart are asked again) or, after a whole-cluster restart, joined as a new process; or, like
-a starting syncer, after join_timeout with min_workers there.
+line per sync). A checkpoint is written on a thread of its own while the next round runs; the
+one after it waits for it, so the newest on disk is at most one sync behind. A restarted
+syncer resumes from its newest intact checkpoint (history.jsonl cut back to it) and opens
+that round again once each member it had is back: reattached (their deltas pushed before
+the restart are asked again; a worker already past that round runs its phase again from the
+inner state it kept of that position, the same delta) or, after a whole-cluster restart,
+joined as a new process; or, like a starting syncer, after join_timeout with min_workers
+there.
 """
 
 import dataclasses
@@ -25,6 +29,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,35 @@ class Pushed:
     loss: float
     finite: bool
     compute_s: float
+
+
+class _Writer:
+    """Writes one checkpoint at a time on a thread of its own: `submit` waits for the write
+    before it, then returns at once; `flush` waits for the last. A failed write is raised by
+    the next call."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.flush()
+        self._thread = threading.Thread(target=self._run, args=(write,), daemon=True)
+        self._thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as error:  # noqa: BLE001 (raised by the syncer's next call)
+            self._error = error
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def checkpoint_path(directory: Path, round_: int) -> Path:
@@ -89,6 +123,7 @@ class Syncer:
         self.started = time.monotonic()
         self.done: str | None = None  # "finished" or the abort's line
         self.told: set[int] = set()  # the workers that heard the end
+        self._writer = _Writer()
         # Resumed: the members of the last sync not heard from since. The round opens once
         # each is back (reattached, or a new process of it joined: a whole-cluster restart),
         # or as a starting syncer's first round does, after join_timeout.
@@ -354,11 +389,19 @@ class Syncer:
         if self.round < self.task.num_rounds:
             return False
         self.done = "finished"
+        self.flush()  # the last checkpoint on disk before the result
         wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)})
         self.cond.notify_all()
         return True
 
+    def flush(self) -> None:
+        """Waits until the newest checkpoint is on disk (before the process ends, or another
+        syncer reads the folder)."""
+        self._writer.flush()
+
     def _save(self) -> None:
+        """Hands the state to the writer (θ and the outer state by reference: an update
+        replaces them, never changes them in place)."""
         message = {
             "round": self.round,
             "serial": self.serial,
@@ -368,9 +411,8 @@ class Syncer:
             "members": {str(m): member.incarnation for m, member in self.members.items()},
             **self._saved_extra(),
         }
-        wire.write_file(checkpoint_path(self.directory, self.round), message)
-        for old in sorted(self.directory.glob(CHECKPOINT_GLOB))[:-KEEP_CHECKPOINTS]:
-            old.unlink()
+        path = checkpoint_path(self.directory, self.round)
+        self._writer.submit(functools.partial(_write_checkpoint, path, message))
 
     def _restore(self) -> bool:
         """Loads the newest intact checkpoint (an unreadable one is skipped with a warning)
@@ -412,6 +454,12 @@ class Syncer:
         kept = [line for line in lines if _round_of(line) < self.round]
         if len(kept) != len(lines):  # a sync after the checkpoint, or a torn last line
             path.write_text("".join(line + "\n" for line in kept))
+
+
+def _write_checkpoint(path: Path, message: dict) -> None:
+    wire.write_file(path, message)
+    for old in sorted(path.parent.glob(CHECKPOINT_GLOB))[:-KEEP_CHECKPOINTS]:
+        old.unlink(missing_ok=True)
 
 
 def _round_of(line: str) -> float:

@@ -1,13 +1,18 @@
-"""Bytes on the wire and on disk for the elastic runtime (`diloco_jax.elastic`): messages and
-pytrees as msgpack (Flax's serialization), and files written whole or not at all.
+"""Bytes on the wire and on disk for the elastic runtime (`diloco_jax.elastic`): messages as
+msgpack (Flax's serialization), leaves as their raw bytes, and files written whole or not at
+all.
 
 A message is a dict of str keys and msgpack values (numbers, strings, lists, dicts, None,
-NumPy arrays). A pytree travels as its leaves (NumPy arrays) in the order of
-`jax.tree.leaves`; the receiver rebuilds it on a tree of the same structure it already has
-(the task's params, the optimizer's state), so no structure is ever trusted from the wire.
-A file (`write_file`) is a CRC-32 of its body then the body, written to a temporary name,
-flushed to disk and renamed: a reader sees the old file or the new one, and `read_file`
-refuses a torn or edited one.
+NumPy arrays, bytes). A pytree travels as its leaves in the order of `jax.tree.leaves`,
+each as its raw bytes (`raw`: no encoding, no copy) or a NumPy array; the receiver rebuilds
+it on a tree of the same structure it already has (the task's params, the optimizer's
+state), so no structure, dtype or shape is ever trusted from the wire.
+
+A file (`write_file`) is MAGIC, a CRC-32 of the rest, the length of a msgpack header, the
+header (the message with each array replaced by its dtype, shape and place), then the arrays'
+raw bytes. It is written to a temporary name, flushed to disk and renamed: a reader sees the
+old file or the new one, and `read_file` refuses a torn or edited one. Files of the earlier
+format (CRC-32, then the whole message as msgpack) are still read.
 """
 
 import os
@@ -42,16 +47,29 @@ def leaves(tree: Any) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def raw(x: Any) -> memoryview:
+    """A leaf's raw bytes (C order), without a copy where it is already contiguous."""
+    # As uint8: a buffer of an ml_dtypes dtype (bfloat16, float8) can't be viewed directly.
+    return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+
+
 def tree_like(like: Any, arrays: list[Any], what: str) -> Any:
-    """`like`'s structure with `arrays` as its leaves; ValueError naming `what` unless they
-    match its leaves in number, shape and dtype."""
+    """`like`'s structure with `arrays` as its leaves (arrays, or `raw` bytes read as the
+    like leaf's dtype and shape, without a copy); ValueError naming `what` unless they match
+    its leaves in number, shape and dtype (in bytes: in length)."""
     expected = jax.tree.leaves(like)
     if len(arrays) != len(expected):
         raise ValueError(f"{what}: {len(arrays)} leaves, expected {len(expected)}")
     out = []
     for i, (x, e) in enumerate(zip(arrays, expected, strict=True)):
-        x = np.asarray(x)
         dtype = e.dtype if hasattr(e, "dtype") else np.result_type(e)  # a jax.Array's own
+        if isinstance(x, bytes | bytearray | memoryview):
+            size = int(np.prod(np.shape(e))) * np.dtype(dtype).itemsize
+            if len(x) != size:
+                raise ValueError(f"{what}: leaf {i} is {len(x)} bytes, expected {size} "
+                                 f"({dtype}{list(np.shape(e))})")  # fmt: skip
+            x = np.frombuffer(x, dtype).reshape(np.shape(e))
+        x = np.asarray(x)
         if x.shape != np.shape(e) or x.dtype != dtype:
             raise ValueError(
                 f"{what}: leaf {i} is {x.dtype}{list(x.shape)}, expected {dtype}{list(np.shape(e))}"
@@ -60,16 +78,54 @@ def tree_like(like: Any, arrays: list[Any], what: str) -> Any:
     return jax.tree.unflatten(jax.tree.structure(like), out)
 
 
-_HEADER = struct.Struct("<I")
+_HEADER = struct.Struct("<I")  # the earlier format: its CRC-32
+MAGIC = b"DJW2"
+_PREFIX = struct.Struct("<4sIQ")  # MAGIC, the CRC-32 of what follows, the header's length
+_ARRAY = "__array__"
+
+
+def _split(value: Any, blobs: list[memoryview], offset: list[int]) -> Any:
+    """`value` with each array replaced by {_ARRAY: [offset, dtype, shape]}, its bytes in
+    `blobs` (`offset[0]`: where the next one starts)."""
+    if isinstance(value, dict):
+        return {k: _split(v, blobs, offset) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_split(v, blobs, offset) for v in value]
+    if isinstance(value, np.ndarray | np.generic) and value.dtype != object:
+        blob = raw(value)
+        blobs.append(blob)
+        offset[0] += len(blob)
+        return {_ARRAY: [offset[0] - len(blob), value.dtype.name, list(np.shape(value))]}
+    return value
+
+
+def _joined(value: Any, data: memoryview) -> Any:
+    if isinstance(value, dict):
+        if _ARRAY in value:
+            start, dtype, shape = value[_ARRAY]
+            count = int(np.prod(shape))
+            return np.frombuffer(data, np.dtype(dtype), count, start).reshape(shape)
+        return {k: _joined(v, data) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_joined(v, data) for v in value]
+    return value
 
 
 def write_file(path: Path, message: dict[str, Any]) -> None:
     """Writes `message` to `path` whole or not at all (temporary file, fsync, rename, fsync
-    of the folder), prefixed by the CRC-32 of its body."""
-    body = pack(message)
+    of the folder): its arrays as their raw bytes, the rest as a msgpack header, the whole
+    behind a CRC-32."""
+    blobs: list[memoryview] = []
+    header = pack(_split(message, blobs, [0]))
+    crc = zlib.crc32(header)
+    for blob in blobs:
+        crc = zlib.crc32(blob, crc)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(zlib.crc32(body)) + body)
+        f.write(_PREFIX.pack(MAGIC, crc, len(header)))
+        f.write(header)
+        for blob in blobs:
+            f.write(blob)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -84,6 +140,8 @@ def read_file(path: Path) -> dict[str, Any]:
     """The message `write_file` wrote; ValueError naming the file if it is short, its
     checksum does not match, or it holds no message."""
     data = Path(path).read_bytes()
+    if data[: len(MAGIC)] == MAGIC:
+        return _read_arrays_file(path, data)
     if len(data) < _HEADER.size:
         raise ValueError(f"{path}: {len(data)} bytes, too short for a checkpoint")
     (crc,) = _HEADER.unpack_from(data)
@@ -94,3 +152,17 @@ def read_file(path: Path) -> dict[str, Any]:
         return unpack(body)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from error
+
+
+def _read_arrays_file(path: Path, data: bytes) -> dict[str, Any]:
+    if len(data) < _PREFIX.size:
+        raise ValueError(f"{path}: {len(data)} bytes, too short for a checkpoint")
+    _, crc, size = _PREFIX.unpack_from(data)
+    rest = memoryview(data)[_PREFIX.size :]
+    if zlib.crc32(rest) != crc or size > len(rest):
+        raise ValueError(f"{path}: checksum mismatch (torn or edited file)")
+    try:
+        header = unpack(rest[:size])
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+    return _joined(header, rest[size:])

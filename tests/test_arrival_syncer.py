@@ -187,6 +187,7 @@ def test_a_restarted_syncer_takes_a_job_handed_out_before_its_checkpoint(tmp_pat
     job = s.next_round(0, inc[0], -1, 0.1)
     s.push(0, inc[0], job["serial"], _delta(0.1), 0.0)  # update 0, checkpointed
     after = s.next_round(0, inc[0], -1, 0.1)  # handed out after the checkpoint: lost
+    s.flush()
     again = _syncer(tmp_path)
     assert again.round == 1 and again.positions == [1, 0, 0]
     assert again.push(1, inc[1], held["serial"], _delta(0.2), 0.0)["status"] == "ok"

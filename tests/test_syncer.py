@@ -4,7 +4,9 @@ window, silent and stuck workers, a round reopened when its quorum is lost, non-
 malformed deltas, checkpoints and their fallback; and the task's and options' refusals."""
 
 import json
+import struct
 import time
+import zlib
 
 import numpy as np
 import optax
@@ -85,6 +87,7 @@ def test_a_resumed_syncer_continues_from_its_newest_intact_checkpoint(tmp_path):
         for m in range(3):
             _push(s, m, incs[m], 0.1 * (r + 1))
     theta, positions = dict(s.theta), list(s.positions)
+    s.flush()  # the newest checkpoint is written while the next round runs
     assert sorted(p.name for p in tmp_path.glob("sync-*.ckpt")) == [
         "sync-00000002.ckpt", "sync-00000003.ckpt",
     ]  # fmt: skip
@@ -120,6 +123,7 @@ def test_a_resumed_syncer_opens_without_a_member_that_does_not_come_back(tmp_pat
     incs = _join_all(s, 3)
     for m in range(3):
         _push(s, m, incs[m], 0.1)
+    s.flush()
     again = _syncer(tmp_path, join_timeout=0.4, min_workers=2)
     for m in (0, 1):
         assert again.heartbeat(m, incs[m])["status"] == "ok"
@@ -137,6 +141,7 @@ def test_a_resumed_syncer_does_not_await_a_member_it_removed(tmp_path):
     incs = _join_all(s, 3)
     for m in range(3):
         _push(s, m, incs[m], 0.1)
+    s.flush()
     # join_timeout far away: only the removal of the silent worker 2 can open the round.
     again = _syncer(tmp_path, join_timeout=60.0, min_workers=2)
     deadline = time.monotonic() + 5.0
@@ -271,15 +276,35 @@ def test_a_delta_unlike_theta_is_refused(tmp_path):
         s.join(3, None)
 
 
-def test_files_refuse_torn_and_edited_bytes(tmp_path):
+def test_files_keep_arrays_exactly_and_refuse_torn_and_edited_bytes(tmp_path):
+    import ml_dtypes
+
     path = tmp_path / "x.ckpt"
-    wire.write_file(path, {"a": np.arange(3)})
+    arrays = [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.float32(2.5),
+        np.ones(4, ml_dtypes.bfloat16),
+        np.zeros((0, 3)),
+        np.array([True, False]),
+    ]
+    wire.write_file(path, {"a": arrays, "round": 7, "members": {"0": "x"}})
+    back = wire.read_file(path)
+    assert back["round"] == 7 and back["members"] == {"0": "x"}
+    for x, y in zip(arrays, back["a"], strict=True):
+        assert y.dtype == x.dtype and y.shape == np.shape(x)
+        np.testing.assert_array_equal(y, x)
+    # The arrays are their raw bytes after the header, in order.
+    data = path.read_bytes()
+    assert data.endswith(b"".join(np.ascontiguousarray(x).tobytes() for x in arrays))
+    for cut in (bytearray(data[:-1]), bytearray(data)):
+        cut[-1] ^= 1
+        path.write_bytes(bytes(cut))
+        with pytest.raises(ValueError, match="checksum mismatch"):
+            wire.read_file(path)
+    # A file of the earlier format (CRC-32, then the whole message as msgpack) still reads.
+    body = wire.pack({"a": np.arange(3)})
+    path.write_bytes(struct.pack("<I", zlib.crc32(body)) + body)
     np.testing.assert_array_equal(wire.read_file(path)["a"], np.arange(3))
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 1
-    path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="checksum mismatch"):
-        wire.read_file(path)
 
 
 @pytest.mark.parametrize(
@@ -478,3 +503,29 @@ def test_a_worker_that_heard_the_end_stops_calling_a_syncer_gone_after_it(tmp_pa
     finally:
         server.stop(grace=None)
         client.close()
+
+
+def test_checkpoints_are_written_one_at_a_time_and_a_failed_write_is_raised_after():
+    from diloco_jax.syncer import _Writer
+
+    writer, order = _Writer(), []
+
+    def slow(name):
+        time.sleep(0.2)
+        order.append(name)
+
+    started = time.monotonic()
+    writer.submit(lambda: slow("first"))
+    assert time.monotonic() - started < 0.1  # returns at once
+    writer.submit(lambda: slow("second"))  # waits for the first
+    assert order == ["first"]
+    writer.flush()
+    assert order == ["first", "second"]
+
+    def fail():
+        raise OSError("disk full")
+
+    writer.submit(fail)
+    with pytest.raises(OSError, match="disk full"):
+        writer.flush()
+    writer.flush()  # raised once
