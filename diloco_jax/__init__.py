@@ -23,6 +23,7 @@ from diloco_jax.method import DiLoCo, default_inner_optimizer, default_outer_opt
 from diloco_jax.momentum_restart import restart_momentum
 from diloco_jax.nnx_model import nnx_model_fns
 from diloco_jax.noloco import NoLoCo
+from diloco_jax.one_worker import DiLoCoOptimizerState, diloco_optimizer
 from diloco_jax.optimizers import muon_inner_optimizer
 from diloco_jax.outer import clip_outer_norm
 from diloco_jax.round import DiLoCoState, diloco_round, init_state
@@ -65,6 +66,9 @@ __all__ = [
     "cgad",
     "adam_decay",
     "muon_inner_optimizer",
+    # DiLoCo with one worker as an optax optimizer, for any training loop
+    "diloco_optimizer",
+    "DiLoCoOptimizerState",
     # the state and the round, for your own loop
     "DiLoCoState",
     "init_state",
