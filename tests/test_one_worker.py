@@ -4,6 +4,9 @@ optimizer alone; H x R steps are `train_diloco` with M = 1), inside optax.chain,
 optax.MultiSteps, jit and Orbax, and the Flax MNIST tutorial's model trained inside the
 tutorial's own `nnx.Optimizer` loop."""
 
+import importlib.util
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,39 +152,22 @@ def test_bad_arguments_are_refused_by_name():
         tx.update(params, tx.init(params))
 
 
-class CNN(nnx.Module):
-    """The Flax MNIST tutorial's model (flax.readthedocs.io, "MNIST tutorial")."""
-
-    def __init__(self, *, rngs: nnx.Rngs):
-        self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
-        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
-        self.avg_pool = lambda x: nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-        self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
-        self.linear2 = nnx.Linear(256, 10, rngs=rngs)
-
-    def __call__(self, x):
-        x = self.avg_pool(nnx.relu(self.conv1(x)))
-        x = self.avg_pool(nnx.relu(self.conv2(x)))
-        x = x.reshape(x.shape[0], -1)
-        return self.linear2(nnx.relu(self.linear1(x)))
-
-
-def _digits(count):
-    """The bundled digits as the tutorial's 28 x 28 x 1 images in [0, 1], with labels."""
-    from diloco_jax.datasets import load_digits
-
-    images, labels = load_digits()
-    scale = 1.0 / float(images.max())
-    images = jax.image.resize(jnp.asarray(images[:count], jnp.float32) * scale,
-                              (count, 28, 28, 1), "linear")  # fmt: skip
-    return images, jnp.asarray(labels[:count])
+def _experiment():
+    """experiments/diloco_optimizer.py: the tutorial's CNN and the digits at 28 x 28."""
+    path = Path(__file__).resolve().parents[1] / "experiments" / "diloco_optimizer.py"
+    spec = importlib.util.spec_from_file_location("diloco_optimizer_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow  # 8 s: the tutorial's CNN compiled and trained for 30 steps
 def test_the_tutorials_model_trains_in_the_tutorials_own_nnx_optimizer_loop():
-    images, labels = _digits(512)
+    experiment = _experiment()
+    train, _ = experiment.digits()
+    images, labels = train["image"][:512], train["label"][:512]
     tx = dj.diloco_optimizer(optax.adamw(0.005, 0.9), NESTEROV, every=5)
-    model = CNN(rngs=nnx.Rngs(0))
+    model = experiment.CNN(rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     def loss_fn(model, batch):
