@@ -40,8 +40,9 @@ class NNXModelFns(NamedTuple):
     train=True, **kwargs) -> (output, new model state): the module called in train mode
     (`model.train()`: batch statistics, dropout on) or with train=False in eval mode
     (`model.eval()`: running statistics, no dropout); with `rng`, stored RNG streams are
-    reseeded and a `__call__` taking `rngs` gets `nnx.Rngs` from it (module docstring); any
-    other keyword (`deterministic=`, `rngs=` of your own) goes to the call as it is;
+    reseeded and a `__call__` taking `rngs` gets `nnx.Rngs` from it (module docstring) unless
+    the call passes its own (by keyword, or by position as in `model(x, rngs)`); any other
+    argument (`deterministic=`) goes to the call as it is;
     merge(params, model_state) -> a new module with those values (model state leaves stacked
     [M, ...] by a "keep" rule: pass one worker's)."""
 
@@ -61,7 +62,8 @@ def nnx_model_fns(model: nnx.Module) -> NNXModelFns:
     copy.eval()
     eval_def = nnx.split(copy, nnx.Param, ...)[0]
     streams = sorted({n.tag for _, n in nnx.iter_graph(copy) if isinstance(n, nnx.RngStream)})
-    takes_rngs = "rngs" in inspect.signature(copy.__call__).parameters
+    signature = inspect.signature(copy.__call__)
+    takes_rngs = "rngs" in signature.parameters
     params_like, rest_like = params, rest
 
     def build(graphdef, params, model_state):
@@ -74,7 +76,7 @@ def nnx_model_fns(model: nnx.Module) -> NNXModelFns:
         module = build(train_def if train else eval_def, params, model_state)
         if rng is not None and streams:
             nnx.reseed(module, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(streams)})
-        if rng is not None and takes_rngs and "rngs" not in kwargs:
+        if rng is not None and takes_rngs and not _given(signature, "rngs", args, kwargs):
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(rng, len(streams)))
         out = module(*args, **kwargs)
         return out, _as_data(nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[2]))
@@ -83,6 +85,15 @@ def nnx_model_fns(model: nnx.Module) -> NNXModelFns:
         return build(train_def, params, model_state)
 
     return NNXModelFns(nnx.to_pure_dict(params), _as_data(nnx.to_pure_dict(rest)), apply, merge)
+
+
+def _given(signature: inspect.Signature, name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the call passes `name`, by keyword or by position (the tutorial's
+    `model(x, rngs)`)."""
+    try:
+        return name in signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:  # a call the module refuses: it says why itself
+        return name in kwargs
 
 
 def _is_key(x: Any) -> bool:

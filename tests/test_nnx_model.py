@@ -117,6 +117,29 @@ def test_call_time_rngs_draw_from_the_step_key():
         fns.apply(fns.params, fns.model_state, x)  # train mode without a key: Flax's own refusal
 
 
+class PositionalRngs(nnx.Module):
+    """A `__call__(x, rngs)` called as Flax's MNIST tutorial calls its model: `model(x, rngs)`."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        return self.dropout(self.lin(x), rngs=rngs)
+
+
+def test_call_time_rngs_passed_by_position_are_used_with_a_step_key():
+    fns = dj.nnx_model_fns(PositionalRngs(nnx.Rngs(0)))
+    module = fns.merge(fns.params, fns.model_state)
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    mine = fns.apply(fns.params, fns.model_state, x, nnx.Rngs(7), rng=jax.random.key(1))[0]
+    np.testing.assert_allclose(mine, module(x, nnx.Rngs(7)), rtol=1e-6, atol=1e-6)
+    keyed = fns.apply(fns.params, fns.model_state, x, rng=jax.random.key(1))[0]
+    want = module(x, rngs=nnx.Rngs(jax.random.fold_in(jax.random.key(1), 0)))
+    np.testing.assert_allclose(keyed, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(keyed, mine)
+
+
 def _docs_block(heading: str) -> str:
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "your-model.md").read_text()
     return re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S).group(1)
