@@ -76,13 +76,13 @@ def task() -> ElasticTask:
     """The run's task, in every process of it: the command line's config, the model, θ_0
     from the spec's folder, the windows by (worker, position), the config's method and algo
     (diloco: R syncs; async: M x R updates)."""
-    from diloco_jax.lm import cli, experiment
+    from diloco_jax.lm import args, experiment
     from diloco_jax.lm import config as config_lib
     from diloco_jax.lm import model as model_lib
 
     spec_path = Path(os.environ[ENV])
     spec = json.loads(spec_path.read_text())
-    run = cli.parse(spec["argv"])
+    run = args.parse(spec["argv"])
     cfg, algo = run.cfg, run.algo or "diloco"
     model_cfg, params, _ = experiment.init_model(cfg)
     message = wire.read_file(spec_path.parent / spec["theta"])
