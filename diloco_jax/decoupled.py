@@ -133,9 +133,6 @@ class DecoupledDiLoCo:
                 f"{inner_steps // self.fragments}, got {self.overlap_steps}"
             )
 
-    def fingerprint(self) -> dict:
-        return {"server": repr(self)}
-
     def schedule(self, step_seconds, inner_steps: int, num_syncs: int) -> tuple["Sync", ...]:
         """The first `num_syncs` syncs in the order the syncer merges them (by time, then
         fragment), in plain Python: each learner's push of every sync and the merge time."""
