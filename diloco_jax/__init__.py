@@ -17,6 +17,7 @@ from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.donation import jit_round
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
 from diloco_jax.halos import HALoS
+from diloco_jax.heloco_outer import heloco
 from diloco_jax.inner import StepInfo
 from diloco_jax.layout import sync_steps, worker_rounds
 from diloco_jax.method import DiLoCo, default_inner_optimizer, default_outer_optimizer
@@ -64,6 +65,7 @@ __all__ = [
     "restart_momentum",
     "delayed_nesterov",
     "cgad",
+    "heloco",
     "adam_decay",
     "muon_inner_optimizer",
     # DiLoCo with one worker as an optax optimizer, for any training loop

@@ -70,6 +70,10 @@ class ArrivalSyncer(Syncer):
         super().__init__(task, options, directory)
         self.awaited = set()  # nobody waits for anybody
         self._apply_one = jax.jit(functools.partial(outer_update, task.method.outer_optimizer))
+        # The θ jobs start from: θ, or the outer rule's look-ahead (HeLoCo's θ̄), once per θ.
+        start = getattr(task.method.outer, "lookahead", None)
+        self._job_start = None if start is None else jax.jit(start)
+        self._started: tuple[int, Any] = (-1, None)
 
     def next_round(self, worker: int, incarnation: str, after: int, timeout: float) -> dict:
         """A new job for the worker at once: {"status": "round", serial, round (= its
@@ -86,7 +90,16 @@ class ArrivalSyncer(Syncer):
             self.jobs[worker] = job
             return {"status": "round", "serial": job.serial, "round": job.position,
                     "position": job.position, "steps": job.steps,
-                    "theta": wire.leaves(self.theta)}  # fmt: skip
+                    "theta": wire.leaves(self._theta_for_jobs())}  # fmt: skip
+
+    def _theta_for_jobs(self) -> Any:
+        """The θ a job handed out now starts from (with the lock held)."""
+        if self._job_start is None:
+            return self.theta
+        if self._started[0] != self.round:
+            start = self._job_start(self.theta, self.outer_state)
+            self._started = (self.round, jax.tree.map(np.asarray, start))
+        return self._started[1]
 
     def _take(self, worker: int, serial: int, pushed: Pushed, steps_s: float) -> dict:
         """The delta of job `serial`, applied at once: "ok", or "late" (a job the syncer no

@@ -49,6 +49,7 @@ from diloco_jax.async_placement import OneDevice, OnMesh
 from diloco_jax.checks import check_int, check_params, checked_optimizer
 from diloco_jax.comm import round_bytes
 from diloco_jax.distributed import is_multiprocess, to_host
+from diloco_jax.heloco_outer import job_start
 from diloco_jax.inner import LossFn, check_loss_options, inner_loop, worker_key
 from diloco_jax.loop import Loop, checkpoints
 from diloco_jax.method import (
@@ -360,6 +361,11 @@ def train_async(
         **checkpoint.run_fields(checkpoint_fingerprint),
     )
     if server is not None:
+        if getattr(outer_optimizer, "lookahead", None) is not None:  # no job would start at θ̄
+            raise ValueError(
+                f"outer_optimizer {type(outer_optimizer).__name__} (HeLoCo's look-ahead) runs "
+                f"with train_async's one server, not server={type(server).__name__}"
+            )
         return _other_server(
             server,
             AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
@@ -387,6 +393,7 @@ def train_async(
         loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh
     )
     evaluate = jax.jit(eval_fn) if eval_fn is not None else None
+    start_of_job = jax.jit(job_start(outer_optimizer))  # θ, or HeLoCo's look-ahead θ̄
 
     theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
     # Committed to the devices like the programs' outputs, so each job length compiles once.
@@ -409,11 +416,13 @@ def train_async(
         job_data=job_data,
         evaluate_fn=evaluate,
         eval_every=eval_every,
+        job_start=start_of_job,
         per_job=round_bytes(params),
         per_job_device=None if shards is None else round_bytes(shards),
     )
     loop = Loop(num_updates, ckpt, callback, unit="updates", total_name="num_updates")
-    running, history = loop.run(arrivals, _Running(theta, outer_state, inner_states, {0: theta}, 0))
+    first = {0: start_of_job(theta, outer_state)}
+    running, history = loop.run(arrivals, _Running(theta, outer_state, inner_states, first, 0))
     state = AsyncState(
         running.theta, running.outer_state, where.stack(running.inner_states), num_updates
     )
@@ -496,6 +505,7 @@ class _Arrivals:
     job_data: Callable
     evaluate_fn: Callable | None
     eval_every: int
+    job_start: Callable  # (θ, outer state) -> the θ a job starts from
     per_job: int
     per_job_device: int | None
     # Bookkeeping from `items(start)` on: how many jobs still to apply started from the theta
@@ -530,7 +540,7 @@ class _Arrivals:
             state.theta, state.outer_state, self.where.arrived(delta), jnp.int32(e.staleness)
         )
         if self.waiting[e.update + 1]:
-            starts[e.update + 1] = theta
+            starts[e.update + 1] = self.job_start(theta, outer_state)
         self.sent[e.worker] += self.per_job
         self.total_steps += e.steps
         done = e.update + 1

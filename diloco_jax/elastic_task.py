@@ -83,6 +83,11 @@ class ElasticTask:
         if self.algo == "async":  # what train_async, its replay, takes
             only_optimizers(method, "ElasticTask with algo='async'", "each arrival applies "
                             "one worker's whole delta")  # fmt: skip
+        elif getattr(method.outer, "lookahead", None) is not None:
+            raise ValueError(
+                "ElasticTask.method's outer rule starts jobs from a look-ahead θ̄ (HeLoCo): "
+                "algo='async' does; a round starts every worker from θ"
+            )
         object.__setattr__(self, "method", method)
         seed = self.rng_seed
         if seed is not None and (

@@ -250,12 +250,33 @@ SHORTHAND = (
 )
 
 
+# Where an outer rule's look-ahead start (HeLoCo's θ̄) is honoured: train_async (and the
+# async elastic syncer, whose task is checked by ElasticTask), and the LM app's config, whose
+# --algo async check comes with the command line.
+LOOKAHEAD_CALLERS = ("train_async", "RunConfig")
+
+
 def method_from_options(
     method: "DiLoCo | None", options: dict[str, Any], *, caller: str, allowed=SHORTHAND
 ) -> DiLoCo:
     """The one spec a call describes: `method`, or the keyword shorthand `options` built into
     a `DiLoCo` (never both). `caller` names the function in errors; `allowed` are the
-    keywords it takes (e.g. `train_async`: the optimizers only)."""
+    keywords it takes (e.g. `train_async`: the optimizers only). An outer rule with a
+    look-ahead start (HeLoCo's) is refused outside LOOKAHEAD_CALLERS: a round would start
+    every worker from θ, not from its θ̄."""
+    spec = _method_from_options(method, options, caller=caller, allowed=allowed)
+    if caller not in LOOKAHEAD_CALLERS and getattr(spec.outer, "lookahead", None) is not None:
+        raise ValueError(
+            f"{caller}: the outer rule starts jobs from a look-ahead θ̄ (HeLoCo), which "
+            "train_async and the async elastic syncer do; here every worker starts from θ: "
+            "use train_async, or heloco(..., lookahead=False)"
+        )
+    return spec
+
+
+def _method_from_options(
+    method: "DiLoCo | None", options: dict[str, Any], *, caller: str, allowed=SHORTHAND
+) -> DiLoCo:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise TypeError(f"{caller}() got unexpected keyword arguments {unknown}")

@@ -21,6 +21,9 @@ Methods (each with its paper's own knobs where they differ from DiLoCo's):
   al. 2024) at the paper's step times, to DiLoCo's total inner steps;
 - async_cgad: the same with CGAD at the server (Shah and Sun 2026: Adam on each delta gated
   by its staleness, decay 0.1, cutoff 8), and async_adam, the same Adam ungated;
+- async_heloco: the same with HeLoCo at the server (arXiv 2606.00271: jobs start from the
+  momentum look-ahead θ̄, each delta corrected against the outer momentum; lr 0.7, momentum
+  0.9 and the authors' correction defaults);
 - decoupled: Decoupled DiLoCo (Douillard et al. 2026): learners that never wait, a syncer
   merging the first 2 pushes and those within a grace window of H x 0.5 s, token-weighted;
 - halos: HALoS (Kim et al. 2025): two regions of two workers, each a local server (Delayed
@@ -98,6 +101,7 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
             | ASYNC_DYLU,
         ),
         "async_adam": ("async", {"outer_optimizer": "adam", "outer_lr": CGAD_LR} | ASYNC_DYLU),
+        "async_heloco": ("async", {"outer_optimizer": "heloco"} | ASYNC_DYLU),
         "decoupled": (
             "async",
             {

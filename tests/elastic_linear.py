@@ -79,11 +79,13 @@ def make_sharded_task():
 
 def make_async_task():
     """make_task's task as asynchronous DiLoCo with DyLU: ELASTIC_OUTER names the server's
-    rule, "dn" (Delayed Nesterov 0.6, momentum 0.5, every 2 updates) or "cgad" (CGAD, lr 0.05,
-    decay 0.1, cutoff 8); both read each delta's age."""
+    rule, "dn" (Delayed Nesterov 0.6, momentum 0.5, every 2 updates), "cgad" (CGAD, lr 0.05,
+    decay 0.1, cutoff 8; both read each delta's age) or "heloco" (HeLoCo 0.6, momentum 0.5,
+    ρ 0.5: jobs start from θ̄)."""
     outers = {
         "dn": lambda: dj.delayed_nesterov(0.6, 0.5, buffer_size=2),
         "cgad": lambda: dj.cgad(0.05, 0.1, 8),
+        "heloco": lambda: dj.heloco(0.6, 0.5, rho=0.5),
     }
     outer = outers[os.environ.get("ELASTIC_OUTER", "dn")]()
     return dataclasses.replace(make_task(), method=dj.DiLoCo(inner=METHOD.inner, outer=outer),

@@ -296,6 +296,7 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             "--outer-delay needs --algo diloco",
         ),
         (["compare", "--outer-optimizer", "delayed_nesterov"], "needs --algo async"),
+        (["train", "--outer-optimizer", "heloco"], "heloco needs --algo async"),
         (["train", "--outer-optimizer", "sgd", "--outer-momentum", "0.5"], "outer_momentum"),
         (
             [

@@ -1,8 +1,8 @@
 """Asynchronous DiLoCo on real processes (`ElasticTask(algo="async")`): a syncer and four
 worker processes of unequal speeds (DyLU from their measured steps), one worker SIGKILLed and
-restarted and one SIGSTOPped past the heartbeat timeout, with Delayed Nesterov or CGAD at
-the syncer. The final θ must equal `train_async` replaying the run's arrival log on the
-simulated clock, within 1e-6 relative."""
+restarted and one SIGSTOPped past the heartbeat timeout, with Delayed Nesterov, CGAD or
+HeLoCo (jobs from its look-ahead θ̄) at the syncer. The final θ must equal `train_async`
+replaying the run's arrival log on the simulated clock, within 1e-6 relative."""
 
 import signal
 import time
@@ -37,7 +37,7 @@ def _replay(events, outer):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("outer", ["dn", "cgad"])
+@pytest.mark.parametrize("outer", ["dn", "cgad", "heloco"])
 def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path, outer, monkeypatch):
     monkeypatch.setenv("ELASTIC_OUTER", outer)  # the task here as in the processes
     env = {"ELASTIC_ROUNDS": str(UPDATES), "ELASTIC_PHASE_SECONDS": "0", "ELASTIC_OUTER": outer}

@@ -371,10 +371,10 @@ def parse(argv: list[str] | None = None) -> Invocation:
         for k in _DILOCO_FLAGS:
             if getattr(args, k, None) not in (None, False):
                 raise ConfigError(f"--{k.replace('_', '-')} needs --algo diloco, got {algo}")
-    if cfg.outer_optimizer == "delayed_nesterov" and algo != "async":
+    if cfg.outer_optimizer in ("delayed_nesterov", "heloco") and algo != "async":
         raise ConfigError(
-            "--outer-optimizer delayed_nesterov needs --algo async (it applies one arriving "
-            "delta at a time)"
+            f"--outer-optimizer {cfg.outer_optimizer} needs --algo async (it applies one "
+            "arriving delta at a time)"
         )
     if cfg.outer_optimizer in AGE_GATED_OPTIMIZERS and algo != "async" and not cfg.outer_delay:
         raise ConfigError(

@@ -16,6 +16,7 @@ from diloco_jax.checks import check_number
 from diloco_jax.decoupled import DecoupledDiLoCo
 from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.halos import HALoS
+from diloco_jax.heloco_outer import heloco
 from diloco_jax.lm.tokenizer import parse_spec
 from diloco_jax.method import DiLoCo, method_from_options
 from diloco_jax.optimizers import muon_inner_optimizer
@@ -30,6 +31,7 @@ OUTER_OPTIMIZERS = (
     "delayed_nesterov",
     "cgad",
     "adam_decay",
+    "heloco",
 )
 INNER_OPTIMIZERS = ("adamw", "muon")
 ALGOS = ("diloco", "sync", "async")
@@ -47,6 +49,7 @@ DEFAULT_OUTER_LR = {
     "delayed_nesterov": 0.7,
     "cgad": 1e-3,
     "adam_decay": 1e-3,
+    "heloco": 0.7,
 }
 # Outer rules that scale each delta by its age's gate (diloco_jax.cgad): age_decay, and for
 # cgad age_cutoff, set the gate.
@@ -90,7 +93,7 @@ SERVERS: dict[str, tuple[type, dict[str, Any]]] = {
         },
     ),
 }
-MOMENTUM_OPTIMIZERS = ("nesterov", "heavy_ball", "delayed_nesterov")  # take outer_momentum
+MOMENTUM_OPTIMIZERS = ("nesterov", "heavy_ball", "delayed_nesterov", "heloco")  # outer_momentum
 # The mesh axis (`RunConfig.mesh`, --mesh) that holds the DiLoCo workers; every other axis
 # partitions each worker (`diloco_jax.lm.model.param_specs` names "fsdp" and "tensor").
 WORKER_AXIS = "workers"
@@ -382,8 +385,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"outer_momentum must be in [0, 1), got {cfg.outer_momentum!r}")
     if cfg.outer_momentum != 0.9 and cfg.outer_optimizer not in MOMENTUM_OPTIMIZERS:
         raise ConfigError(
-            "outer_momentum applies to outer_optimizer 'nesterov', 'heavy_ball' or "
-            f"'delayed_nesterov' only, got {cfg.outer_optimizer!r}"
+            "outer_momentum applies to outer_optimizer 'nesterov', 'heavy_ball', "
+            f"'delayed_nesterov' or 'heloco' only, got {cfg.outer_optimizer!r}"
         )
     if cfg.state_sync is not None:
         state_sync_of(cfg)
@@ -695,8 +698,10 @@ def pretrain_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
 def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     """The outer optimizer: Nesterov SGD (momentum cfg.outer_momentum, 0.9), heavy-ball SGD
     (the same momentum, NoLoCo's rule), plain SGD, Adam (b2 0.95), CGAD or Adam-Decay (that
-    Adam on deltas gated by their age: age_decay, age_cutoff), or Delayed Nesterov (momentum
-    cfg.outer_momentum, buffer dn_buffer or the number of workers, c = dn_c)."""
+    Adam on deltas gated by their age: age_decay, age_cutoff), Delayed Nesterov (momentum
+    cfg.outer_momentum, buffer dn_buffer or the number of workers, c = dn_c), or HeLoCo
+    (momentum cfg.outer_momentum, ρ = 1/sqrt(M) as the paper suggests, the authors'
+    correction defaults, jobs from θ̄)."""
     lr = cfg.resolved_outer_lr
     if cfg.outer_optimizer == "delayed_nesterov":
         return delayed_nesterov(
@@ -712,4 +717,6 @@ def outer_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
         return cgad(lr, cfg.age_decay, cfg.age_cutoff, b1=0.9, b2=0.95)
     if cfg.outer_optimizer == "adam_decay":
         return adam_decay(lr, cfg.age_decay, b1=0.9, b2=0.95)
+    if cfg.outer_optimizer == "heloco":  # ρ = 1 / sqrt(K), K = M concurrent workers
+        return heloco(lr, cfg.outer_momentum, rho=1.0 / math.sqrt(cfg.workers))
     return optax.adam(lr, b1=0.9, b2=0.95)
