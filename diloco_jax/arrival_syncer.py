@@ -181,7 +181,9 @@ class ArrivalSyncer(Syncer):
     def _saved_extra(self) -> dict:
         jobs = {str(m): [j.serial, j.start_update, j.position, j.steps, j.started]
                 for m, j in self.jobs.items()}  # fmt: skip
-        return {"jobs": jobs, "step_seconds": {str(m): s for m, s in self.step_seconds.items()}}
+        # Copies: the writer thread reads them while pushes go on.
+        step_seconds = {str(m): list(s) for m, s in self.step_seconds.items()}
+        return {"jobs": jobs, "step_seconds": step_seconds}
 
     def _restore_extra(self, message: dict, path: Path) -> None:
         # A job handed out before the checkpoint gets a heartbeat timeout more, as members do.

@@ -10,10 +10,12 @@ processes it starts; `syncer` and `worker` started on their own need one of the 
 The proof is an HMAC-SHA256 (32 bytes) in front of each message:
 
 - a call (Join, Heartbeat, Next, a push's header) is MAC ‖ sent ‖ nonce ‖ body, the MAC over
-  the call's name, `sent` (the sender's wall clock, 8 bytes), a random 16-byte nonce and the
-  body. The syncer refuses one sent more than WINDOW_S from its own clock or whose nonce it
-  has seen in that window: a recorded call replayed (a Join that would evict a live worker)
-  is refused.
+  the call's name, the syncer's epoch (16 random bytes it draws at each start and tells
+  anyone who asks: the Epoch call), `sent` (the sender's wall clock, 8 bytes), a random
+  16-byte nonce and the body. The syncer refuses one sent more than WINDOW_S from its own
+  clock, whose nonce it has seen in that window, or made for another epoch: a recorded call
+  replayed (a Join that would evict a live worker) is refused, by this syncer process or by
+  the next one after a restart.
 - each leaf of a push is MAC ‖ leaf, the MAC over the header's MAC, the leaf's index and its
   bytes: a leaf can't be moved into another push or another place in the same one.
 
@@ -36,7 +38,7 @@ from pathlib import Path
 SECRET_ENV = "DILOCO_JAX_SECRET"
 MIN_SECRET_BYTES = 16
 WINDOW_S = 300.0  # how far a call's clock may be from the syncer's (hosts run NTP)
-MAC_BYTES, STAMP_BYTES, NONCE_BYTES = 32, 8, 16
+MAC_BYTES, STAMP_BYTES, NONCE_BYTES, EPOCH_BYTES = 32, 8, 16, 16
 CALL_HEAD = MAC_BYTES + STAMP_BYTES + NONCE_BYTES
 
 
@@ -98,11 +100,12 @@ class Signer:
     def __init__(self, secret: bytes):
         self.secret = secret
 
-    def call(self, name: str, body: bytes) -> bytes:
-        """The frame of call `name` carrying `body`."""
+    def call(self, name: str, body: bytes, epoch: bytes) -> bytes:
+        """The frame of call `name` carrying `body`, for the syncer of `epoch`."""
         stamp = struct.pack("<d", time.time())
         nonce = secrets.token_bytes(NONCE_BYTES)
-        return _mac(self.secret, name.encode(), stamp, nonce, body) + stamp + nonce + body
+        mac = _mac(self.secret, name.encode(), epoch, stamp, nonce, body)
+        return mac + stamp + nonce + body
 
     def part(self, head: bytes, index: int, body: bytes | memoryview) -> bytes:
         """The frame of leaf `index` of the push whose header frame is `head`."""
@@ -110,10 +113,12 @@ class Signer:
 
 
 class Verifier:
-    """The syncer's side: checks each frame and returns its body, or raises Refused."""
+    """The syncer's side: checks each frame and returns its body, or raises Refused. Its
+    `epoch` is drawn afresh for each syncer process."""
 
     def __init__(self, secret: bytes, window: float = WINDOW_S):
         self.secret, self.window = secret, window
+        self.epoch = secrets.token_bytes(EPOCH_BYTES)
         # The nonces of the calls taken, until their time is outside the window everywhere.
         self._seen: set[bytes] = set()
         self._expiry: list[tuple[float, bytes]] = []  # a heap of (when to forget, nonce)
@@ -125,8 +130,12 @@ class Verifier:
             raise Refused(f"a {name} call without the run's secret (a {len(frame)}-byte frame)")
         mac, stamp = frame[:MAC_BYTES], frame[MAC_BYTES : MAC_BYTES + STAMP_BYTES]
         nonce, body = frame[MAC_BYTES + STAMP_BYTES : CALL_HEAD], frame[CALL_HEAD:]
-        if not hmac.compare_digest(mac, _mac(self.secret, name.encode(), stamp, nonce, body)):
-            raise Refused(f"a {name} call without the run's secret (its MAC does not match)")
+        expected = _mac(self.secret, name.encode(), self.epoch, stamp, nonce, body)
+        if not hmac.compare_digest(mac, expected):
+            raise Refused(
+                f"a {name} call without the run's secret or for another syncer epoch (its MAC "
+                "does not match)"
+            )
         (sent,) = struct.unpack("<d", stamp)
         now = time.time()
         if not abs(now - sent) <= self.window:

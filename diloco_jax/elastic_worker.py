@@ -114,6 +114,8 @@ class Worker:
 
     def join(self) -> None:
         reply = self.client.call("Join", {"worker": self.worker, "incarnation": None})
+        if reply.get("status") in ("done", "abort"):  # it ended while this worker was out
+            raise WorkerExit(0 if reply["status"] == "done" else 1, reply["reason"])
         self.incarnation = reply["incarnation"]
         self.options = Elastic.from_message(reply["options"])
         if self.syncer_timeout is None:

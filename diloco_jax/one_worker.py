@@ -67,6 +67,11 @@ def diloco_optimizer(
     for name, tx in (("inner", inner), ("outer", outer)):
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"{name} must be an optax GradientTransformation, got {tx!r}")
+    if getattr(outer, "lookahead", None) is not None:  # it would never start from its θ̄
+        raise ValueError(
+            "outer starts jobs from a look-ahead θ̄ (HeLoCo), which one worker's loop does "
+            "not: use heloco(..., lookahead=False)"
+        )
 
     def init_fn(params: Any) -> DiLoCoOptimizerState:
         return DiLoCoOptimizerState(

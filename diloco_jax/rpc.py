@@ -1,10 +1,11 @@
-"""The syncer's gRPC service and its client: four calls, each message a packed dict
+"""The syncer's gRPC service and its client: five calls, each message a packed dict
 (`diloco_jax.wire`), no generated code.
 
 - Join {worker, incarnation?} -> {incarnation, options}
 - Heartbeat {worker, incarnation} -> {status}
 - Next {worker, incarnation, after, timeout} -> a stream: the worker's next round
   (`Syncer.next_round`) with {leaves: n}, then n messages, θ's leaves (their raw bytes)
+- Epoch -> the syncer's epoch (16 bytes, drawn at its start; every call's MAC covers it)
 - Push: a stream of {worker, incarnation, serial, loss, compute_s, steps_s, leaves: n} then n
   messages, one per delta leaf (its raw bytes) -> {status}. A stream that ends before its n
   leaves (its sender died inside the push) is dropped whole.
@@ -131,6 +132,8 @@ def serve(
         "Join": unary("Join", lambda m: syncer.join(m["worker"], m.get("incarnation"))),
         "Heartbeat": unary("Heartbeat", lambda m: syncer.heartbeat(m["worker"], m["incarnation"])),
         "Next": grpc.unary_stream_rpc_method_handler(next_round),
+        # Not a secret: the calls' MACs cover it, so none made for an earlier syncer passes.
+        "Epoch": grpc.unary_unary_rpc_method_handler(lambda request, context: verifier.epoch),
         "Push": grpc.stream_unary_rpc_method_handler(push),
     }
     # A thread per call in flight: each worker's Next and heartbeat, plus pushes.
@@ -150,12 +153,14 @@ class SyncerClient:
     def __init__(self, address: str, secret: bytes, syncer_timeout: float = 60.0):
         self.address, self.syncer_timeout = address, syncer_timeout
         self.signer = auth.Signer(secret)
+        self.epoch: bytes | None = None  # the syncer's, asked before the first call
         # The run's end ("done" / "abort" reply) once any call heard it: a call the syncer
         # cannot answer then returns it, as the syncer exits once its members heard the end.
         self.ended: dict[str, Any] | None = None
         self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._unary = {
-            name: self.channel.unary_unary(f"/{SERVICE}/{name}") for name in ("Join", "Heartbeat")
+            name: self.channel.unary_unary(f"/{SERVICE}/{name}")
+            for name in ("Join", "Heartbeat", "Epoch")
         }
         self._next = self.channel.unary_stream(f"/{SERVICE}/Next")
         self._push = self.channel.stream_unary(f"/{SERVICE}/Push")
@@ -170,23 +175,32 @@ class SyncerClient:
         try:
             return self._heard(self._send(name, message, deadline))
         except grpc.RpcError:
+            self.epoch = None  # the syncer may have restarted: ask its epoch again
             return None
 
     def push(self, header: dict[str, Any], leaves: list, pause: Callable[[int], None]) -> dict:
         """Streams a delta (header, then one message per leaf; `pause(i)` runs before leaf
         i is sent, for fault injection)."""
 
-        def messages():  # signed afresh for each try (a new nonce: no replay)
-            head = self.signer.call("Push", wire.pack({**header, "leaves": len(leaves)}))
+        def messages(epoch: bytes):  # signed afresh for each try (a new nonce: no replay)
+            head = self.signer.call("Push", wire.pack({**header, "leaves": len(leaves)}), epoch)
             yield head
             for i, leaf in enumerate(leaves):
                 pause(i)
                 yield self.signer.part(head, i, wire.raw(leaf))
 
-        return self._retried("Push", lambda: wire.unpack(self._push(messages(), timeout=120.0)))
+        def send():  # the epoch asked before the stream: a failure is the call's, retried
+            return wire.unpack(self._push(messages(self._epoch(15.0)), timeout=120.0))
+
+        return self._retried("Push", send)
+
+    def _epoch(self, deadline: float) -> bytes:
+        if self.epoch is None:
+            self.epoch = self._unary["Epoch"](b"", timeout=deadline)
+        return self.epoch
 
     def _send(self, name: str, message: dict[str, Any], deadline: float) -> dict:
-        request = self.signer.call(name, wire.pack(message))
+        request = self.signer.call(name, wire.pack(message), self._epoch(deadline))
         if name != "Next":
             return wire.unpack(self._unary[name](request, timeout=deadline))
         head, *leaves = self._next(request, timeout=deadline)  # the reply, then θ's leaves
@@ -196,11 +210,15 @@ class SyncerClient:
         return {**reply, "theta": leaves} if leaves else reply
 
     def _retried(self, name: str, send: Callable[[], dict]) -> dict:
-        start, wait = time.monotonic(), 0.05
+        start, wait, refused = time.monotonic(), 0.05, False
         while True:
             try:
                 return self._heard(send())
             except grpc.RpcError as error:
+                self.epoch = None  # a restarted syncer has a new one
+                if error.code() == grpc.StatusCode.UNAUTHENTICATED and not refused:
+                    refused = True  # made for the syncer before a restart: once more, anew
+                    continue
                 if error.code() not in RETRIED:
                     raise
                 if self.ended is not None:

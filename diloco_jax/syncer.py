@@ -19,7 +19,9 @@ that round again once each member it had is back: reattached (their deltas pushe
 the restart are asked again; a worker already past that round runs its phase again from the
 inner state it kept of that position, the same delta) or, after a whole-cluster restart,
 joined as a new process; or, like a starting syncer, after join_timeout with min_workers
-there.
+there. Each round's serial is written to `serial` as it is handed out; after that first
+round a resumed syncer numbers its rounds above it, so a late push of a round the previous
+process opened from a θ that was never checkpointed is "late", never merged.
 """
 
 import dataclasses
@@ -44,6 +46,8 @@ from diloco_jax.outer import delta_dtype, outer_init, outer_update
 log = logging.getLogger("diloco_jax.syncer")
 
 CHECKPOINT_GLOB = "sync-*.ckpt"
+SERIAL_FILE = "serial"  # the last round opening's serial, written as it is handed out
+SERIAL_MARGIN = 1 << 20
 KEEP_CHECKPOINTS = 2
 
 
@@ -64,16 +68,18 @@ class Pushed:
 class _Writer:
     """Writes one checkpoint at a time on a thread of its own: `submit` waits for the write
     before it, then returns at once; `flush` waits for the last. A failed write is raised by
-    the next call."""
+    the next call. Safe to call from any thread."""
 
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
 
     def submit(self, write: Callable[[], None]) -> None:
-        self.flush()
-        self._thread = threading.Thread(target=self._run, args=(write,), daemon=True)
-        self._thread.start()
+        with self._lock:
+            self._flush()
+            self._thread = threading.Thread(target=self._run, args=(write,), daemon=True)
+            self._thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
         try:
@@ -82,6 +88,10 @@ class _Writer:
             self._error = error
 
     def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -115,7 +125,7 @@ class Syncer:
         self.delta_like = jax.tree.map(
             lambda x: np.zeros(np.shape(x), delta_dtype(np.result_type(x))), self.theta
         )
-        self.round, self.serial = 0, -1
+        self.round, self.serial, self.opened = 0, -1, False
         self.positions = [0] * task.num_workers
         self.members: dict[int, Member] = {}
         self.is_open, self.participants, self.pushed = False, set(), {}
@@ -128,8 +138,14 @@ class Syncer:
         # each is back (reattached, or a new process of it joined: a whole-cluster restart),
         # or as a starting syncer's first round does, after join_timeout.
         self.awaited: set[int] = set()
+        # Resumed: the highest serial a process before may have handed out. Its rounds after
+        # our checkpoint may have started from a θ this run will not have (the checkpoint
+        # lags by one sync), so after the first opening (from the checkpoint's θ, which they
+        # share) serials go on above it: a late push of such a round is never taken.
+        self.issued_before: int | None = None
         if self._restore():
             self.awaited = set(self.members)
+            self.issued_before = self._issued_serial()
         if self.round >= task.num_rounds:
             self.done = "finished"
 
@@ -339,7 +355,11 @@ class Syncer:
             self.cond.notify_all()
 
     def _open(self, participants: set, reason: str) -> None:
-        self.serial += 1
+        serial = self.serial + 1
+        if self.issued_before is not None and self.opened:
+            serial = max(serial, self.issued_before + 1)
+        self.serial, self.opened = serial, True
+        (self.directory / SERIAL_FILE).write_text(f"{serial}\n")  # before anyone sees it
         self.is_open, self.participants, self.pushed = True, participants, {}
         self.opened_at, self.quorum_at, self.short_since = time.monotonic(), None, None
         log.info("round %d open (%s) for workers %s", self.round, reason, sorted(participants))
@@ -385,19 +405,36 @@ class Syncer:
             member.last_seen += busy
 
     def _end_if_done(self) -> bool:
-        """Ends the run (final.msgpack) once its last update is in; whether it ended."""
+        """Ends the run (final.msgpack) once its last update is in; whether it ended (or had
+        ended: a failed checkpoint)."""
+        if self.done is not None:
+            return True
         if self.round < self.task.num_rounds:
             return False
+        try:
+            self._writer.flush()  # the last checkpoint on disk before the result
+            wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)})
+        except Exception as error:  # noqa: BLE001 (the run ends with its line, never a hang)
+            self._failed(error)
+            return True
         self.done = "finished"
-        self.flush()  # the last checkpoint on disk before the result
-        wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)})
         self.cond.notify_all()
         return True
 
+    def _failed(self, error: BaseException) -> None:
+        """Ends the run with the syncer's failure (a checkpoint or the result not written)."""
+        log.error("the syncer failed: %s", error)
+        self.done = f"the syncer failed: {type(error).__name__}: {error}"
+        self.cond.notify_all()
+
     def flush(self) -> None:
         """Waits until the newest checkpoint is on disk (before the process ends, or another
-        syncer reads the folder)."""
-        self._writer.flush()
+        syncer reads the folder); a failed write ends the run with its line (`done`)."""
+        with self.cond:
+            try:
+                self._writer.flush()
+            except Exception as error:  # noqa: BLE001 (reported by `done`)
+                self._failed(error)
 
     def _save(self) -> None:
         """Hands the state to the writer (θ and the outer state by reference: an update
@@ -412,7 +449,10 @@ class Syncer:
             **self._saved_extra(),
         }
         path = checkpoint_path(self.directory, self.round)
-        self._writer.submit(functools.partial(_write_checkpoint, path, message))
+        try:
+            self._writer.submit(functools.partial(_write_checkpoint, path, message))
+        except Exception as error:  # noqa: BLE001 (the write before this one failed)
+            self._failed(error)
 
     def _restore(self) -> bool:
         """Loads the newest intact checkpoint (an unreadable one is skipped with a warning)
@@ -438,6 +478,14 @@ class Syncer:
             log.info("resumed from %s (round %d)", path.name, self.round)
             return True
         return False
+
+    def _issued_serial(self) -> int:
+        """The last serial SERIAL_FILE records (a large margin past the checkpoint's when it
+        is missing or torn)."""
+        try:
+            return int((self.directory / SERIAL_FILE).read_text())
+        except (OSError, ValueError):
+            return self.serial + SERIAL_MARGIN
 
     def _saved_extra(self) -> dict:
         """What a subclass's rule adds to the checkpoint (none here)."""

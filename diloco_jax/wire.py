@@ -95,8 +95,17 @@ def _split(value: Any, blobs: list[memoryview], offset: list[int]) -> Any:
         blob = raw(value)
         blobs.append(blob)
         offset[0] += len(blob)
-        return {_ARRAY: [offset[0] - len(blob), value.dtype.name, list(np.shape(value))]}
+        return {_ARRAY: [offset[0] - len(blob), _dtype_name(value.dtype), list(np.shape(value))]}
     return value
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """A name np.dtype reads back: NumPy's own with its byte order ("<f4"), or an ml_dtypes
+    type's name ("bfloat16", whose .str says only "<V2"). Object and string arrays have no
+    raw bytes to keep."""
+    if dtype.kind in "OUS":
+        raise ValueError(f"an array of dtype {dtype} can't be written as raw bytes")
+    return dtype.name if dtype.kind == "V" else dtype.str
 
 
 def _joined(value: Any, data: memoryview) -> Any:

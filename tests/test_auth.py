@@ -23,7 +23,7 @@ OTHER = b"a guess at the run's secret, 32"
 
 def test_a_signed_call_and_its_leaves_verify_and_give_their_bytes_back():
     signer, verifier = auth.Signer(SECRET), auth.Verifier(SECRET)
-    head = signer.call("Push", b"header bytes")
+    head = signer.call("Push", b"header bytes", verifier.epoch)
     assert verifier.call("Push", head) == b"header bytes"
     assert verifier.part(head, 0, signer.part(head, 0, b"leaf 0")) == b"leaf 0"
     assert verifier.part(head, 1, signer.part(head, 1, b"")) == b""
@@ -32,39 +32,44 @@ def test_a_signed_call_and_its_leaves_verify_and_give_their_bytes_back():
 @pytest.mark.parametrize(
     "forge, why",
     [
-        (lambda s, f: auth.Signer(OTHER).call("Join", b"body"), "MAC does not match"),
-        (lambda s, f: f[:-1] + b"x", "MAC does not match"),  # the body changed
-        (lambda s, f: f[:40], "without the run's secret (a 40-byte frame)"),
-        (lambda s, f: s.call("Heartbeat", b"body"), "MAC does not match"),  # another call's
-        (lambda s, f: b"body", "without the run's secret"),  # no MAC at all
+        (lambda s, f, e: auth.Signer(OTHER).call("Join", b"body", e), "MAC does not match"),
+        (lambda s, f, e: f[:-1] + b"x", "MAC does not match"),  # the body changed
+        (lambda s, f, e: f[:40], "without the run's secret (a 40-byte frame)"),
+        (lambda s, f, e: s.call("Heartbeat", b"body", e), "MAC does not match"),  # another's
+        (lambda s, f, e: s.call("Join", b"body", bytes(16)), "MAC does not match"),  # epoch
+        (lambda s, f, e: b"body", "without the run's secret"),  # no MAC at all
     ],
 )  # fmt: skip
 def test_a_forged_or_changed_call_is_refused(forge, why):
-    signer = auth.Signer(SECRET)
-    frame = signer.call("Join", b"body")
+    signer, verifier = auth.Signer(SECRET), auth.Verifier(SECRET)
+    frame = signer.call("Join", b"body", verifier.epoch)
     with pytest.raises(auth.Refused, match=re.escape(why)):
-        auth.Verifier(SECRET).call("Join", forge(signer, frame))
+        verifier.call("Join", forge(signer, frame, verifier.epoch))
 
 
 def test_a_replayed_or_stale_call_is_refused(monkeypatch):
     signer, verifier = auth.Signer(SECRET), auth.Verifier(SECRET)
-    frame = signer.call("Join", b"body")
+    frame = signer.call("Join", b"body", verifier.epoch)
     assert verifier.call("Join", frame) == b"body"
     with pytest.raises(auth.Refused, match="replayed"):
         verifier.call("Join", frame)
+    with pytest.raises(auth.Refused, match="another syncer epoch"):  # a restarted syncer
+        auth.Verifier(SECRET).call("Join", frame)
     now = time.time()
     monkeypatch.setattr(auth.time, "time", lambda: now + auth.WINDOW_S + 1)
+    same = auth.Verifier(SECRET)
+    same.epoch = verifier.epoch  # only the clock differs
     with pytest.raises(auth.Refused, match=r"stamped -30\d s from the syncer's clock"):
-        auth.Verifier(SECRET).call("Join", frame)
+        same.call("Join", frame)
     # Forgotten once outside the window everywhere: the seen set does not grow for ever.
-    fresh = signer.call("Join", b"body")  # signed at the shifted clock
+    fresh = signer.call("Join", b"body", verifier.epoch)  # signed at the shifted clock
     assert verifier.call("Join", fresh) == b"body"
     assert len(verifier._seen) == 1
 
 
 def test_a_leaf_moved_within_or_between_pushes_is_refused():
     signer, verifier = auth.Signer(SECRET), auth.Verifier(SECRET)
-    head, other = signer.call("Push", b"a"), signer.call("Push", b"b")
+    head, other = (signer.call("Push", body, verifier.epoch) for body in (b"a", b"b"))
     leaf = signer.part(head, 0, b"leaf")
     with pytest.raises(auth.Refused, match="leaf 1 of a push"):
         verifier.part(head, 1, leaf)
@@ -127,14 +132,18 @@ def test_a_process_without_the_secret_cannot_join_heartbeat_push_or_read_theta(t
                 raw(wire.pack({"worker": 2, "incarnation": None}), timeout=5.0)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             # A member's Join recorded and sent again would evict the live worker: refused.
-            frame = auth.Signer(SECRET).call("Join", wire.pack({"worker": 3, "incarnation": None}))
-            send = grpc.insecure_channel(address).unary_unary(f"/{SERVICE}/Join")
+            channel = grpc.insecure_channel(address)
+            epoch = channel.unary_unary(f"/{SERVICE}/Epoch")(b"", timeout=5.0)
+            body = wire.pack({"worker": 3, "incarnation": None})
+            frame = auth.Signer(SECRET).call("Join", body, epoch)
+            send = channel.unary_unary(f"/{SERVICE}/Join")
             assert "incarnation" in wire.unpack(send(frame, timeout=5.0))
             joined = s.members[3].incarnation
             with pytest.raises(grpc.RpcError, match="replayed"):
                 send(frame, timeout=5.0)
         refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
-        assert len(refusals) == 6 and all("ipv4:127.0.0.1:" in r for r in refusals)
+        # The stranger's four calls each tried twice (the second with the epoch asked anew).
+        assert len(refusals) == 10 and all("ipv4:127.0.0.1:" in r for r in refusals)
         assert set(s.members) == {0, 3} and s.members[0].incarnation == member
         assert s.members[3].incarnation == joined
         for name in theta:  # nothing merged
@@ -170,3 +179,25 @@ def test_the_cli_refuses_a_missing_or_short_secret(tmp_path, capsys, monkeypatch
     assert err == [f"diloco-jax elastic: --secret-file '{tmp_path / 'short'}' holds 3 bytes; "
                    "a secret needs at least 16"]  # fmt: skip
     assert not (tmp_path / "s").exists()
+
+
+def test_a_call_recorded_before_a_syncer_restart_is_refused_after_it(tmp_path):
+    s = _syncer(tmp_path)
+    server, port = serve(s, 0, SECRET)
+    address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(address)
+    epoch = channel.unary_unary(f"/{SERVICE}/Epoch")(b"", timeout=5.0)
+    frame = auth.Signer(SECRET).call("Join", wire.pack({"worker": 1, "incarnation": None}), epoch)
+    client = SyncerClient(address, SECRET, syncer_timeout=10.0)
+    try:
+        member = client.call("Join", {"worker": 0, "incarnation": None})["incarnation"]
+        server.stop(grace=None).wait()
+        server, _ = serve(s, port, SECRET)  # a new syncer process would draw a new epoch too
+        with pytest.raises(grpc.RpcError, match="another syncer epoch"):
+            channel.unary_unary(f"/{SERVICE}/Join")(frame, timeout=5.0)
+        assert 1 not in s.members
+        # A member's own calls go on: its client asks the new epoch after the refusal.
+        assert client.call("Heartbeat", {"worker": 0, "incarnation": member}) == {"status": "ok"}
+    finally:
+        client.close()
+        server.stop(grace=None)

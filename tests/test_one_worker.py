@@ -146,6 +146,9 @@ def test_bad_arguments_are_refused_by_name():
         dj.diloco_optimizer("adam", NESTEROV, every=2)
     with pytest.raises(ValueError, match="outer must be an optax GradientTransformation"):
         dj.diloco_optimizer(optax.sgd(0.1), None, every=2)
+    with pytest.raises(ValueError, match="look-ahead"):
+        dj.diloco_optimizer(optax.sgd(0.1), dj.heloco(0.7), every=2)
+    dj.diloco_optimizer(optax.sgd(0.1), dj.heloco(0.7, lookahead=False), every=2)
     tx = dj.diloco_optimizer(optax.sgd(0.1), NESTEROV, every=2)
     params = {"w": jnp.ones(3)}
     with pytest.raises(ValueError, match="needs params"):
