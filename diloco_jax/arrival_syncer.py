@@ -36,6 +36,7 @@ import numpy as np
 from diloco_jax import wire
 from diloco_jax.async_train import dynamic_local_steps
 from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.heloco_outer import job_start
 from diloco_jax.outer import outer_update
 from diloco_jax.syncer import Pushed, Syncer
 
@@ -71,7 +72,7 @@ class ArrivalSyncer(Syncer):
         self.awaited = set()  # nobody waits for anybody
         self._apply_one = jax.jit(functools.partial(outer_update, task.method.outer_optimizer))
         # The θ jobs start from: θ, or the outer rule's look-ahead (HeLoCo's θ̄), once per θ.
-        start = getattr(task.method.outer, "lookahead", None)
+        start = job_start(task.method.outer)
         self._job_start = None if start is None else jax.jit(start)
         self._started: tuple[int, Any] = (-1, None)
 

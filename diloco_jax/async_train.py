@@ -361,7 +361,7 @@ def train_async(
         **checkpoint.run_fields(checkpoint_fingerprint),
     )
     if server is not None:
-        if getattr(outer_optimizer, "lookahead", None) is not None:  # no job would start at θ̄
+        if job_start(outer_optimizer) is not None:  # no job would start at its θ̄
             raise ValueError(
                 f"outer_optimizer {type(outer_optimizer).__name__} (HeLoCo's look-ahead) runs "
                 f"with train_async's one server, not server={type(server).__name__}"
@@ -393,7 +393,8 @@ def train_async(
         loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh
     )
     evaluate = jax.jit(eval_fn) if eval_fn is not None else None
-    start_of_job = jax.jit(job_start(outer_optimizer))  # θ, or HeLoCo's look-ahead θ̄
+    lookahead = job_start(outer_optimizer)  # HeLoCo's θ̄; without one, θ itself (no copy)
+    start_of_job = (lambda theta, state: theta) if lookahead is None else jax.jit(lookahead)
 
     theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
     # Committed to the devices like the programs' outputs, so each job length compiles once.

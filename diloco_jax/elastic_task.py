@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from diloco_jax import limits
+from diloco_jax.heloco_outer import job_start
 from diloco_jax.method import DiLoCo, only_optimizers
 
 ALGOS = ("diloco", "async")
@@ -83,7 +84,7 @@ class ElasticTask:
         if self.algo == "async":  # what train_async, its replay, takes
             only_optimizers(method, "ElasticTask with algo='async'", "each arrival applies "
                             "one worker's whole delta")  # fmt: skip
-        elif getattr(method.outer, "lookahead", None) is not None:
+        elif job_start(method.outer) is not None:
             raise ValueError(
                 "ElasticTask.method's outer rule starts jobs from a look-ahead θ̄ (HeLoCo): "
                 "algo='async' does; a round starts every worker from θ"

@@ -140,10 +140,9 @@ def heloco(
 
 
 def job_start(outer_optimizer: Any):
-    """(θ, outer state) -> the θ a job starts from: the outer rule's `lookahead` (HeLoCo's),
-    else θ itself."""
-    start = getattr(outer_optimizer, "lookahead", None)
-    return (lambda params, state: params) if start is None else start
+    """The outer rule's look-ahead, (θ, outer state) -> the θ a job starts from (HeLoCo's), or
+    None: jobs start from θ itself."""
+    return getattr(outer_optimizer, "lookahead", None)
 
 
 __all__ = ["HeLoCo", "HeLoCoState", "block_correct", "heloco", "job_start"]

@@ -33,6 +33,7 @@ from diloco_jax.comm import round_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.faults import NormSoftmax, Weights
+from diloco_jax.heloco_outer import job_start
 from diloco_jax.noloco import NoLoCo
 from diloco_jax.noloco import default_outer as noloco_outer
 from diloco_jax.outer import cast_state, checked_state_dtype, clip_outer_norm
@@ -265,7 +266,7 @@ def method_from_options(
     look-ahead start (HeLoCo's) is refused outside LOOKAHEAD_CALLERS: a round would start
     every worker from θ, not from its θ̄."""
     spec = _method_from_options(method, options, caller=caller, allowed=allowed)
-    if caller not in LOOKAHEAD_CALLERS and getattr(spec.outer, "lookahead", None) is not None:
+    if caller not in LOOKAHEAD_CALLERS and job_start(spec.outer) is not None:
         raise ValueError(
             f"{caller}: the outer rule starts jobs from a look-ahead θ̄ (HeLoCo), which "
             "train_async and the async elastic syncer do; here every worker starts from θ: "

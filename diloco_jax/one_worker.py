@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from diloco_jax.heloco_outer import job_start
 from diloco_jax.outer import outer_init, outer_update, worker_delta
 
 
@@ -67,7 +68,7 @@ def diloco_optimizer(
     for name, tx in (("inner", inner), ("outer", outer)):
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"{name} must be an optax GradientTransformation, got {tx!r}")
-    if getattr(outer, "lookahead", None) is not None:  # it would never start from its θ̄
+    if job_start(outer) is not None:  # it would never start from its θ̄
         raise ValueError(
             "outer starts jobs from a look-ahead θ̄ (HeLoCo), which one worker's loop does "
             "not: use heloco(..., lookahead=False)"

@@ -37,6 +37,20 @@ def _replay(events, outer):
     )  # fmt: skip
 
 
+def _equals_its_replay(syncer_dir):
+    """(events, task, θ) of a finished run, after checking θ is finite and equals
+    `train_async` replaying its arrival log of UPDATES updates."""
+    events = arrivals(syncer_dir)
+    assert [e.update for e in events] == list(range(UPDATES))
+    task = make_async_task()
+    real = final_params(syncer_dir, task)
+    replay = _replay(events, task.method.outer)
+    for name in ("w", "b"):
+        assert np.all(np.isfinite(real[name]))
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    return events, task, real
+
+
 @pytest.mark.parametrize("outer", ["dn", "cgad", "heloco"])
 def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path, outer, monkeypatch):
     monkeypatch.setenv("ELASTIC_OUTER", outer)  # the task here as in the processes
@@ -58,14 +72,7 @@ def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path, outer, mon
     cluster.wait_for_join(3, 2)
     cluster.hold(None)
     cluster.finish()
-    events = arrivals(tmp_path / "syncer")
-    assert [e.update for e in events] == list(range(UPDATES))
-    task = make_async_task()
-    real = final_params(tmp_path / "syncer", task)
-    replay = _replay(events, task.method.outer)
-    for name in ("w", "b"):
-        assert np.all(np.isfinite(real[name]))
-        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    events, task, real = _equals_its_replay(tmp_path / "syncer")
     # The faults are in the log: workers 2 and 3 each ran position 2 again after rejoining;
     # DyLU gave the slowest worker fewer than H steps once timed (its first job compiled).
     assert [e.job for e in events if e.worker == 2][:3] == [0, 1, 2]
@@ -121,10 +128,4 @@ def test_a_killed_syncer_and_worker_at_random_moments_reproduce_the_replay(tmp_p
         cluster.syncer() if name == "syncer" else cluster.worker(1)
     cluster.finish()
     assert cluster.log("syncer").count("resumed from") == 2
-    events = arrivals(tmp_path / "syncer")
-    assert [e.update for e in events] == list(range(UPDATES))
-    task = make_async_task()
-    real = final_params(tmp_path / "syncer", task)
-    replay = _replay(events, task.method.outer)
-    for name in ("w", "b"):
-        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    _equals_its_replay(tmp_path / "syncer")
