@@ -44,7 +44,11 @@ CLIENT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A worker never cancels its own calls, so CANCELLED is the syncer's side ending the call (a
+# SIGKILLed or stopping syncer reads so at times, as UNAVAILABLE at others): retried alike.
+RETRIED = (
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+)
 
 
 class SyncerLost(ConnectionError):

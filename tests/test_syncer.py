@@ -528,6 +528,44 @@ def test_a_worker_that_heard_the_end_stops_calling_a_syncer_gone_after_it(tmp_pa
         client.close()
 
 
+def test_a_call_the_syncer_side_cancelled_is_retried_and_a_refusal_is_not():
+    """CANCELLED (how a SIGKILLed or stopping syncer's call reads at times; a worker exited so
+    in CI) is retried like UNAVAILABLE; INVALID_ARGUMENT is the syncer's answer, raised."""
+    from concurrent import futures
+
+    import grpc
+
+    from diloco_jax.rpc import SERVICE, SyncerClient
+
+    answers = [grpc.StatusCode.CANCELLED, grpc.StatusCode.CANCELLED, None,
+               grpc.StatusCode.INVALID_ARGUMENT]  # fmt: skip
+
+    def heartbeat(request, context):
+        code = answers.pop(0)
+        if code is not None:
+            context.abort(code, "ended by the server")
+        return wire.pack({"status": "ok"})
+
+    handlers = {
+        "Epoch": grpc.unary_unary_rpc_method_handler(lambda request, context: b"epoch"),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(heartbeat),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = SyncerClient(f"127.0.0.1:{port}", SECRET, syncer_timeout=5.0)
+    try:
+        assert client.call("Heartbeat", {"worker": 0, "incarnation": 1}) == {"status": "ok"}
+        assert len(answers) == 1  # two cancelled tries, then the answer
+        with pytest.raises(grpc.RpcError) as refused:
+            client.call("Heartbeat", {"worker": 0, "incarnation": 1})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and answers == []
+    finally:
+        server.stop(grace=None)
+        client.close()
+
+
 def test_checkpoints_are_written_one_at_a_time_and_a_failed_write_is_raised_after():
     from diloco_jax.syncer import _Writer
 
