@@ -125,18 +125,15 @@ def _check_shardings(name: str, value: Any, like: Any) -> None:
 
 def refusal(method: DiLoCo) -> str | None:
     """Why `method` can't run on the elastic syncer (None if it can). The syncer applies one
-    exact weighted mean per round, at once, to the one global θ and its outer state; the inner
-    optimizer (AdamW, Muon/MuLoCo, any optax rule), the outer rule (Nesterov, a clip, a cast
-    outer state) and the non-finite exclusion run as in `train_diloco`."""
+    weighted mean per round, at once, to the one global θ and its outer state; the inner
+    optimizer (AdamW, Muon/MuLoCo, any optax rule), the compression (each worker pushes its
+    payload and keeps its error-feedback residual, `elastic_merge`), the outer rule
+    (Nesterov, a clip, a cast outer state) and the non-finite exclusion run as in
+    `train_diloco`."""
     if method.fragmented:
         return (
             "fragments (Streaming DiLoCo) sync each fragment at its own inner step; the syncer "
             "closes one sync per round"
-        )
-    if method.compression.kind != "none":
-        return (
-            "compression keeps each worker's error-feedback residual in the round's state; a "
-            "worker process that dies loses it and the syncer merges exact deltas"
         )
     if method.delay is not None:
         return "a delay or eager updates: the syncer applies each sync's mean at once"

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax import distributed, inner, wire
+from diloco_jax.elastic_merge import make_merge
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.outer import worker_delta
 from diloco_jax.rpc import SyncerClient
@@ -55,15 +56,25 @@ COMMANDS = ("pending", "round", "rejoin", "push_again", "done", "abort")
 
 
 class Phase(NamedTuple):
-    """One inner phase run: the syncer's serial and round of it, Δ's leaves, the mean inner
-    loss, its seconds (batches drawn and inner steps) and of those the inner steps'."""
+    """One inner phase run: the syncer's serial and round of it, the push's leaves (Δ, or
+    its compressed payload), whether Δ was finite, the mean inner loss, its seconds (batches
+    drawn and inner steps) and of those the inner steps'."""
 
     serial: int
     round: int
     leaves: list
+    finite: bool
     loss: float
     compute_s: float
     steps_s: float
+
+
+class Kept(NamedTuple):
+    """What a worker keeps of each data position: its inner optimizer state and, under a
+    compression with error feedback, its residual (else None)."""
+
+    inner: Any
+    residual: Any
 
 
 class WorkerExit(Exception):
@@ -102,7 +113,8 @@ class Worker:
         self.optimizer = task.method.inner_optimizer
         self.phase = jax.jit(functools.partial(_phase, task.loss_fn, self.optimizer))
         self.opt_like = jax.tree.map(np.asarray, self.optimizer.init(task.params))
-        self.states: dict[int, Any] = {}  # position -> inner state, the newest few
+        self.merge = make_merge(task.method, task.params, task.num_workers)
+        self.states: dict[int, Kept] = {}  # position -> what it keeps, the newest few
         self.opt_shardings = None  # under a param_sharding: where the inner state lives
         self.pause_round = os.environ.get(PAUSE_PUSH_ENV)
         self.slow_step = float(os.environ.get(SLOW_STEP_ENV, "0"))
@@ -240,7 +252,8 @@ class Worker:
         serial, round_, position = int(reply["serial"]), int(reply["round"]), reply["position"]
         steps = int(reply.get("steps", self.task.inner_steps))
         theta = self._placed(wire.tree_like(self.task.params, reply["theta"], "the syncer's θ"))
-        opt_state = self._state(position)
+        kept = self._state(position)
+        opt_state = kept.inner
         if self.task.param_sharding is not None:  # the inner state where jit puts θ's
             if self.opt_shardings is None:
                 self.opt_shardings = self._state_shardings(theta)
@@ -257,21 +270,23 @@ class Worker:
         drawn = time.perf_counter()
         delta, opt_state, loss = self.phase(theta, opt_state, batches, key)
         # Whole on the host (gathered over a group's processes); waits for the phase to end.
-        leaves, loss = wire.leaves(distributed.to_host(delta)), float(distributed.to_host(loss))
+        delta, loss = distributed.to_host(delta), float(distributed.to_host(loss))
+        finite = all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
+        leaves, residual = self.merge.encode(delta, kept.residual)
         time.sleep(self.slow_step * steps)
         done = time.perf_counter()
         seconds, steps_s = done - started, done - drawn
         if steps not in self.timed_counts:  # this count's first phase compiled its program:
             self.timed_counts.add(steps)  # no measure of speed (DyLU keeps its last one)
             steps_s = 0.0
-        self._keep(position + 1, distributed.to_host(opt_state))
+        self._keep(position + 1, Kept(distributed.to_host(opt_state), residual))
         if self.leader:
             line = {"round": round_, "position": position, "steps": steps, "loss": loss,
                     "compute_s": seconds, "time": time.time()}  # fmt: skip
             with open(self.directory / METRICS_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        return Phase(serial=serial, round=round_, leaves=leaves, loss=loss, compute_s=seconds,
-                     steps_s=steps_s)  # fmt: skip
+        return Phase(serial=serial, round=round_, leaves=leaves, finite=finite, loss=loss,
+                     compute_s=seconds, steps_s=steps_s)  # fmt: skip
 
     def _devices(self) -> set:
         """The devices the task's shardings name (the default device without any)."""
@@ -299,7 +314,7 @@ class Worker:
     def _push(self, phase: "Phase") -> None:
         """The leader's push of one phase's delta."""
         header = self._me(serial=phase.serial, loss=phase.loss, compute_s=phase.compute_s,
-                          steps_s=phase.steps_s)  # fmt: skip
+                          steps_s=phase.steps_s, finite=phase.finite)  # fmt: skip
         reply = self.client.push(header, phase.leaves, functools.partial(self._pause, phase.round))
         if reply["status"] == "refused":
             raise WorkerExit(1, f"the syncer refused this worker's delta: {reply['reason']}")
@@ -309,32 +324,39 @@ class Worker:
             log.warning("worker %d pausing inside its push of round %d", self.worker, round_)
             time.sleep(3600)
 
-    def _state(self, position: int) -> Any:
-        """The inner state this worker had after `position` phases."""
+    def _state(self, position: int) -> Kept:
+        """The inner state (and residual) this worker had after `position` phases."""
         fresh = self.rejoined and self.options.inner_state == "fresh"
         self.rejoined = False
+        afresh = Kept(self.opt_like, self.merge.residual_like)
         if fresh or position == 0:
-            return self.opt_like
+            return afresh
         if position in self.states:
             return self.states[position]
         path = self.directory / f"inner-{position:08d}.state"
         try:
-            state = wire.tree_like(self.opt_like, wire.read_file(path)["state"], str(path))
+            saved = wire.read_file(path)
+            kept = Kept(
+                wire.tree_like(self.opt_like, saved["state"], str(path)),
+                None if afresh.residual is None
+                else wire.tree_like(afresh.residual, saved["residual"], str(path)),
+            )  # fmt: skip
         except (OSError, ValueError, KeyError) as error:
             log.warning("worker %d: no inner state of position %d (%s); starting it fresh",
                         self.worker, position, error)  # fmt: skip
-            return self.opt_like
+            return afresh
         log.info("worker %d: inner state of position %d from %s", self.worker, position, path)
-        return state
+        return kept
 
-    def _keep(self, position: int, state: Any) -> None:
-        """Keeps `state` as position's, in memory and on disk (the newest KEEP_STATES)."""
-        self.states[position] = state
+    def _keep(self, position: int, kept: Kept) -> None:
+        """Keeps `kept` as position's, in memory and on disk (the newest KEEP_STATES)."""
+        self.states[position] = kept
         for old in sorted(self.states)[:-KEEP_STATES]:
             del self.states[old]
-        wire.write_file(
-            self.directory / f"inner-{position:08d}.state", {"state": wire.leaves(state)}
-        )
+        saved = {"state": wire.leaves(kept.inner)}
+        if kept.residual is not None:
+            saved["residual"] = wire.leaves(kept.residual)
+        wire.write_file(self.directory / f"inner-{position:08d}.state", saved)
         for old in sorted(self.directory.glob("inner-*.state"))[:-KEEP_STATES]:
             old.unlink()
 

@@ -47,7 +47,9 @@ CLIENT_OPTIONS = [
 # A worker never cancels its own calls, so CANCELLED is the syncer's side ending the call (a
 # SIGKILLed or stopping syncer reads so at times, as UNAVAILABLE at others): retried alike.
 RETRIED = (
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
 )
 
 
@@ -98,7 +100,7 @@ def serve(
             reply = syncer.push(
                 header["worker"], header["incarnation"], int(header["serial"]), leaves,
                 float(header["loss"]), float(header.get("compute_s", 0.0)),
-                float(header.get("steps_s", 0.0)),
+                float(header.get("steps_s", 0.0)), bool(header.get("finite", True)),
             )  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax import wire
+from diloco_jax.elastic_merge import make_merge
 from diloco_jax.elastic_task import Elastic, ElasticTask
-from diloco_jax.outer import delta_dtype, outer_init, outer_update
+from diloco_jax.outer import outer_init
 
 log = logging.getLogger("diloco_jax.syncer")
 
@@ -104,12 +104,6 @@ def checkpoint_path(directory: Path, round_: int) -> Path:
     return directory / f"sync-{round_:08d}.ckpt"
 
 
-def _mean_update(optimizer, theta, outer_state, deltas):
-    """θ, outer state after the outer step on the mean of `deltas` (a list of trees)."""
-    mean = jax.tree.map(lambda *d: jnp.sum(jnp.stack(d), 0) / len(d), *deltas)
-    return outer_update(optimizer, theta, outer_state, mean)
-
-
 class Syncer:
     """The sync's state machine; every method is safe to call from the gRPC threads."""
 
@@ -118,13 +112,11 @@ class Syncer:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.cond = threading.Condition()
-        optimizer = task.method.outer_optimizer
-        self._apply = jax.jit(functools.partial(_mean_update, optimizer))
         self.theta = jax.tree.map(np.asarray, task.params)
-        self.outer_state = jax.tree.map(np.asarray, outer_init(optimizer, self.theta))
-        self.delta_like = jax.tree.map(
-            lambda x: np.zeros(np.shape(x), delta_dtype(np.result_type(x))), self.theta
+        self.outer_state = jax.tree.map(
+            np.asarray, outer_init(task.method.outer_optimizer, self.theta)
         )
+        self.merge = make_merge(task.method, self.theta, task.num_workers)
         self.round, self.serial, self.opened = 0, -1, False
         self.positions = [0] * task.num_workers
         self.members: dict[int, Member] = {}
@@ -205,15 +197,17 @@ class Syncer:
 
     def push(
         self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
-        compute_s: float = 0.0, steps_s: float = 0.0,
+        compute_s: float = 0.0, steps_s: float = 0.0, finite: bool = True,
     ) -> dict:  # fmt: skip
-        """Worker's delta for opening `serial` (its mean inner loss, the seconds its phase
-        took, and of those its inner steps'): "ok", or "late" (that opening closed, or the
-        worker is not in it), "rejoin", "refused" (with "reason": leaves unlike θ's), or the
-        run's end ("done" / "abort")."""
+        """Worker's push for opening `serial` (`merge.push_like`'s leaves: its delta, or its
+        compressed payload; its mean inner loss, the seconds its phase took and of those its
+        inner steps', and whether its delta was finite, which a payload's integer codes can't
+        show): "ok", or "late" (that opening closed, or the worker is not in it), "rejoin",
+        "refused" (with "reason": leaves unlike the push's), or the run's end ("done" /
+        "abort")."""
         self._check_worker(worker)
         try:
-            delta = wire.tree_like(self.delta_like, leaves, f"worker {worker}'s delta")
+            delta = wire.tree_like(self.merge.push_like, leaves, f"worker {worker}'s push")
         except ValueError as error:
             log.warning("refused: %s", error)
             return {"status": "refused", "reason": str(error)}
@@ -221,7 +215,7 @@ class Syncer:
             ended = self._heard(worker, incarnation)
             if ended is not None:
                 return ended
-            finite = all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
+            finite = bool(finite) and all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
             pushed = Pushed(delta, float(loss), finite, float(compute_s))
             return self._take(worker, serial, pushed, float(steps_s))
 
@@ -369,8 +363,8 @@ class Syncer:
         busy_since = time.monotonic()
         included = sorted(m for m, p in self.pushed.items() if p.finite)
         if included:
-            deltas = [self.pushed[m].leaves for m in included]
-            theta, outer = self._apply(self.theta, self.outer_state, deltas)
+            pushes = {m: self.pushed[m].leaves for m in included}
+            theta, outer = self.merge.apply(self.theta, self.outer_state, pushes)
             self.theta = jax.tree.map(np.asarray, theta)
             self.outer_state = jax.tree.map(np.asarray, outer)
         for m in included:

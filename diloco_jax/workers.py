@@ -669,7 +669,10 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _one_device_reduce(fn: Callable[[Any], Any], local: Any) -> Any:
+def one_device_reduce(fn: Callable[[Any], Any], local: Any) -> Any:
+    """Runs the reducer `fn` on all M workers' values `local` ([M, ...]) held on one device,
+    WORKER_AXIS bound as a size-1 device axis (the one-device backends' reduce; the elastic
+    syncer merges compressed pushes with it)."""
     # All M workers sit on one device under a plain vmap (the same program as hand-written
     # vmap code: a size-1 device axis around them would cost extra copies every inner step);
     # only the reducer sees WORKER_AXIS, bound as a size-1 device axis whose collectives
@@ -678,7 +681,7 @@ def _one_device_reduce(fn: Callable[[Any], Any], local: Any) -> Any:
     return jax.vmap(fn, axis_name=WORKER_AXIS, out_axes=None)(one_device)
 
 
-_ONE_DEVICE = Collectives(_one_device_reduce, _identity)
+_ONE_DEVICE = Collectives(one_device_reduce, _identity)
 _MAPPED = Collectives(_bound_reduce, _identity)
 _SHARD_MAPPED = Collectives(_bound_reduce, lambda x: lax.pcast(x, WORKER_AXIS, to="varying"))
 

@@ -77,6 +77,14 @@ def make_sharded_task():
     )
 
 
+def make_compressed_task():
+    """make_task's task with its deltas compressed as ELASTIC_COMPRESSION says (a
+    `dj.DiLoCo` compression spec, default "int8,ef=1")."""
+    compression = os.environ.get("ELASTIC_COMPRESSION", "int8,ef=1")
+    method = dj.DiLoCo(inner=METHOD.inner, outer=METHOD.outer, compression=compression)
+    return dataclasses.replace(make_task(), method=method)
+
+
 def make_async_task():
     """make_task's task as asynchronous DiLoCo with DyLU: ELASTIC_OUTER names the server's
     rule, "dn" (Delayed Nesterov 0.6, momentum 0.5, every 2 updates), "cgad" (CGAD, lr 0.05,

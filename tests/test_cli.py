@@ -351,8 +351,8 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
         (["train", "--elastic", "--mesh", "workers=4"], "--elastic runs without --mesh"),
         (["train", "--elastic", "--checkpoint-every", "2"], "--elastic runs without --checkpoint"),
         (
-            ["train", "--elastic", "--compression", "int8"],
-            "--elastic can't run this method: compression keeps each worker's error-feedback",
+            ["train", "--elastic", "--outer-delay", "1"],
+            "--elastic can't run this method: a delay or eager updates",
         ),
         (
             ["train", "--elastic", "--fragments", "5"],

@@ -136,9 +136,10 @@ def _wait(predicate, timeout: float, what: str, cluster: Cluster) -> None:
         time.sleep(0.02)
 
 
-def _simulated(rows: tuple) -> dict:
-    """train_diloco's θ after ROUNDS rounds with `rows` as its membership: each worker's data at
-    each round is the batch of its position then (its phases that entered a sync before)."""
+def _simulated(rows: tuple, compression: str | None = None) -> dict:
+    """train_diloco's θ after ROUNDS rounds with `rows` as its membership (and `compression`):
+    each worker's data at each round is the batch of its position then (its phases that
+    entered a sync before)."""
     rounds, workers = ROUNDS, len(rows[0])
     positions = faults.data_positions(rows, rounds)
     data = [
@@ -147,7 +148,8 @@ def _simulated(rows: tuple) -> dict:
         )
         for r in range(rounds)
     ]
-    method = dj.DiLoCo(inner=METHOD.inner, outer=METHOD.outer, weights=dj.Weights(membership=rows))
+    method = dj.DiLoCo(inner=METHOD.inner, outer=METHOD.outer, compression=compression,
+                       weights=dj.Weights(membership=rows))  # fmt: skip
     result = dj.train_diloco(
         linear_loss, PARAMS, data, num_rounds=rounds, num_workers=workers,
         inner_steps=INNER_STEPS, method=method, backend="sequential",
@@ -155,18 +157,20 @@ def _simulated(rows: tuple) -> dict:
     return result.params
 
 
-def _assert_reproduces_the_simulation(cluster: Cluster) -> list[dict]:
+def _assert_reproduces_the_simulation(
+    cluster: Cluster, compression: str | None = None
+) -> list[dict]:
     syncs = cluster.syncs()
     assert [s["round"] for s in syncs] == list(range(ROUNDS))
     rows = tuple(tuple(m in s["included"] for m in range(4)) for s in syncs)
     real = final_params(cluster.out / "syncer", make_task())
-    expected = _simulated(rows)
+    expected = _simulated(rows, compression)
     for name in ("w", "b"):
         assert np.all(np.isfinite(real[name]))
         np.testing.assert_allclose(real[name], expected[name], rtol=1e-6, atol=1e-7)
     # Control: the same run with every worker in every sync lands elsewhere.
     if not all(all(row) for row in rows):
-        everyone = _simulated(((True,) * 4,) * ROUNDS)
+        everyone = _simulated(((True,) * 4,) * ROUNDS, compression)
         assert not np.allclose(real["w"], everyone["w"], rtol=1e-4)
     # Each worker's position: the syncs it entered.
     assert syncs[-1]["positions"] == [sum(row[m] for row in rows) for m in range(4)]
@@ -216,6 +220,38 @@ def test_a_worker_killed_in_its_inner_phase_and_restarted_heals(tmp_path):
     # The survivors' first sync after the death: within the detection timeout plus 2 s.
     assert syncs[3]["time"] - killed_at < HEARTBEAT_TIMEOUT + 2.0
     assert "inner state of position 3 from" in cluster.log("worker-2")
+
+
+def test_a_compressed_run_with_a_killed_and_a_stopped_worker_equals_train_diloco(tmp_path):
+    """int4 with error feedback on the wire: each worker pushes its codes and scales and
+    keeps its residual beside its inner state of each position. Worker 2 SIGKILLed in its
+    inner phase and restarted (its residual of position 3 from its folder), worker 3
+    SIGSTOPped past the heartbeat timeout: θ equals train_diloco with the same compression
+    and the recorded membership; the same membership without compression lands elsewhere."""
+    spec = "int4,ef=1"
+    cluster = Cluster(tmp_path, task="elastic_linear:make_compressed_task",
+                      env={"ELASTIC_COMPRESSION": spec})  # fmt: skip
+    cluster.hold(3)
+    cluster.start()
+    cluster.wait_for_syncs(3)  # round 3 is open: every worker waits in its inner phase
+    cluster.processes["worker-2"].kill()
+    stopped = cluster.processes["worker-3"]
+    stopped.send_signal(signal.SIGSTOP)
+    cluster.hold(5)
+    cluster.wait_for_syncs(5)
+    stopped.send_signal(signal.SIGCONT)
+    cluster.worker(2)
+    cluster.wait_for_join(2, 2)
+    cluster.wait_for_join(3, 2)
+    cluster.hold(None)
+    cluster.finish()
+    syncs = _assert_reproduces_the_simulation(cluster, spec)
+    assert [2 in s["included"] for s in syncs][:5] == [True] * 3 + [False] * 2
+    assert [3 in s["included"] for s in syncs][:5] == [True] * 3 + [False] * 2
+    assert "inner state of position 3 from" in cluster.log("worker-2")
+    rows = tuple(tuple(m in s["included"] for m in range(4)) for s in syncs)
+    real = final_params(cluster.out / "syncer", make_task())
+    assert not np.allclose(real["w"], _simulated(rows)["w"], rtol=1e-4)
 
 
 def test_a_worker_killed_inside_its_push_is_left_out_of_that_sync(tmp_path):

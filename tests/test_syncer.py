@@ -17,6 +17,7 @@ import diloco_jax as dj
 from diloco_jax import wire
 from diloco_jax.elastic import main
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
+from diloco_jax.elastic_worker import Kept
 from diloco_jax.syncer import Syncer
 
 LR, MOMENTUM = 0.7, 0.9  # elastic_linear's outer Nesterov
@@ -334,7 +335,6 @@ def test_files_keep_arrays_exactly_and_refuse_torn_and_edited_bytes(tmp_path):
     "method, reason",
     [
         (dj.DiLoCo(schedule=dj.Streaming(2)), "fragments"),
-        (dj.DiLoCo(compression="int8"), "compression"),
         (dj.DiLoCo(delay=dj.Delayed(1)), "delay"),
         (dj.DiLoCo(state_sync=dj.StateSync(mu=4)), "DES-LOC"),
         (dj.DiLoCo(gossip=dj.NoLoCo(2)), "NoLoCo"),
@@ -354,6 +354,8 @@ def test_the_methods_that_run_elastically():
         dj.DiLoCo(inner=dj.muon_inner_optimizer(0.01)),  # MuLoCo
         dj.DiLoCo(outer=optax.chain(dj.clip_outer_norm(1.0), dj.default_outer_optimizer())),
         dj.DiLoCo(outer_state_dtype="bfloat16"),
+        dj.DiLoCo(compression="int4,ef=1"),
+        dj.DiLoCo(compression="topk:0.5,ef=1"),
     ):
         ElasticTask(task.loss_fn, task.params, task.batches, 4, 3, 2, method)
 
@@ -477,12 +479,12 @@ def test_a_rejoining_worker_takes_its_inner_state_of_its_position(tmp_path):
 
     worker = _worker(tmp_path, "checkpoint")
     state = jax.tree.map(lambda x: np.full_like(x, 7), worker.opt_like)
-    worker._keep(3, state)  # as after its third phase; a new process finds it on disk
+    worker._keep(3, Kept(state, None))  # as after its third phase; a new process finds it
     again = _worker(tmp_path, "checkpoint")
-    loaded = again._state(3)
+    loaded = again._state(3).inner
     assert all(np.all(x == 7) for x in jax.tree.leaves(loaded))
     # No state of that position on disk: it starts the inner optimizer afresh.
-    missing = _worker(tmp_path, "checkpoint")._state(2)
+    missing = _worker(tmp_path, "checkpoint")._state(2).inner
     assert all(np.all(x == 0) for x in jax.tree.leaves(missing))
 
 
@@ -490,9 +492,9 @@ def test_inner_state_fresh_starts_a_rejoining_worker_afresh(tmp_path):
     import jax
 
     worker = _worker(tmp_path, "fresh")
-    worker._keep(3, jax.tree.map(lambda x: np.full_like(x, 7), worker.opt_like))
-    assert all(np.all(x == 0) for x in jax.tree.leaves(worker._state(3)))  # rejoined: fresh
-    assert all(np.all(x == 7) for x in jax.tree.leaves(worker._state(3)))  # then its own
+    worker._keep(3, Kept(jax.tree.map(lambda x: np.full_like(x, 7), worker.opt_like), None))
+    assert all(np.all(x == 0) for x in jax.tree.leaves(worker._state(3).inner))  # fresh
+    assert all(np.all(x == 7) for x in jax.tree.leaves(worker._state(3).inner))  # its own
 
 
 def test_a_worker_that_heard_the_end_stops_calling_a_syncer_gone_after_it(tmp_path):
