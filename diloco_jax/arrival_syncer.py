@@ -76,9 +76,12 @@ class ArrivalSyncer(Syncer):
         self._job_start = None if start is None else jax.jit(start)
         self._started: tuple[int, Any] = (-1, None)
 
-    def next_round(self, worker: int, incarnation: str, after: int, timeout: float) -> dict:
+    def next_round(
+        self, worker: int, incarnation: str, after: int, timeout: float, held: int = -1
+    ) -> dict:
         """A new job for the worker at once: {"status": "round", serial, round (= its
-        position: the job's key), position, steps, theta}; or "rejoin", "done", "abort"."""
+        position: the job's key), position, steps, theta}; or "rejoin", "done", "abort".
+        `held` is unused: θ travels whole (no compression here)."""
         self._check_worker(worker)
         with self.cond:
             ended = self._heard(worker, incarnation)

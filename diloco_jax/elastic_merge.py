@@ -12,9 +12,17 @@ method's compression on the real wire.
   `reduce` over all M slots (a worker not included: zeros, weight 0), on one device as the
   compiled round's one-device backends do, and applies the outer step on that mean. So a
   real run equals `train_diloco` with the same compression and the recorded membership.
-  θ still travels to the workers whole (float32 or θ's dtype).
+
+What comes back: under the dense kinds' two-stage exchange, the syncer encodes the mean as
+the compiled round's second stage does and a worker that holds θ and the outer state from
+before the sync gets only those codes (`Merge.reply_like`): it decodes them and takes the
+outer step itself, the syncer's own jitted program, and checks its θ against the syncer's
+checksum (a worker whose θ differs, on other hardware say, gets θ whole). A worker that
+holds nothing of the last sync (joined, left out, restarted) gets θ and the outer state
+whole; under the exact merge and the sparse kinds every worker gets θ whole.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,10 +31,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax.compression import init_residual
-from diloco_jax.exchange import make_exchange
+from diloco_jax.exchange import make_exchange, reduced_rows, rows_mean
 from diloco_jax.method import DiLoCo
 from diloco_jax.outer import delta_dtype, outer_update
-from diloco_jax.workers import one_device_reduce
+from diloco_jax.workers import WORKER_AXIS, one_device_reduce
+
+
+class Merged(NamedTuple):
+    """A sync's outcome on the syncer: θ and the outer state after the outer step, and the
+    reply leaves (`Merge.reply_like`) that turn the θ and outer state before it into these on
+    a worker holding them, or None where the method has none (θ then travels whole)."""
+
+    theta: Any
+    outer_state: Any
+    reply: list | None
 
 
 class Merge(NamedTuple):
@@ -37,13 +55,19 @@ class Merge(NamedTuple):
     encode: worker side, (Δ tree, residual or None) -> (the push's leaves, the new residual
       or None).
     apply: syncer side, (θ, outer state, {m: worker m's push tree} of the included workers)
-      -> (θ, outer state) after the outer step on their mean.
+      -> `Merged`.
+    reply_like: the tree of a sync's reply (the two-stage exchange's encoded mean: codes,
+      scales, the weight sum), or None where θ travels whole (exact, sparse kinds).
+    receive: worker side, (θ, outer state, reply tree) -> (θ, outer state) after the sync,
+      the syncer's own computation; None without a reply.
     """
 
     push_like: Any
     residual_like: Any
     encode: Callable[[Any, Any], tuple[list, Any]]
-    apply: Callable[[Any, Any, dict[int, Any]], tuple[Any, Any]]
+    apply: Callable[[Any, Any, dict[int, Any]], Merged]
+    reply_like: Any = None
+    receive: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None
 
 
 def make_merge(method: DiLoCo, params: Any, num_workers: int) -> Merge:
@@ -52,16 +76,17 @@ def make_merge(method: DiLoCo, params: Any, num_workers: int) -> Merge:
         lambda x: np.zeros(np.shape(x), delta_dtype(np.result_type(x))), params
     )
     optimizer = method.outer_optimizer
-    if method.compression.kind == "none":
+    compression = method.compression
+    if compression.kind == "none":
         update = jax.jit(lambda theta, state, deltas: _mean_update(optimizer, theta, state, deltas))
 
         def apply_exact(theta, outer_state, pushed):
-            return update(theta, outer_state, [pushed[m] for m in sorted(pushed)])
+            return Merged(*update(theta, outer_state, [pushed[m] for m in sorted(pushed)]), None)
 
         return Merge(delta_like, None, lambda delta, residual: (jax.tree.leaves(delta), None),
                      apply_exact)  # fmt: skip
-    exchange = make_exchange(method.compression, delta_like, num_workers, weighted=True)
-    feedback = method.compression.error_feedback
+    exchange = make_exchange(compression, delta_like, num_workers, weighted=True)
+    feedback = compression.error_feedback
     residual_like = jax.tree.map(np.asarray, init_residual(delta_like)) if feedback else None
 
     @jax.jit
@@ -69,9 +94,7 @@ def make_merge(method: DiLoCo, params: Any, num_workers: int) -> Merge:
         to_reduce, residual = exchange.send(delta, residual, jnp.bool_(True), None)
         return to_reduce[:-1], residual  # the weight (1) is the syncer's to set
 
-    push_like = jax.tree.map(
-        lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(send, delta_like, residual_like)[0]
-    )
+    push_like = _zeros(jax.eval_shape(send, delta_like, residual_like)[0])
 
     def encode(delta, residual):
         payload, residual = send(delta, residual)
@@ -79,18 +102,48 @@ def make_merge(method: DiLoCo, params: Any, num_workers: int) -> Merge:
             jax.tree.map(np.asarray, residual) if feedback else None
         )
 
+    def stacked(pushed):
+        """Every slot's payload (zeros for a worker not included) and weight, [M, ...]."""
+        slots = [pushed.get(m, push_like) for m in range(num_workers)]
+        weights_M = np.asarray([m in pushed for m in range(num_workers)], np.float32)
+        return (*jax.tree.map(lambda *x: np.stack(x), *slots), weights_M)
+
+    if compression.resolved_exchange == "gather":  # θ goes back whole: no encoded mean
+
+        @jax.jit
+        def reduce_update(theta, outer_state, local_M):
+            mean, _ = one_device_reduce(exchange.reduce, local_M)
+            return outer_update(optimizer, theta, outer_state, mean)
+
+        def apply_gathered(theta, outer_state, pushed):
+            return Merged(*reduce_update(theta, outer_state, stacked(pushed)), None)
+
+        return Merge(push_like, residual_like, encode, apply_gathered)
+
+    # Two-stage: the syncer encodes the mean as the compiled round's second stage does, and
+    # a worker holding θ and the outer state before the sync decodes and steps as it does.
     @jax.jit
-    def reduce_update(theta, outer_state, payloads_M, weights_M):
-        mean, _ = one_device_reduce(exchange.reduce, (*payloads_M, weights_M))
+    def reduce(local_M):  # one device of all M workers, as the one-device backends run it
+        rows = functools.partial(reduced_rows, compression, num_workers, True)
+        one_device = jax.tree.map(lambda x: x[None], local_M)
+        return jax.tree.map(lambda x: x[0], jax.vmap(rows, axis_name=WORKER_AXIS)(one_device))
+
+    @jax.jit
+    def step(theta, outer_state, reply):
+        codes, scales, total = reply
+        mean = rows_mean(compression, delta_like, codes, scales, total)
         return outer_update(optimizer, theta, outer_state, mean)
 
-    def apply_compressed(theta, outer_state, pushed):
-        slots = [pushed.get(m, push_like) for m in range(num_workers)]
-        payloads_M = jax.tree.map(lambda *x: np.stack(x), *slots)
-        weights_M = np.asarray([m in pushed for m in range(num_workers)], np.float32)
-        return reduce_update(theta, outer_state, payloads_M, weights_M)
+    def apply_two_stage(theta, outer_state, pushed):
+        reply = jax.tree.map(np.asarray, reduce(stacked(pushed)))
+        return Merged(*step(theta, outer_state, reply), jax.tree.leaves(reply))
 
-    return Merge(push_like, residual_like, encode, apply_compressed)
+    reply_like = _zeros(jax.eval_shape(reduce, stacked({})))
+    return Merge(push_like, residual_like, encode, apply_two_stage, reply_like, step)
+
+
+def _zeros(shapes: Any) -> Any:
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
 
 
 def _mean_update(optimizer, theta, outer_state, deltas):

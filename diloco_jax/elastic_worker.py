@@ -34,7 +34,7 @@ import numpy as np
 from diloco_jax import distributed, inner, wire
 from diloco_jax.elastic_merge import make_merge
 from diloco_jax.elastic_task import Elastic, ElasticTask
-from diloco_jax.outer import worker_delta
+from diloco_jax.outer import outer_init, worker_delta
 from diloco_jax.rpc import SyncerClient
 
 log = logging.getLogger("diloco_jax.worker")
@@ -46,7 +46,8 @@ PAUSE_PUSH_ENV = "DILOCO_JAX_PAUSE_PUSH"
 # phase's compute (the worker's measured step time, which DyLU reads, includes it).
 SLOW_STEP_ENV = "DILOCO_JAX_SLOW_STEP"
 KEEP_STATES = 3
-# One line per inner phase this worker ran: round, position, its mean loss, its seconds, time.
+# One line per inner phase this worker ran: round, position, its mean loss, its seconds, how
+# its θ came ("whole", or made from a sync's "reply"), time.
 METRICS_FILE = "metrics.jsonl"
 # How soon a worker group's survivors end after one of its processes dies (whole seconds;
 # JAX's coordination service ends them, so the group restarts as one).
@@ -75,6 +76,15 @@ class Kept(NamedTuple):
 
     inner: Any
     residual: Any
+
+
+class Held(NamedTuple):
+    """θ of `version` (the syncer's round count) and its outer state, kept where the merge
+    sends a sync's reply instead of θ (`elastic_merge`): host trees like θ and its state."""
+
+    version: int
+    theta: Any
+    outer_state: Any
 
 
 class WorkerExit(Exception):
@@ -114,6 +124,11 @@ class Worker:
         self.phase = jax.jit(functools.partial(_phase, task.loss_fn, self.optimizer))
         self.opt_like = jax.tree.map(np.asarray, self.optimizer.init(task.params))
         self.merge = make_merge(task.method, task.params, task.num_workers)
+        self.outer_like = jax.tree.map(
+            np.asarray, outer_init(task.method.outer_optimizer, task.params)
+        )
+        self.held: Held | None = None  # the leader's, where the syncer sends replies
+        self.theta_from = "whole"  # how the leader's last θ came: "whole" or a sync's "reply"
         self.states: dict[int, Kept] = {}  # position -> what it keeps, the newest few
         self.opt_shardings = None  # under a param_sharding: where the inner state lives
         self.pause_round = os.environ.get(PAUSE_PUSH_ENV)
@@ -194,11 +209,36 @@ class Worker:
             return self.client.ended
         if push is not None:
             self._push(push)
-        reply = self.client.call("Next", self._me(after=after, timeout=5.0))
+        held = -1 if self.held is None else self.held.version
+        reply = self.client.call("Next", self._me(after=after, timeout=5.0, held=held))
         if reply["status"] == "rejoin":
             log.info("worker %d: the syncer left it out; joining again", self.worker)
             self.join()
+        self.theta_from = "whole"
+        if reply["status"] == "round" and "theta" not in reply:
+            made = self._theta_from_reply(reply)
+            if made is None:  # this θ differs from the syncer's: ask for θ whole
+                self.held = None
+                made = self.client.call("Next", self._me(after=after, timeout=5.0, held=-1))
+            reply = made
+        if "outer" in reply:
+            theta = wire.tree_like(self.task.params, reply["theta"], "the syncer's θ")
+            outer = wire.tree_like(self.outer_like, reply.pop("outer"), "the outer state")
+            self.held = Held(int(reply["round"]), theta, outer)
         return reply
+
+    def _theta_from_reply(self, reply: dict) -> dict | None:
+        """The round's reply with θ made from the last sync's reply and the θ and outer state
+        held (the syncer's own step), or None where its checksum differs from the syncer's."""
+        encoded = wire.tree_like(self.merge.reply_like, reply.pop("reply"), "the sync's reply")
+        theta, outer = self.merge.receive(self.held.theta, self.held.outer_state, encoded)
+        theta, outer = jax.tree.map(np.asarray, theta), jax.tree.map(np.asarray, outer)
+        if wire.checksum(theta) != reply.pop("checksum"):
+            log.warning("worker %d: its θ from the sync's reply differs from the syncer's; "
+                        "asking for θ whole", self.worker)  # fmt: skip
+            return None
+        self.held, self.theta_from = Held(int(reply["round"]), theta, outer), "reply"
+        return {**reply, "theta": wire.leaves(theta)}
 
     def _command(self, lead) -> dict:
         """The group's next command: `lead()`'s reply on the leader (its calls to the
@@ -282,7 +322,8 @@ class Worker:
         self._keep(position + 1, Kept(distributed.to_host(opt_state), residual))
         if self.leader:
             line = {"round": round_, "position": position, "steps": steps, "loss": loss,
-                    "compute_s": seconds, "time": time.time()}  # fmt: skip
+                    "compute_s": seconds, "theta_from": self.theta_from,
+                    "time": time.time()}  # fmt: skip
             with open(self.directory / METRICS_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
         return Phase(serial=serial, round=round_, leaves=leaves, finite=finite, loss=loss,

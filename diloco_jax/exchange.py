@@ -265,6 +265,23 @@ def two_stage_mean(
     """Reducer of the two-stage exchange (see the module docstring). local: this device's k
     workers' (codes [k, NB, row], scales [k, NB] or None[, weights float32 [k]]). Returns
     (the mean in `like`'s structure and dtypes, float32 weight sum or None)."""
+    codes, scales, total = reduced_rows(compression, num_workers, weighted, local)
+    devices = num_workers // local[0].shape[0]
+    # Every device's reduced chunk to every device (with one device: a no-op that types the
+    # result as the same everywhere).
+    gathered = all_gather_workers(_pack_rows(codes, scales)[None])
+    codes, scales = _unpack_rows(gathered.reshape(devices * codes.shape[0], -1), codes, scales)
+    return rows_mean(compression, like, codes, scales, total), total
+
+
+def reduced_rows(
+    compression: Compression, num_workers: int, weighted: bool, local: tuple
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The two-stage exchange's first stage and re-encode, run per device on its k workers'
+    (codes [k, NB, row], scales [k, NB] or None[, weights float32 [k]]): this device's chunk
+    of the mean, encoded (codes [NB' / D, row], scales or None; the rows padded to a multiple
+    of the D devices), and the float32 weight sum (None unweighted). With one device the
+    chunk is the whole mean: what the elastic syncer sends its workers back."""
     codes_k, scales_k = local[0], local[1]
     num_local, num_blocks = codes_k.shape[:2]
     devices = num_workers // num_local
@@ -298,15 +315,22 @@ def two_stage_mean(
     for d in decoded[1:]:  # in worker order, whatever the layout
         summed = summed + d
     codes, scales = encode_blocks(summed / divisor, compression)
-    # Every device's reduced chunk to every device (with one device: a no-op that types the
-    # result as the same everywhere).
-    gathered = all_gather_workers(_pack_rows(codes, scales)[None])
-    codes, scales = _unpack_rows(gathered.reshape(devices * chunk, -1), codes, scales)
-    mean = decode_blocks(codes, scales, compression)[:num_blocks]
-    if weighted:
-        mean = jnp.where(total > 0, mean, 0.0)
+    return codes, scales, total
+
+
+def rows_mean(
+    compression: Compression, like: Any, codes: jax.Array, scales: jax.Array | None,
+    total: jax.Array | None,
+) -> Any:  # fmt: skip
+    """The mean the encoded rows of all of it (codes [NB', row], scales [NB'] or None, NB'
+    >= the NB blocks of `like`'s leaves) decode to, in `like`'s structure and dtypes; zeros
+    where a weight sum `total` is 0."""
     leaves, treedef = jax.tree.flatten(like)
-    return treedef.unflatten(from_blocks(mean, leaves)), total
+    num_blocks = jax.eval_shape(lambda xs: to_blocks(xs, compression.block_size), leaves).shape[0]
+    mean = decode_blocks(codes, scales, compression)[:num_blocks]
+    if total is not None:
+        mean = jnp.where(total > 0, mean, 0.0)
+    return treedef.unflatten(from_blocks(mean, leaves))
 
 
 def _pack_rows(codes: jax.Array, scales: jax.Array | None) -> jax.Array:

@@ -53,6 +53,11 @@ RETRIED = (
 )
 
 
+# What a Next reply streams after its header, in this order: θ, the outer state, a sync's
+# reply (`diloco_jax.elastic_merge`), each a list of raw leaves where present.
+PARTS = ("theta", "outer", "reply")
+
+
 class SyncerLost(ConnectionError):
     """The syncer did not answer for longer than the worker's syncer_timeout."""
 
@@ -110,14 +115,15 @@ def serve(
                         header["worker"], why)  # fmt: skip
         return wire.pack(reply)
 
-    sent = [((), [], [])]  # the θ leaves last sent, their ids and raw bytes (one entry)
+    sent: dict[str, tuple] = {}  # part -> the ids of its leaves last sent, them, raw bytes
 
-    def raw_theta(theta: list) -> list[bytes]:
-        """θ's raw bytes, made once per θ for every worker that asks."""
-        ids, _, raw = sent[0]
-        if ids != tuple(map(id, theta)):
-            raw = [bytes(wire.raw(x)) for x in theta]
-            sent[0] = (tuple(map(id, theta)), theta, raw)  # θ held: its ids stay its own
+    def raw_part(name: str, arrays: list) -> list[bytes]:
+        """A part's raw bytes (θ, the outer state, a sync's reply), made once per value for
+        every worker that asks."""
+        ids, _, raw = sent.get(name, ((), [], []))
+        if ids != tuple(map(id, arrays)):
+            raw = [bytes(wire.raw(x)) for x in arrays]
+            sent[name] = (tuple(map(id, arrays)), arrays, raw)  # held: their ids stay theirs
         return raw
 
     def next_round(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -127,12 +133,14 @@ def serve(
             refuse(context, error)
         try:
             timeout = min(float(m["timeout"]), 10.0)
-            reply = syncer.next_round(m["worker"], m["incarnation"], int(m["after"]), timeout)
+            reply = syncer.next_round(m["worker"], m["incarnation"], int(m["after"]), timeout,
+                                      int(m.get("held", -1)))  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
-        raw = raw_theta(reply.pop("theta")) if "theta" in reply else []
-        yield wire.pack({**reply, "leaves": len(raw)})
-        yield from raw  # gRPC's own copy is the only one made for this worker
+        parts = {name: raw_part(name, reply.pop(name)) for name in PARTS if name in reply}
+        yield wire.pack({**reply, "parts": {name: len(raw) for name, raw in parts.items()}})
+        for raw in parts.values():
+            yield from raw  # gRPC's own copy is the only one made for this worker
 
     handlers = {
         "Join": unary("Join", lambda m: syncer.join(m["worker"], m.get("incarnation"))),
@@ -173,7 +181,7 @@ class SyncerClient:
 
     def call(self, name: str, message: dict[str, Any], deadline: float = 15.0) -> dict:
         """One call, retried while the syncer is unreachable (at most syncer_timeout). Next's
-        reply holds θ (if any) as raw leaf bytes."""
+        reply holds its PARTS (where sent) as lists of raw leaf bytes."""
         return self._retried(name, lambda: self._send(name, message, deadline))
 
     def once(self, name: str, message: dict[str, Any], deadline: float) -> dict | None:
@@ -209,11 +217,16 @@ class SyncerClient:
         request = self.signer.call(name, wire.pack(message), self._epoch(deadline))
         if name != "Next":
             return wire.unpack(self._unary[name](request, timeout=deadline))
-        head, *leaves = self._next(request, timeout=deadline)  # the reply, then θ's leaves
+        head, *leaves = self._next(request, timeout=deadline)  # the reply, then its parts
         reply = wire.unpack(head)
-        if reply.pop("leaves") != len(leaves):
-            raise ValueError(f"the syncer's Next sent {len(leaves)} leaves of θ, not all")
-        return {**reply, "theta": leaves} if leaves else reply
+        counts = reply.pop("parts")
+        if sum(counts.values()) != len(leaves):
+            raise ValueError(f"the syncer's Next sent {len(leaves)} leaves of {counts}")
+        at = 0
+        for name in PARTS:
+            if name in counts:
+                reply[name], at = leaves[at : at + counts[name]], at + counts[name]
+        return reply
 
     def _retried(self, name: str, send: Callable[[], dict]) -> dict:
         start, wait, refused = time.monotonic(), 0.05, False

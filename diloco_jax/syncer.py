@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -55,6 +55,15 @@ KEEP_CHECKPOINTS = 2
 class Member:
     incarnation: str
     last_seen: float
+
+
+class Reply(NamedTuple):
+    """What turns θ of version - 1 (and its outer state) into θ of `version` on a worker that
+    holds them: the merge's reply leaves, and θ's checksum (`wire.checksum`) to check by."""
+
+    version: int
+    leaves: list
+    checksum: int
 
 
 @dataclasses.dataclass
@@ -118,6 +127,7 @@ class Syncer:
         )
         self.merge = make_merge(task.method, self.theta, task.num_workers)
         self.round, self.serial, self.opened = 0, -1, False
+        self.reply: Reply | None = None  # the last sync's, where the merge makes one
         self.positions = [0] * task.num_workers
         self.members: dict[int, Member] = {}
         self.is_open, self.participants, self.pushed = False, set(), {}
@@ -169,9 +179,12 @@ class Syncer:
         with self.cond:
             return self._heard(worker, incarnation) or {"status": "ok"}
 
-    def next_round(self, worker: int, incarnation: str, after: int, timeout: float) -> dict:
+    def next_round(
+        self, worker: int, incarnation: str, after: int, timeout: float, held: int = -1
+    ) -> dict:
         """Blocks (at most `timeout` s) until worker's next round: {"status": "round", serial,
-        round, position, theta}; or "push_again" (the open round lost its delta), "rejoin",
+        round, position} and θ of version `round` (`_theta_for`: the worker holds θ of
+        version `held`, -1 none); or "push_again" (the open round lost its delta), "rejoin",
         "done", "abort" (with "reason"), "pending" (nothing yet: ask again)."""
         self._check_worker(worker)
         deadline = time.monotonic() + timeout
@@ -187,13 +200,23 @@ class Syncer:
                             "serial": self.serial,
                             "round": self.round,
                             "position": self.positions[worker],
-                            "theta": wire.leaves(self.theta),
+                            **self._theta_for(held),
                         }
                     return {"status": "push_again", "serial": self.serial}
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return {"status": "pending"}
                 self.cond.wait(min(left, 0.5))
+
+    def _theta_for(self, held: int) -> dict[str, Any]:
+        """θ for a worker holding θ of version `held`: the last sync's reply ("reply" and
+        θ's "checksum") where it holds the version before; else θ whole ("theta"), with the
+        outer state ("outer") where the merge has replies, so the worker can take the next."""
+        if self.reply is not None and self.reply.version == self.round == held + 1:
+            return {"reply": self.reply.leaves, "checksum": self.reply.checksum}
+        if self.merge.reply_like is None:
+            return {"theta": wire.leaves(self.theta)}
+        return {"theta": wire.leaves(self.theta), "outer": wire.leaves(self.outer_state)}
 
     def push(
         self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
@@ -362,11 +385,15 @@ class Syncer:
     def _close(self) -> None:
         busy_since = time.monotonic()
         included = sorted(m for m, p in self.pushed.items() if p.finite)
+        self.reply = None
         if included:
-            pushes = {m: self.pushed[m].leaves for m in included}
-            theta, outer = self.merge.apply(self.theta, self.outer_state, pushes)
-            self.theta = jax.tree.map(np.asarray, theta)
-            self.outer_state = jax.tree.map(np.asarray, outer)
+            merged = self.merge.apply(
+                self.theta, self.outer_state, {m: self.pushed[m].leaves for m in included}
+            )
+            self.theta = jax.tree.map(np.asarray, merged.theta)
+            self.outer_state = jax.tree.map(np.asarray, merged.outer_state)
+            if merged.reply is not None:
+                self.reply = Reply(self.round + 1, merged.reply, wire.checksum(self.theta))
         for m in included:
             self.positions[m] += 1
         record = {

@@ -53,6 +53,15 @@ def raw(x: Any) -> memoryview:
     return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
 
 
+def checksum(tree: Any) -> int:
+    """CRC-32 of `tree`'s leaves' raw bytes in order: two trees of the same leaves agree
+    where every byte does."""
+    crc = 0
+    for x in leaves(tree):
+        crc = zlib.crc32(raw(x), crc)
+    return crc
+
+
 def tree_like(like: Any, arrays: list[Any], what: str) -> Any:
     """`like`'s structure with `arrays` as its leaves (arrays, or `raw` bytes read as the
     like leaf's dtype and shape, without a copy); ValueError naming `what` unless they match

@@ -249,6 +249,14 @@ def test_a_compressed_run_with_a_killed_and_a_stopped_worker_equals_train_diloco
     assert [2 in s["included"] for s in syncs][:5] == [True] * 3 + [False] * 2
     assert [3 in s["included"] for s in syncs][:5] == [True] * 3 + [False] * 2
     assert "inner state of position 3 from" in cluster.log("worker-2")
+    # What came back: int4 codes of the mean, the worker taking the outer step itself, but
+    # θ (and the outer state) whole at its first round and after it was left out.
+    for m in range(4):
+        came = [x["theta_from"] for x in worker_metrics(tmp_path / "workers", m)]
+        assert came[0] == "whole" and came.count("reply") >= 6, (m, came)
+        if m < 2:
+            assert came[1:] == ["reply"] * (ROUNDS - 1), (m, came)
+    assert "differs from the syncer's" not in cluster.log("worker-0")
     rows = tuple(tuple(m in s["included"] for m in range(4)) for s in syncs)
     real = final_params(cluster.out / "syncer", make_task())
     assert not np.allclose(real["w"], _simulated(rows)["w"], rtol=1e-4)

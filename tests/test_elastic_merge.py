@@ -62,12 +62,15 @@ def test_an_int8_push_with_error_feedback_merges_as_the_two_stage_exchange_does(
         assert [x.dtype for x in leaves] == [np.int8, np.float32]
         pushes[m] = wire.tree_like(merge.push_like, leaves, "push")
     outer_state = OUTER.init(jax.tree.map(np.asarray, PARAMS))
-    theta, _ = merge.apply(PARAMS, outer_state, pushes)
+    theta = merge.apply(PARAMS, outer_state, pushes).theta
     expected, expected_residuals = _reference(deltas, residuals, included=(0, 2))
     for k in PARAMS:
         np.testing.assert_allclose(theta[k], expected[k], rtol=1e-6, atol=1e-7)
         for m in (0, 2):
             np.testing.assert_allclose(new_residuals[m][k], expected_residuals[m][k], atol=1e-6)
+    # What comes back: the mean's codes and scales as the second stage encodes them, and
+    # the weight sum (4 bytes).
+    assert sum(x.nbytes for x in jax.tree.leaves(merge.reply_like)) == 9 * (32 + 4) + 4
     pushed_bytes = sum(x.nbytes for x in leaves)
     delta_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(PARAMS))
     assert pushed_bytes == 9 * (32 + 4)  # b: one block, w: eight; codes + a scale each
@@ -80,7 +83,7 @@ def test_the_exact_merge_is_the_mean_of_the_included_deltas():
               for m in range(3)]  # fmt: skip
     leaves, residual = merge.encode(deltas[0], None)
     assert residual is None and [x.shape for x in leaves] == [(), (8, 32)]
-    theta, _ = merge.apply(PARAMS, OUTER.init(PARAMS), {0: deltas[0], 2: deltas[2]})
+    theta = merge.apply(PARAMS, OUTER.init(PARAMS), {0: deltas[0], 2: deltas[2]}).theta
     mean = 2.0  # (1 + 3) / 2
     for k in PARAMS:
         np.testing.assert_allclose(theta[k], PARAMS[k] - LR * (1 + MOMENTUM) * mean, rtol=1e-6)
@@ -101,7 +104,7 @@ def test_a_sync_of_one_worker_moves_theta_by_what_it_sent(spec):
     leaves, residual = merge.encode(delta, merge.residual_like)
     assert sum(x.nbytes for x in leaves) < sum(np.asarray(x).nbytes for x in delta.values())
     one = wire.tree_like(merge.push_like, leaves, "push")
-    theta, _ = merge.apply(PARAMS, optax.sgd(1.0).init(PARAMS), {3: one})
+    theta = merge.apply(PARAMS, optax.sgd(1.0).init(PARAMS), {3: one}).theta
     for k in PARAMS:
         if residual is None:
             sent = np.asarray(delta[k]).astype(ml_dtypes.bfloat16).astype(np.float32)

@@ -607,3 +607,51 @@ def test_a_checkpoint_that_fails_to_write_ends_the_run_with_the_syncers_line(tmp
     assert s.done == "the syncer failed: OSError: [Errno 28] No space left on device"
     assert not (tmp_path / "final.msgpack").exists()  # no result without its checkpoint
     assert s.heartbeat(0, incs[0])["status"] == "abort"
+
+
+def test_a_worker_holding_theta_from_before_a_compressed_sync_gets_the_codes_of_its_mean(
+    tmp_path, monkeypatch
+):
+    """int8 two-stage: after a sync, a worker that holds θ and the outer state of the version
+    before gets only the encoded mean and θ's checksum, and makes the syncer's θ bit for bit
+    (its own outer step); one holding nothing, or an older θ, gets θ and the outer state
+    whole; a worker whose θ differs from the syncer's is caught by the checksum."""
+    from elastic_linear import make_compressed_task
+
+    from diloco_jax.elastic_worker import Held, Worker
+
+    monkeypatch.setenv("ELASTIC_COMPRESSION", "int8,ef=1")
+    monkeypatch.setenv("ELASTIC_WORKERS", "2")
+    task = make_compressed_task()
+    s = Syncer(task, Elastic(heartbeat_interval=0.05, heartbeat_timeout=30), tmp_path / "s")
+    incs = _join_all(s, 2)
+    s.tick()
+    first = s.next_round(0, incs[0], -1, 1.0)
+    assert first["status"] == "round" and first["round"] == 0
+    assert set(first) >= {"theta", "outer"} and "reply" not in first  # whole: nothing held
+    worker = Worker(task, 0, "127.0.0.1:9", tmp_path / "w", SECRET)  # never connects here
+    theta_0 = wire.tree_like(task.params, first["theta"], "θ")
+    outer_0 = wire.tree_like(worker.outer_like, first["outer"], "outer")
+    for m in range(2):
+        delta = {"b": np.float32(0.1 * (m + 1)), "w": np.asarray([0.2, -0.1, m], np.float32)}
+        leaves, _ = worker.merge.encode(delta, worker.merge.residual_like)
+        assert s.push(m, incs[m], first["serial"], leaves, loss=0.0)["status"] == "ok"
+    assert s.round == 1
+    after = s.next_round(0, incs[0], first["serial"], 1.0, held=0)
+    assert "theta" not in after and set(after) >= {"reply", "checksum"}
+    worker.held = Held(0, theta_0, outer_0)
+    made = worker._theta_from_reply(dict(after))
+    assert made is not None and worker.theta_from == "reply"
+    for got, want in zip(made["theta"], wire.leaves(s.theta), strict=True):
+        np.testing.assert_array_equal(got, want)  # bit for bit
+    for got, want in zip(wire.leaves(worker.held.outer_state), wire.leaves(s.outer_state),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+    # Nothing held, or θ of another version: θ and the outer state whole.
+    for held in (-1, 5):
+        whole = s.next_round(1, incs[1], first["serial"], 1.0, held=held)
+        assert set(whole) >= {"theta", "outer"} and "reply" not in whole
+    # A θ one ulp off the syncer's (other hardware, say) is caught: θ whole is asked for.
+    off = {**theta_0, "b": np.nextafter(theta_0["b"], np.float32(1))}
+    worker.held = Held(0, off, outer_0)
+    assert worker._theta_from_reply(dict(after)) is None
