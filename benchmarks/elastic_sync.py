@@ -38,7 +38,8 @@ CHUNK = 4 << 20
 
 
 def make_task():
-    """The benchmark's task, sized by ELASTIC_SYNC_MB, ELASTIC_WORKERS and ELASTIC_ROUNDS."""
+    """The benchmark's task, sized by ELASTIC_SYNC_MB, ELASTIC_WORKERS and ELASTIC_ROUNDS,
+    its deltas compressed as ELASTIC_SYNC_COMPRESSION says (default none)."""
     import jax.numpy as jnp
     import optax
 
@@ -60,7 +61,11 @@ def make_task():
         num_workers=int(os.environ["ELASTIC_WORKERS"]),
         inner_steps=1,
         num_rounds=int(os.environ["ELASTIC_ROUNDS"]),
-        method=dj.DiLoCo(inner=optax.sgd(0.1), outer=optax.sgd(0.7, momentum=0.9, nesterov=True)),
+        method=dj.DiLoCo(
+            inner=optax.sgd(0.1),
+            outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+            compression=os.environ.get("ELASTIC_SYNC_COMPRESSION", "none"),
+        ),
     )
 
 

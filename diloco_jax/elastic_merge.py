@@ -75,53 +75,83 @@ def make_merge(method: DiLoCo, params: Any, num_workers: int) -> Merge:
     delta_like = jax.tree.map(
         lambda x: np.zeros(np.shape(x), delta_dtype(np.result_type(x))), params
     )
-    optimizer = method.outer_optimizer
-    compression = method.compression
-    if compression.kind == "none":
-        update = jax.jit(lambda theta, state, deltas: _mean_update(optimizer, theta, state, deltas))
+    if method.compression.kind == "none":
+        return _exact_merge(method.outer_optimizer, delta_like)
+    if method.compression.resolved_exchange == "gather":
+        return _gathered_merge(method, delta_like, num_workers)
+    return _two_stage_merge(method, delta_like, num_workers)
 
-        def apply_exact(theta, outer_state, pushed):
-            return Merged(*update(theta, outer_state, [pushed[m] for m in sorted(pushed)]), None)
 
-        return Merge(delta_like, None, lambda delta, residual: (jax.tree.leaves(delta), None),
-                     apply_exact)  # fmt: skip
-    exchange = make_exchange(compression, delta_like, num_workers, weighted=True)
-    feedback = compression.error_feedback
+def _exact_merge(optimizer: Any, delta_like: Any) -> Merge:
+    update = jax.jit(lambda theta, state, deltas: _mean_update(optimizer, theta, state, deltas))
+
+    def apply(theta, outer_state, pushed):
+        return Merged(*update(theta, outer_state, [pushed[m] for m in sorted(pushed)]), None)
+
+    return Merge(delta_like, None, lambda delta, residual: (jax.tree.leaves(delta), None), apply)
+
+
+class _Sent(NamedTuple):
+    """A compressed merge's worker side and how the syncer stacks a sync's pushes."""
+
+    exchange: Any
+    push_like: Any
+    residual_like: Any
+    encode: Callable[[Any, Any], tuple[list, Any]]
+    stacked: Callable[[dict[int, Any]], tuple]
+
+
+def _sent(method: DiLoCo, delta_like: Any, num_workers: int) -> _Sent:
+    """The exchange's `send` on a worker (weighted as a round with a membership is, its
+    weight 1 left for the syncer to set), and the syncer's [M, ...] stack of the pushes
+    (a worker not included: zeros, weight 0)."""
+    exchange = make_exchange(method.compression, delta_like, num_workers, weighted=True)
+    feedback = method.compression.error_feedback
     residual_like = jax.tree.map(np.asarray, init_residual(delta_like)) if feedback else None
 
     @jax.jit
     def send(delta, residual):
         to_reduce, residual = exchange.send(delta, residual, jnp.bool_(True), None)
-        return to_reduce[:-1], residual  # the weight (1) is the syncer's to set
+        return to_reduce[:-1], residual
 
     push_like = _zeros(jax.eval_shape(send, delta_like, residual_like)[0])
 
     def encode(delta, residual):
         payload, residual = send(delta, residual)
-        return jax.tree.leaves(jax.tree.map(np.asarray, payload)), (
-            jax.tree.map(np.asarray, residual) if feedback else None
-        )
+        leaves = jax.tree.leaves(jax.tree.map(np.asarray, payload))
+        return leaves, jax.tree.map(np.asarray, residual) if feedback else None
 
     def stacked(pushed):
-        """Every slot's payload (zeros for a worker not included) and weight, [M, ...]."""
         slots = [pushed.get(m, push_like) for m in range(num_workers)]
         weights_M = np.asarray([m in pushed for m in range(num_workers)], np.float32)
         return (*jax.tree.map(lambda *x: np.stack(x), *slots), weights_M)
 
-    if compression.resolved_exchange == "gather":  # θ goes back whole: no encoded mean
+    return _Sent(exchange, push_like, residual_like, encode, stacked)
 
-        @jax.jit
-        def reduce_update(theta, outer_state, local_M):
-            mean, _ = one_device_reduce(exchange.reduce, local_M)
-            return outer_update(optimizer, theta, outer_state, mean)
 
-        def apply_gathered(theta, outer_state, pushed):
-            return Merged(*reduce_update(theta, outer_state, stacked(pushed)), None)
+def _gathered_merge(method: DiLoCo, delta_like: Any, num_workers: int) -> Merge:
+    """The sparse kinds (and `exchange="gather"`): θ goes back whole."""
+    sent = _sent(method, delta_like, num_workers)
+    optimizer = method.outer_optimizer
 
-        return Merge(push_like, residual_like, encode, apply_gathered)
+    @jax.jit
+    def reduce_update(theta, outer_state, local_M):
+        mean, _ = one_device_reduce(sent.exchange.reduce, local_M)
+        return outer_update(optimizer, theta, outer_state, mean)
 
-    # Two-stage: the syncer encodes the mean as the compiled round's second stage does, and
-    # a worker holding θ and the outer state before the sync decodes and steps as it does.
+    def apply(theta, outer_state, pushed):
+        return Merged(*reduce_update(theta, outer_state, sent.stacked(pushed)), None)
+
+    return Merge(sent.push_like, sent.residual_like, sent.encode, apply)
+
+
+def _two_stage_merge(method: DiLoCo, delta_like: Any, num_workers: int) -> Merge:
+    """The dense kinds: the syncer encodes the mean as the compiled round's second stage
+    does, and a worker holding θ and the outer state before the sync decodes and steps as
+    the syncer does (`step`, the same jitted program on both sides)."""
+    sent = _sent(method, delta_like, num_workers)
+    compression, optimizer = method.compression, method.outer_optimizer
+
     @jax.jit
     def reduce(local_M):  # one device of all M workers, as the one-device backends run it
         rows = functools.partial(reduced_rows, compression, num_workers, True)
@@ -134,12 +164,12 @@ def make_merge(method: DiLoCo, params: Any, num_workers: int) -> Merge:
         mean = rows_mean(compression, delta_like, codes, scales, total)
         return outer_update(optimizer, theta, outer_state, mean)
 
-    def apply_two_stage(theta, outer_state, pushed):
-        reply = jax.tree.map(np.asarray, reduce(stacked(pushed)))
+    def apply(theta, outer_state, pushed):
+        reply = jax.tree.map(np.asarray, reduce(sent.stacked(pushed)))
         return Merged(*step(theta, outer_state, reply), jax.tree.leaves(reply))
 
-    reply_like = _zeros(jax.eval_shape(reduce, stacked({})))
-    return Merge(push_like, residual_like, encode, apply_two_stage, reply_like, step)
+    reply_like = _zeros(jax.eval_shape(reduce, sent.stacked({})))
+    return Merge(sent.push_like, sent.residual_like, sent.encode, apply, reply_like, step)
 
 
 def _zeros(shapes: Any) -> Any:

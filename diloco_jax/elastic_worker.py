@@ -79,12 +79,19 @@ class Kept(NamedTuple):
 
 
 class Held(NamedTuple):
-    """θ of `version` (the syncer's round count) and its outer state, kept where the merge
-    sends a sync's reply instead of θ (`elastic_merge`): host trees like θ and its state."""
+    """θ of `version` (the syncer's round count), its outer state and θ's checksum
+    (`wire.checksum`), kept where the merge sends a sync's reply instead of θ
+    (`elastic_merge`): host trees like θ and its state."""
 
     version: int
     theta: Any
     outer_state: Any
+    checksum: int
+
+
+def _held(version: int, theta: Any, outer_state: Any) -> Held:
+    theta, outer_state = jax.tree.map(np.asarray, theta), jax.tree.map(np.asarray, outer_state)
+    return Held(version, theta, outer_state, wire.checksum(theta))
 
 
 class WorkerExit(Exception):
@@ -127,8 +134,12 @@ class Worker:
         self.outer_like = jax.tree.map(
             np.asarray, outer_init(task.method.outer_optimizer, task.params)
         )
-        self.held: Held | None = None  # the leader's, where the syncer sends replies
-        self.theta_from = "whole"  # how the leader's last θ came: "whole" or a sync's "reply"
+        # The leader's θ, where the syncer sends replies: θ_0 and its outer state are the
+        # task's own, so even the first round's θ need not travel.
+        self.held: Held | None = None
+        if self.merge.reply_like is not None:
+            self.held = _held(0, task.params, self.outer_like)
+        self.theta_from = "whole"  # how the leader's last θ came: "whole", "held", "reply"
         self.states: dict[int, Kept] = {}  # position -> what it keeps, the newest few
         self.opt_shardings = None  # under a param_sharding: where the inner state lives
         self.pause_round = os.environ.get(PAUSE_PUSH_ENV)
@@ -216,7 +227,7 @@ class Worker:
             self.join()
         self.theta_from = "whole"
         if reply["status"] == "round" and "theta" not in reply:
-            made = self._theta_from_reply(reply)
+            made = self._theta_from_held(reply)
             if made is None:  # this θ differs from the syncer's: ask for θ whole
                 self.held = None
                 made = self.client.call("Next", self._me(after=after, timeout=5.0, held=-1))
@@ -224,21 +235,24 @@ class Worker:
         if "outer" in reply:
             theta = wire.tree_like(self.task.params, reply["theta"], "the syncer's θ")
             outer = wire.tree_like(self.outer_like, reply.pop("outer"), "the outer state")
-            self.held = Held(int(reply["round"]), theta, outer)
+            self.held = _held(int(reply["round"]), theta, outer)
         return reply
 
-    def _theta_from_reply(self, reply: dict) -> dict | None:
-        """The round's reply with θ made from the last sync's reply and the θ and outer state
-        held (the syncer's own step), or None where its checksum differs from the syncer's."""
-        encoded = wire.tree_like(self.merge.reply_like, reply.pop("reply"), "the sync's reply")
-        theta, outer = self.merge.receive(self.held.theta, self.held.outer_state, encoded)
-        theta, outer = jax.tree.map(np.asarray, theta), jax.tree.map(np.asarray, outer)
-        if wire.checksum(theta) != reply.pop("checksum"):
-            log.warning("worker %d: its θ from the sync's reply differs from the syncer's; "
-                        "asking for θ whole", self.worker)  # fmt: skip
+    def _theta_from_held(self, reply: dict) -> dict | None:
+        """The round's reply with its θ: the one held, or made from it and the outer state by
+        the last sync's reply (the syncer's own step); None where θ's checksum differs from
+        the syncer's."""
+        if "reply" in reply:
+            encoded = wire.tree_like(self.merge.reply_like, reply.pop("reply"), "a sync's reply")
+            made = self.merge.receive(self.held.theta, self.held.outer_state, encoded)
+            self.held, self.theta_from = _held(int(reply["round"]), *made), "reply"
+        else:
+            self.theta_from = "held"
+        if self.held.checksum != reply.pop("checksum"):
+            log.warning("worker %d: its θ of round %d differs from the syncer's; asking for θ "
+                        "whole", self.worker, reply["round"])  # fmt: skip
             return None
-        self.held, self.theta_from = Held(int(reply["round"]), theta, outer), "reply"
-        return {**reply, "theta": wire.leaves(theta)}
+        return {**reply, "theta": wire.leaves(self.held.theta)}
 
     def _command(self, lead) -> dict:
         """The group's next command: `lead()`'s reply on the leader (its calls to the

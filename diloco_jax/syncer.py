@@ -59,11 +59,10 @@ class Member:
 
 class Reply(NamedTuple):
     """What turns θ of version - 1 (and its outer state) into θ of `version` on a worker that
-    holds them: the merge's reply leaves, and θ's checksum (`wire.checksum`) to check by."""
+    holds them: the merge's reply leaves."""
 
     version: int
     leaves: list
-    checksum: int
 
 
 @dataclasses.dataclass
@@ -128,6 +127,7 @@ class Syncer:
         self.merge = make_merge(task.method, self.theta, task.num_workers)
         self.round, self.serial, self.opened = 0, -1, False
         self.reply: Reply | None = None  # the last sync's, where the merge makes one
+        self.theta_checksum: tuple[int, int] | None = None  # (version, θ's checksum)
         self.positions = [0] * task.num_workers
         self.members: dict[int, Member] = {}
         self.is_open, self.participants, self.pushed = False, set(), {}
@@ -209,14 +209,23 @@ class Syncer:
                 self.cond.wait(min(left, 0.5))
 
     def _theta_for(self, held: int) -> dict[str, Any]:
-        """θ for a worker holding θ of version `held`: the last sync's reply ("reply" and
-        θ's "checksum") where it holds the version before; else θ whole ("theta"), with the
-        outer state ("outer") where the merge has replies, so the worker can take the next."""
-        if self.reply is not None and self.reply.version == self.round == held + 1:
-            return {"reply": self.reply.leaves, "checksum": self.reply.checksum}
+        """θ for a worker holding θ of version `held`, where the merge has replies: θ's
+        "checksum" alone where it holds this θ, with the last sync's "reply" where it holds
+        the one before; else θ ("theta") and the outer state ("outer") whole, so it can take
+        the next. Without replies: θ whole."""
         if self.merge.reply_like is None:
             return {"theta": wire.leaves(self.theta)}
+        if held == self.round:
+            return {"checksum": self._checksum()}
+        if self.reply is not None and self.reply.version == self.round == held + 1:
+            return {"reply": self.reply.leaves, "checksum": self._checksum()}
         return {"theta": wire.leaves(self.theta), "outer": wire.leaves(self.outer_state)}
+
+    def _checksum(self) -> int:
+        """θ's checksum, made once per version."""
+        if self.theta_checksum is None or self.theta_checksum[0] != self.round:
+            self.theta_checksum = (self.round, wire.checksum(self.theta))
+        return self.theta_checksum[1]
 
     def push(
         self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
@@ -393,7 +402,7 @@ class Syncer:
             self.theta = jax.tree.map(np.asarray, merged.theta)
             self.outer_state = jax.tree.map(np.asarray, merged.outer_state)
             if merged.reply is not None:
-                self.reply = Reply(self.round + 1, merged.reply, wire.checksum(self.theta))
+                self.reply = Reply(self.round + 1, merged.reply)
         for m in included:
             self.positions[m] += 1
         record = {

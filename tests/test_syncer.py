@@ -614,8 +614,9 @@ def test_a_worker_holding_theta_from_before_a_compressed_sync_gets_the_codes_of_
 ):
     """int8 two-stage: after a sync, a worker that holds θ and the outer state of the version
     before gets only the encoded mean and θ's checksum, and makes the syncer's θ bit for bit
-    (its own outer step); one holding nothing, or an older θ, gets θ and the outer state
-    whole; a worker whose θ differs from the syncer's is caught by the checksum."""
+    (its own outer step); one holding θ of this version gets the checksum alone; one holding
+    nothing, or an older θ, gets θ and the outer state whole; a worker whose θ differs from
+    the syncer's is caught by the checksum."""
     from elastic_linear import make_compressed_task
 
     from diloco_jax.elastic_worker import Held, Worker
@@ -629,6 +630,9 @@ def test_a_worker_holding_theta_from_before_a_compressed_sync_gets_the_codes_of_
     first = s.next_round(0, incs[0], -1, 1.0)
     assert first["status"] == "round" and first["round"] == 0
     assert set(first) >= {"theta", "outer"} and "reply" not in first  # whole: nothing held
+    # θ_0 is the task's: a worker holding it (as a new one does) gets its checksum alone.
+    held_0 = s.next_round(1, incs[1], -1, 1.0, held=0)
+    assert held_0["checksum"] == wire.checksum(task.params) and "theta" not in held_0
     worker = Worker(task, 0, "127.0.0.1:9", tmp_path / "w", SECRET)  # never connects here
     theta_0 = wire.tree_like(task.params, first["theta"], "θ")
     outer_0 = wire.tree_like(worker.outer_like, first["outer"], "outer")
@@ -639,8 +643,8 @@ def test_a_worker_holding_theta_from_before_a_compressed_sync_gets_the_codes_of_
     assert s.round == 1
     after = s.next_round(0, incs[0], first["serial"], 1.0, held=0)
     assert "theta" not in after and set(after) >= {"reply", "checksum"}
-    worker.held = Held(0, theta_0, outer_0)
-    made = worker._theta_from_reply(dict(after))
+    worker.held = Held(0, theta_0, outer_0, wire.checksum(theta_0))
+    made = worker._theta_from_held(dict(after))
     assert made is not None and worker.theta_from == "reply"
     for got, want in zip(made["theta"], wire.leaves(s.theta), strict=True):
         np.testing.assert_array_equal(got, want)  # bit for bit
@@ -653,5 +657,5 @@ def test_a_worker_holding_theta_from_before_a_compressed_sync_gets_the_codes_of_
         assert set(whole) >= {"theta", "outer"} and "reply" not in whole
     # A θ one ulp off the syncer's (other hardware, say) is caught: θ whole is asked for.
     off = {**theta_0, "b": np.nextafter(theta_0["b"], np.float32(1))}
-    worker.held = Held(0, off, outer_0)
-    assert worker._theta_from_reply(dict(after)) is None
+    worker.held = Held(0, off, outer_0, wire.checksum(off))
+    assert worker._theta_from_held(dict(after)) is None
