@@ -386,6 +386,32 @@ def _address(syncer_dir: Path, syncer: subprocess.Popen, stop: threading.Event) 
     return None
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to the sys.stderr of each record's moment, not of the handler's making: `main`
+    also runs inside a caller's process (the LM app's --elastic, a test), whose stderr may be
+    swapped and closed after the run."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def _log_to_stderr() -> None:
+    """The syncer's and workers' lines on stderr, under the "diloco_jax" logger alone: the
+    caller's own logging (the root logger, absl's) is left as it was."""
+    logger = logging.getLogger("diloco_jax")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diloco_jax.elastic")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -431,12 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to keep retrying an unreachable syncer before exiting 1 "
                         "(default: the syncer's, 60 s until it is reached)")  # fmt: skip
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(message)s",
-        stream=sys.stderr,
-        force=True,  # over whatever an import configured first
-    )
+    _log_to_stderr()
     commands = {"run": launch, "syncer": run_syncer, "worker": run_worker}
     try:
         return commands[args.command](args)

@@ -111,8 +111,10 @@ def test_train_elastic_equals_train_diloco_on_the_same_windows(tmp_path, monkeyp
     assert not np.allclose(jax.tree.leaves(task.params)[0], jax.tree.leaves(init)[0])
     summary = json.loads((out / "summary.json").read_text())
     corpus = experiment.load_corpus(cfg)
-    eval_loss = jax.jit(experiment.make_eval_fn(task.loss_fn, corpus))(expected)["eval_loss"]
-    assert summary["final_eval_loss"] == pytest.approx(float(eval_loss), rel=1e-5)
+    # The summary states the loss of the θ the run ended with (under int4 one code step from
+    # the compiled round's at the odd element, so it is checked against the run's own θ).
+    eval_loss = jax.jit(experiment.make_eval_fn(task.loss_fn, corpus))(real)["eval_loss"]
+    assert summary["final_eval_loss"] == pytest.approx(float(eval_loss), rel=1e-6)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines if x["run"] == "diloco"] == [0, 1, 2]
 
