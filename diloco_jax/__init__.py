@@ -16,6 +16,7 @@ from diloco_jax.delay import Delayed, Eager
 from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.donation import jit_round
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
+from diloco_jax.gasloc import GASLoC
 from diloco_jax.halos import HALoS
 from diloco_jax.heloco_outer import heloco
 from diloco_jax.inner import StepInfo
@@ -58,6 +59,7 @@ __all__ = [
     "Eager",
     "StateSync",
     "NoLoCo",
+    "GASLoC",
     # outer and inner rules (optax transformations)
     "default_inner_optimizer",
     "default_outer_optimizer",

@@ -143,7 +143,7 @@ def refusal(method: DiLoCo) -> str | None:
             "each worker process and is not sent to the syncer"
         )
     if method.gossip is not None:
-        return "NoLoCo has no global θ; the syncer holds one"
+        return f"{type(method.gossip).__name__} has no global θ; the syncer holds one"
     w = method.weights
     if w.drop_probability is not None or w.membership is not None:
         return "simulated drops or membership: an elastic run's membership is its live workers"

@@ -13,8 +13,8 @@ built and owns its rules with the other parts (`check_with`, called once here):
   anomaly skip;
 - delay: None, `Delayed(d)` or `Eager(d)` (`diloco_jax.delay`);
 - state_sync: None or `StateSync(mu=K_u, nu=K_v)` (`diloco_jax.state_sync`);
-- gossip: None or `NoLoCo` (`diloco_jax.noloco`): each worker averages with a random group,
-  not all M.
+- gossip: None, `NoLoCo` (`diloco_jax.noloco`) or `GASLoC` (`diloco_jax.gasloc`): each
+  worker averages with a random group, not all M.
 
 What needs the params, M or H (fragments against the leaves, H a multiple of P, worker steps
 per worker, state-sync fields of the inner state) is checked by `check_run` when a round is
@@ -33,9 +33,9 @@ from diloco_jax.comm import round_wire_bytes
 from diloco_jax.compression import Compression, parse_compression
 from diloco_jax.delay import Delayed, Eager
 from diloco_jax.faults import NormSoftmax, Weights
+from diloco_jax.gasloc import GASLoC
 from diloco_jax.heloco_outer import job_start
 from diloco_jax.noloco import NoLoCo
-from diloco_jax.noloco import default_outer as noloco_outer
 from diloco_jax.outer import cast_state, checked_state_dtype, clip_outer_norm
 from diloco_jax.schedule import Schedule, Streaming, fragment_of, make_schedule
 from diloco_jax.state_sync import StateSync
@@ -64,7 +64,7 @@ class DiLoCo:
     weights: Weights = Weights()
     delay: Delayed | None = None
     state_sync: StateSync | None = None
-    gossip: NoLoCo | None = None
+    gossip: NoLoCo | GASLoC | None = None
     # The outer state's dtype (e.g. "bfloat16": half the momentum's bytes, lossy); None keeps
     # `delta_dtype` (float32 or wider). Deltas are averaged in float32 either way.
     outer_state_dtype: str | None = None
@@ -84,11 +84,14 @@ class DiLoCo:
             ("weights", Weights),
             ("delay", Delayed),
             ("state_sync", StateSync),
-            ("gossip", NoLoCo),
+            ("gossip", (NoLoCo, GASLoC)),
         ):
             value = getattr(self, name)
             if not (isinstance(value, kind) or (value is None and name != "weights")):
-                raise ValueError(f"DiLoCo.{name} must be a {kind.__name__}, got {value!r}")
+                kinds = " or ".join(
+                    k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,))
+                )
+                raise ValueError(f"DiLoCo.{name} must be a {kinds}, got {value!r}")
         object.__setattr__(self, "compression", parse_compression(self.compression))
         if self.outer_state_dtype is not None:  # a name: hashable, and a stable repr
             name = checked_state_dtype(self.outer_state_dtype).name
@@ -133,11 +136,14 @@ class DiLoCo:
 
     @property
     def outer_optimizer(self) -> optax.GradientTransformation:
-        """The outer rule: `outer`, or the paper's Nesterov (NoLoCo's heavy-ball with
-        `gossip`); its state cast to `outer_state_dtype` when that is set."""
+        """The outer rule: `outer`, or the paper's Nesterov (with `gossip`, its part's
+        default: NoLoCo's heavy-ball, GASLoC's SGD); its state cast to `outer_state_dtype`
+        when that is set."""
         outer = self.outer
         if outer is None:
-            outer = default_outer_optimizer() if self.gossip is None else noloco_outer()
+            outer = (
+                default_outer_optimizer() if self.gossip is None else self.gossip.default_outer()
+            )
         if self.outer_state_dtype is not None:
             return cast_state(outer, self.outer_state_dtype)
         return outer
@@ -247,6 +253,7 @@ SHORTHAND = (
     "eager",
     "state_sync",
     "gossip_group_size",
+    "gasloc",
     "outer_state_dtype",
 )
 
@@ -321,6 +328,14 @@ def _method_from_options(
         delay = (Eager if eager else Delayed)(d)
     state_sync = o.pop("state_sync", None)
     group_size = o.pop("gossip_group_size", None)
+    gasloc = o.pop("gasloc", None)
+    gossip = None
+    if gasloc is not None:  # GASLoC's alpha / gamma / seed, in groups of group_size (2)
+        if not isinstance(gasloc, dict):
+            raise ValueError(f"gasloc must be a dict of GASLoC's fields, got {gasloc!r}")
+        gossip = GASLoC(2 if group_size is None else group_size, **gasloc)
+    elif group_size is not None:
+        gossip = NoLoCo(group_size)
     weights = Weights(
         exclude_nonfinite=o.pop("exclude_nonfinite", None),
         drop_probability=o.pop("drop_probability", None),
@@ -338,7 +353,7 @@ def _method_from_options(
         weights=weights,
         delay=delay,
         state_sync=None if state_sync is None else StateSync(state_sync),
-        gossip=None if group_size is None else NoLoCo(group_size),
+        gossip=gossip,
         outer_state_dtype=o.pop("outer_state_dtype", None),
     )
 
@@ -364,6 +379,7 @@ __all__ = [
     "DiLoCo",
     "Delayed",
     "Eager",
+    "GASLoC",
     "NoLoCo",
     "NormSoftmax",
     "StateSync",

@@ -90,41 +90,19 @@ class NoLoCo(Part):
     zero_refusal: ClassVar[str] = _OWN_STATE
 
     def __post_init__(self):
-        g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g & (g - 1):
-            raise ValueError(f"NoLoCo.group_size must be a power of 2 >= 2, got {g!r}")
+        check_groups("NoLoCo", self.group_size, self.seed)
         check_number("NoLoCo.consensus", self.consensus, lambda x: x >= 0, ">= 0")
         object.__setattr__(self, "consensus", float(self.consensus))
-        s = self.seed
-        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32:
-            raise ValueError(f"NoLoCo.seed must be an integer in [0, 2**32), got {s!r}")
+
+    @staticmethod
+    def default_outer() -> optax.GradientTransformation:
+        return default_outer()
 
     def check_with(self, method: Any) -> None:
-        """Raises ValueError naming the part NoLoCo can't run with: fragments, a delay,
-        compression, DES-LOC's state syncs, or weights that leave a worker out or weigh it
-        (a group's mean has no rule for either here)."""
-        others = {
-            "schedule (Streaming DiLoCo)": method.schedule is not None,
-            "delay (delayed or eager outer updates)": method.delay is not None,
-            f"compression={method.compression!r}": method.compression.kind != "none",
-            "state_sync (DES-LOC)": method.state_sync is not None,
-            "weights (exclusion, drops, worker steps, weighting, anomaly)": method.weights.active
-            or method.weights.worker_steps is not None,
-        }
-        for what, present in others.items():
-            if present:
-                raise ValueError(
-                    f"NoLoCo (gossip=) can't be combined with {what}: each worker averages "
-                    "its exact delta with its group, every worker weighing 1"
-                )
+        check_gossip_with("NoLoCo", method)
 
     def check_run(self, params: Any, num_workers: int, inner_steps: int, inner_state: Any) -> None:
-        m, g = num_workers, self.group_size
-        if m & (m - 1) or m < g:
-            raise ValueError(
-                f"NoLoCo needs num_workers a power of 2 and >= group_size={g} (its groups "
-                f"are cosets of worker indices under XOR), got num_workers={m}"
-            )
+        check_gossip_run("NoLoCo", num_workers, self.group_size)
 
     def initial(self, params: Any, outer_state: Any, num_workers: int, method: Any) -> dict:
         """Each worker's own φ_m and outer state, copies of θ and of the fresh outer state."""
@@ -147,6 +125,45 @@ class NoLoCo(Part):
         syncs)."""
         wide = payload_bytes(jax.eval_shape(widen, synced))
         return [("collective-permute", 2 * wide, int(math.log2(self.group_size)))]
+
+
+def check_groups(name: str, group_size: Any, seed: Any) -> None:
+    """ValueError naming `name`.group_size unless it is a power of 2 >= 2, or `name`.seed
+    unless it is an integer in [0, 2**32)."""
+    g = group_size
+    if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g & (g - 1):
+        raise ValueError(f"{name}.group_size must be a power of 2 >= 2, got {g!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"{name}.seed must be an integer in [0, 2**32), got {seed!r}")
+
+
+def check_gossip_with(name: str, method: Any) -> None:
+    """Raises ValueError naming the part a gossip method (`name`) can't run with: fragments,
+    a delay, compression, DES-LOC's state syncs, or weights that leave a worker out or weigh
+    it (a group's mean has no rule for either here)."""
+    others = {
+        "schedule (Streaming DiLoCo)": method.schedule is not None,
+        "delay (delayed or eager outer updates)": method.delay is not None,
+        f"compression={method.compression!r}": method.compression.kind != "none",
+        "state_sync (DES-LOC)": method.state_sync is not None,
+        "weights (exclusion, drops, worker steps, weighting, anomaly)": method.weights.active
+        or method.weights.worker_steps is not None,
+    }
+    for what, present in others.items():
+        if present:
+            raise ValueError(
+                f"{name} (gossip=) can't be combined with {what}: each worker averages with "
+                "its group, every worker weighing 1"
+            )
+
+
+def check_gossip_run(name: str, num_workers: int, group_size: int) -> None:
+    m, g = num_workers, group_size
+    if m & (m - 1) or m < g:
+        raise ValueError(
+            f"{name} needs num_workers a power of 2 and >= group_size={g} (its groups "
+            f"are cosets of worker indices under XOR), got num_workers={m}"
+        )
 
 
 class OwnOuter(NamedTuple):

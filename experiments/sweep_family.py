@@ -17,6 +17,9 @@ Methods (each with its paper's own knobs where they differ from DiLoCo's):
 - noloco: NoLoCo (Kolehmainen et al. 2025): each worker averages with a random partner (pairs),
   heavy-ball outer SGD(0.7, momentum 0.5), the authors' configs; diloco_heavy_ball: DiLoCo
   with that outer rule, the all-reduce it replaces;
+- gasloc: GASLoC (Cagnasso et al. 2026): each worker's SGD(1.0) step, then the mean with a
+  random partner (pairs, α = 1) and momentum γ = 0.5 on the result (the paper's values are
+  not public: ours, untuned);
 - async_dn_dylu: asynchronous DiLoCo with Delayed Nesterov and dynamic local updates (Liu et
   al. 2024) at the paper's step times, to DiLoCo's total inner steps;
 - async_cgad: the same with CGAD at the server (Shah and Sun 2026: Adam on each delta gated
@@ -28,6 +31,9 @@ Methods (each with its paper's own knobs where they differ from DiLoCo's):
   merging the first 2 pushes and those within a grace window of H x 0.5 s, token-weighted;
 - halos: HALoS (Kim et al. 2025): two regions of two workers, each a local server (Delayed
   Nesterov, N = 2, DyLU) pushing to the global one (the authors' rule) every 2 updates;
+- diloco_1worker: DiLoCo's outer step over one worker's inner steps (`train_diloco` with
+  M = 1, which `dj.diloco_optimizer(inner, outer, every=H)` equals in any training loop:
+  tests/test_one_worker.py), beside sync_1worker, the same worker without it;
 - sync_1worker, sync_data_parallel: the baselines.
 
 Utilization: netsim's t_round = H t_step + latency + 8 x wire bytes / bandwidth (eager: the
@@ -66,6 +72,7 @@ HEAVY_BALL = {"outer_optimizer": "heavy_ball", "outer_momentum": 0.5}  # NoLoCo'
 # paper's settings are not public); plain Adam gets the same for the comparison.
 CGAD_LR = 3e-4
 ASYNC_DYLU = {"dynamic_steps": True, "step_seconds": STEP_SECONDS}
+ONE_WORKER = ("diloco_1worker", "sync_1worker")  # runs of one worker: no wire, no stragglers
 
 
 def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -94,6 +101,7 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
         "eager": ("diloco", {"outer_delay": 1, "eager": True}),
         "diloco_heavy_ball": ("diloco", HEAVY_BALL),
         "noloco": ("diloco", {"gossip_group_size": 2, **HEAVY_BALL}),
+        "gasloc": ("diloco", {"gasloc": "alpha=1,gamma=0.5", "outer_optimizer": "sgd"}),
         "async_dn_dylu": ("async", {"outer_optimizer": "delayed_nesterov"} | ASYNC_DYLU),
         "async_cgad": (
             "async",
@@ -118,6 +126,7 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
             }
             | ASYNC_DYLU,
         ),
+        "diloco_1worker": ("diloco", {}),
         "sync_1worker": ("sync", {}),
         "sync_data_parallel": ("sync", {}),
     }
@@ -125,7 +134,7 @@ def runs(base) -> dict[str, tuple[str, dict[str, Any]]]:
 
 def utilization(label: str, summary: dict, history: list, base, step_seconds: float) -> dict:
     """Compute utilization at each of BANDWIDTHS from the run's wire bytes per sync."""
-    if label == "sync_1worker":
+    if label in ONE_WORKER:
         return dict.fromkeys(BANDWIDTHS, 1.0)
     overlap = label == "eager"
     if summary["algo"] == "sync":
@@ -150,8 +159,8 @@ def utilization(label: str, summary: dict, history: list, base, step_seconds: fl
 def with_straggler_seconds(label: str, summary: dict, history: list, base) -> list | None:
     """The history's entries with "straggler_seconds": when each was reached at STEP_SECONDS
     (async: its own clock; a synchronous step waits for the slowest worker); None for the
-    one-worker baseline."""
-    if label == "sync_1worker":
+    one-worker runs."""
+    if label in ONE_WORKER:
         return None
     tokens_per_step = base.batch_size * base.seq_len
     return [
@@ -202,7 +211,7 @@ def main() -> None:
             clip = statistics.median(h["outer_grad_norm"] for h in histories["diloco"])
             overrides = {"outer_clip": clip}
         cfg = make_config(args.preset, workers=len(STEP_SECONDS), **overrides)
-        workers = 1 if label == "sync_1worker" else cfg.workers
+        workers = 1 if label in ONE_WORKER else cfg.workers
         summaries[label], histories[label] = run_cached(
             cache,
             label,

@@ -130,6 +130,10 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         help="NoLoCo: each worker averages with a random group of this many (a power of 2)",
     )
+    p.add_argument(
+        "--gasloc",
+        help="GASLoC instead of NoLoCo, e.g. alpha=1,gamma=0.5 (groups of --gossip-group-size)",
+    )
     p.add_argument("--fragments", type=int, help="Streaming DiLoCo: sync P fragments in turn")
     p.add_argument("--overlap-steps", type=int, help="Streaming DiLoCo: tau")
     p.add_argument("--merge-alpha", type=float, help="Streaming DiLoCo: alpha")
@@ -252,6 +256,7 @@ _DILOCO_FLAGS = (
     "anomaly_skip",
     "state_sync",
     "gossip_group_size",
+    "gasloc",
     "fragments",
     "overlap_steps",
     "merge_alpha",

@@ -155,6 +155,9 @@ class RunConfig:
     state_sync: str | None = None  # DES-LOC, e.g. "mu=75,nu=150" (diloco_jax.state_sync)
     # NoLoCo: each worker averages with a random group of this many (diloco_jax.noloco)
     gossip_group_size: int | None = None
+    # GASLoC instead of NoLoCo (diloco_jax.gasloc), e.g. "alpha=1,gamma=0.5": its gossip step
+    # and momentum, in groups of gossip_group_size (2 when unset)
+    gasloc: str | None = None
     fragments: int | None = None  # Streaming DiLoCo's P (diloco_jax.schedule); None: off
     overlap_steps: int = 0  # its tau
     merge_alpha: float = 0.0  # its alpha
@@ -622,12 +625,30 @@ def method(cfg: RunConfig) -> DiLoCo:
             anomaly=cfg.anomaly_skip or None,
             state_sync=state_sync_of(cfg),
             gossip_group_size=cfg.gossip_group_size,
+            gasloc=gasloc_of(cfg),
             fragments=cfg.fragments,
             overlap_steps=cfg.overlap_steps,
             merge_alpha=cfg.merge_alpha,
         ),
         caller="RunConfig",
     )
+
+
+def gasloc_of(cfg: RunConfig) -> dict[str, float] | None:
+    """`cfg.gasloc` ("alpha=A,gamma=G", either or neither) as GASLoC's fields, the run's seed
+    its groups'; ConfigError when malformed."""
+    if cfg.gasloc is None:
+        return None
+    out: dict[str, Any] = {"seed": cfg.seed}
+    for part in filter(None, cfg.gasloc.split(",")):
+        name, _, value = part.partition("=")
+        if name.strip() not in ("alpha", "gamma"):
+            raise ConfigError(f"gasloc takes alpha=A and gamma=G, got {part!r} in {cfg.gasloc!r}")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"gasloc: {name.strip()} must be a number, got {value!r}") from None
+    return out
 
 
 def state_sync_of(cfg: RunConfig) -> dict[str, int] | None:

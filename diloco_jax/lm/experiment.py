@@ -549,7 +549,9 @@ def _outer_label(cfg: RunConfig) -> str:
     if cfg.age_decay is not None:
         cutoff = "" if cfg.age_cutoff is None else f", cutoff {cfg.age_cutoff:g}"
         label += f" (age decay {cfg.age_decay:g}{cutoff})"
-    if cfg.gossip_group_size is not None:
+    if cfg.gasloc is not None:
+        label += f", gasloc {cfg.gasloc} in groups of {cfg.gossip_group_size or 2}"
+    elif cfg.gossip_group_size is not None:
         label += f", noloco groups of {cfg.gossip_group_size}"
     if cfg.outer_delay:
         label += f", {'eager' if cfg.eager else 'delay'} {cfg.outer_delay}"
