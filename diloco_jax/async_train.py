@@ -292,8 +292,8 @@ def train_async(
         never wait, a syncer merging a quorum of pushes; `diloco_jax.decoupled`) or
         `dj.HALoS(...)` (a server per region under a global one; `diloco_jax.halos`). Their
         history entries and results are described there; they run on one device, without
-        `grace_seconds` (a syncer has its own window) or a mesh; HALoS saves checkpoints
-        (`checkpoint_dir`, resumed bit for bit), Decoupled DiLoCo refuses them.
+        `grace_seconds` (a syncer has its own window) or a mesh; both save checkpoints
+        (`checkpoint_dir`, resumed bit for bit).
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has

@@ -420,7 +420,8 @@ def restore(
       like_state: a state pytree with the same structure, shapes and dtypes as the saved one,
         of real jax Arrays placed as the restored state should be (their `.sharding` is the
         restore target: a state on a `shard_map`/`pmap` mesh comes back sharded the same
-        way). NumPy and Python scalar leaves come back as such.
+        way). NumPy and Python scalar leaves come back as such. Or a callable that makes it
+        from the checkpoint's item metadata tree (`as_saved`).
       expected_metadata: what the saved metadata must agree with, e.g.
         `fingerprint(params, ...)`: every top-level key but `PROGRESS_KEYS` is compared
         (`LATER_KEYS` only where the checkpoint has them).
@@ -478,6 +479,8 @@ def _restore(
             continue
         # A whole checkpoint that disagrees with this run: another run's, never skipped.
         check_metadata(metadata, expected_metadata, where=f"{where} (step {step})")
+        if callable(like_state):  # a state whose layout varies: restored as it was saved
+            like_state = like_state(saved_tree)
         like = _layout_of(saved_tree, like_state)
         check_state_matches(saved_tree, like, where=f"{where} (step {step})")
         try:
@@ -686,6 +689,22 @@ def _read_state(manager: ocp.CheckpointManager, step: int, like_state: Any, save
     return type(like_state)(
         **{name: restored.get(name, getattr(like_state, name)) for name in fields}
     )
+
+
+def as_saved(saved_tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """The restore target of a checkpoint in the layout it was saved in (its item metadata
+    tree, `saved_tree`): each array's shape and dtype, on `sharding`. For a state whose
+    layout varies with the run's progress (a count of pending messages), given to `resume`
+    as `functools.partial(as_saved, sharding=...)`. Arrays of a dtype JAX would narrow
+    (int64 without x64) come back as NumPy arrays."""
+
+    def target(leaf):
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        if jax.dtypes.canonicalize_dtype(dtype) != dtype:  # int64 without x64: NumPy, whole
+            return np.zeros(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    return jax.tree.map(target, saved_tree)
 
 
 def _restore_target(leaf: Any) -> Any:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diloco_jax import checkpoint
 from diloco_jax import sampler as sampler_lib
 from diloco_jax.checks import check_int, check_number
 from diloco_jax.inner import inner_loop, worker_key
@@ -159,6 +160,15 @@ class DecoupledDiLoCo:
             Sync(u, p, k, step, at, merged) for u, (at, p, k, step, merged) in enumerate(ordered)
         )
 
+    def checkpoint_fields(self) -> dict:
+        """What a checkpoint's fingerprint records of this part (train_async resumes only the
+        same run)."""
+        fields = dataclasses.asdict(self)
+        fields["average_leaves"] = list(self.average_leaves)
+        if self.tokens_per_step is not None:
+            fields["tokens_per_step"] = [float(t) for t in self.tokens_per_step]
+        return fields
+
     def train(self, run: Any) -> Any:
         return _train(self, run)
 
@@ -243,158 +253,300 @@ def _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed):
     return step, merge
 
 
+class _Broadcast(NamedTuple):
+    """A merged fragment on its way to a learner: applied before the learner's inner step
+    `boundary` + 1 (its first step boundary at or after the merge), from sync `update`."""
+
+    boundary: int
+    fragment: int
+    update: int
+    values: list
+
+
 @dataclasses.dataclass
 class _Learner:
-    params: list  # leaves
+    """One learner: its params (leaves) after `done` inner steps and its inner state; per
+    fragment, its steps since it last received that fragment (`counts`); the losses and aux
+    of its newest steps, as many as the largest count (what a push's mean still needs); the
+    broadcasts it has yet to apply, in the order they were merged."""
+
+    params: list
     opt_state: Any
-    done: int = 0  # inner steps completed
-    counts: list = dataclasses.field(default_factory=list)  # c_steps per fragment
-    losses: list = dataclasses.field(default_factory=list)
-    auxes: list = dataclasses.field(default_factory=list)
-    inbox: list = dataclasses.field(default_factory=list)  # (boundary, fragment, leaves)
+    done: int
+    counts: list
+    losses: list
+    auxes: list
+    inbox: list
 
 
-def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
-    from diloco_jax.async_train import AsyncResult, AsyncState
+@dataclasses.dataclass
+class _State:
+    """Everything a run holds between two syncs (all a checkpoint saves): θ's leaves, each
+    fragment's outer state, the learners, the late pushes so far, and the learners' inner
+    steps by the last two syncs' times (`steps_before`, `steps_now`: the evaluation's due)."""
 
-    m_count, h_count = run.num_workers, run.inner_steps
-    spec.checked(m_count, h_count, run.params)
-    if run.dynamic_steps:
-        raise ValueError(
-            "dynamic_steps is for jobs of H steps; DecoupledDiLoCo's learners never stop"
+    theta: list
+    outer: list
+    learners: list
+    late_total: int = 0
+    steps_before: int = 0
+    steps_now: int = 0
+
+
+@dataclasses.dataclass
+class _Job:
+    """The loop's `Job` (`diloco_jax.loop`) for Decoupled DiLoCo: one iteration is one sync of
+    the schedule, the learners it merges stepped to their pushes first."""
+
+    spec: DecoupledDiLoCo
+    run: Any
+    syncs: tuple
+    treedef: Any
+    members: list  # fragment -> its leaf indices
+    rules: tuple  # leaf -> "average" or "rda"
+    tokens: tuple
+    fragment_bytes: list
+    step_fn: Any
+    merge: Any
+    data_of: Any
+    evaluate_fn: Any
+
+    @classmethod
+    def of(cls, spec: DecoupledDiLoCo, run: Any) -> "_Job":
+        m_count, h_count = run.num_workers, run.inner_steps
+        leaves, treedef = jax.tree.flatten(run.params)
+        owner = fragment_of(run.params, spec.fragments)
+        members = [[i for i, f in enumerate(owner) if f == p] for p in range(spec.fragments)]
+        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+            run.params)[0]]  # fmt: skip
+        rules = tuple(
+            "rda" if spec.merge == "rda" and not any(n in paths[i] for n in spec.average_leaves)
+            else "average"
+            for i in range(len(leaves))
+        )  # fmt: skip
+        args = (run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed)
+        try:
+            step_fn, merge = _programs(*args)
+        except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
+            step_fn, merge = _programs.__wrapped__(*args)
+        fragment_bytes = [
+            sum(int(np.prod(np.shape(leaves[i]))) * np.dtype(jnp.result_type(leaves[i])).itemsize
+                for i in idx)
+            for idx in members
+        ]  # fmt: skip
+        return cls(
+            spec, run, spec.schedule(run.step_seconds, h_count, run.num_updates), treedef,
+            members, rules, spec.tokens_per_step or (1.0,) * m_count, fragment_bytes, step_fn,
+            merge, _data(run.data, m_count, h_count, run.device),
+            jax.jit(run.eval_fn) if run.eval_fn is not None else None,
+        )  # fmt: skip
+
+    def initial(self) -> _State:
+        run = self.run
+        put = functools.partial(jax.device_put, device=run.device)
+        theta = put([jnp.array(x, copy=True) for x in jax.tree.leaves(run.params)])
+        outer = [put(outer_init(run.outer_optimizer, [theta[i] for i in idx]))
+                 for idx in self.members]  # fmt: skip
+        init_inner = put(run.inner_optimizer.init(run.params))
+        learners = [
+            _Learner(list(theta), init_inner, 0, [0] * self.spec.fragments, [], [], [])
+            for _ in range(run.num_workers)
+        ]
+        return _State(theta, outer, learners)
+
+    def items(self, start: int) -> tuple:
+        return self.syncs[start:]
+
+    def step(self, state: _State, sync: Sync) -> tuple[_State, Any]:
+        """Merges `sync`: each learner in it stepped to its push; the others' slots hold
+        Θ_p (a zero delta, weight 0). Every learner gets the new Θ_p in its inbox."""
+        p, m_count = sync.fragment, self.run.num_workers
+        seconds = self.run.step_seconds
+        pushed, c_steps, losses, auxes = [], [], [], []
+        for m in range(m_count):
+            if m in sync.merged:
+                learner = self._advance(state.learners[m], m, sync.step)
+                c = learner.counts[p]
+                pushed.append([learner.params[i] for i in self.members[p]])
+                c_steps.append(c)
+                losses.append(jnp.mean(jnp.stack(learner.losses[-c:])))
+                auxes.append(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)),
+                                          *learner.auxes[-c:]))  # fmt: skip
+            else:
+                pushed.append([state.theta[i] for i in self.members[p]])
+                c_steps.append(0)
+        weights = merge_weights([c * t for c, t in zip(c_steps, self.tokens, strict=True)], c_steps)
+        stacked = [jnp.stack([x[j] for x in pushed]) for j in range(len(self.members[p]))]
+        fragment = [state.theta[i] for i in self.members[p]]
+        rules_p = tuple(self.rules[i] for i in self.members[p])  # the fragment's merge per leaf
+        new, state.outer[p] = self.merge(rules_p)(
+            fragment, state.outer[p], stacked, jnp.asarray(weights)
         )
-    seconds = run.step_seconds
-    tokens = spec.tokens_per_step or (1.0,) * m_count
-    syncs = spec.schedule(seconds, h_count, run.num_updates)
-    leaves, treedef = jax.tree.flatten(run.params)
-    owner = fragment_of(run.params, spec.fragments)
-    members = [[i for i, f in enumerate(owner) if f == p] for p in range(spec.fragments)]
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
-        run.params)[0]]  # fmt: skip
-    rules = tuple(
-        "rda" if spec.merge == "rda" and not any(n in paths[i] for n in spec.average_leaves)
-        else "average"
-        for i in range(len(leaves))
-    )  # fmt: skip
-    args = (run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed)
-    try:
-        step, merge = _programs(*args)
-    except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
-        step, merge = _programs.__wrapped__(*args)
-    device = run.device
-    put = functools.partial(jax.device_put, device=device)
-    theta = put([jnp.array(x, copy=True) for x in leaves])
-    outer = [put(outer_init(run.outer_optimizer, [theta[i] for i in idx])) for idx in members]
-    init_inner = put(run.inner_optimizer.init(run.params))
-    learners = [
-        _Learner(list(theta), init_inner, counts=[0] * spec.fragments) for _ in range(m_count)
-    ]
-    data_of = _data(run.data, m_count, h_count, device)
-    evaluate = jax.jit(run.eval_fn) if run.eval_fn is not None else None
-    fragment_bytes = [
-        sum(int(np.prod(np.shape(leaves[i]))) * np.dtype(jnp.result_type(leaves[i])).itemsize
-            for i in idx)
-        for idx in members
-    ]  # fmt: skip
+        for i, v in zip(self.members[p], new, strict=True):
+            state.theta[i] = v
+        for m, learner in enumerate(state.learners):  # p overwritten at its next boundary
+            boundary = steps_by(sync.time, seconds[m])
+            if boundary * seconds[m] < sync.time:
+                boundary += 1
+            learner.inbox.append(_Broadcast(boundary, p, sync.update, list(new)))
+        late = m_count - len(sync.merged)
+        state.late_total += late
+        state.steps_before = state.steps_now
+        state.steps_now = sum(steps_by(sync.time, s) for s in seconds)
+        sent = [
+            sum(
+                self.fragment_bytes[q]
+                * _pushes_by(sync.time, seconds[m], q, self.spec.fragments, self.run.inner_steps)
+                for q in range(self.spec.fragments)
+            )
+            for m in range(m_count)
+        ]
+        entry = {
+            "update": sync.update, "time": sync.time, "fragment": p, "sync": sync.index,
+            "merged": list(sync.merged), "weights": [float(w) for w in weights], "late": late,
+            "late_total": state.late_total, "total_steps": state.steps_now,
+            "bytes_communicated": round(sum(sent) / m_count),
+            "wire_bytes": round(sum(sent) / m_count), "worker_bytes": sent,
+        }  # fmt: skip
+        return state, (entry, losses, auxes)
 
-    def advance(m: int, target: int) -> None:
+    def _advance(self, learner: _Learner, m: int, target: int) -> _Learner:
         """Learner m completes step `target`: every broadcast due at an earlier boundary is
         applied first (those due at `target` itself wait: the push there comes first)."""
-        learner = learners[m]
+        h_count = self.run.inner_steps
         while learner.done < target:
-            for _, p, values in [b for b in learner.inbox if b[0] <= learner.done]:
-                for i, v in zip(members[p], values, strict=True):
+            for b in [b for b in learner.inbox if b.boundary <= learner.done]:
+                for i, v in zip(self.members[b.fragment], b.values, strict=True):
                     learner.params[i] = v
-                learner.counts[p] = 0
-            learner.inbox = [b for b in learner.inbox if b[0] > learner.done]
+                learner.counts[b.fragment] = 0
+            learner.inbox = [b for b in learner.inbox if b.boundary > learner.done]
             job, h = divmod(learner.done, h_count)
-            params, learner.opt_state, loss, aux = step(
-                jax.tree.unflatten(treedef, learner.params), learner.opt_state,
-                data_of(job, m, h), jnp.int32(job), jnp.int32(m), jnp.int32(h),
+            params, learner.opt_state, loss, aux = self.step_fn(
+                jax.tree.unflatten(self.treedef, learner.params), learner.opt_state,
+                self.data_of(job, m, h), jnp.int32(job), jnp.int32(m), jnp.int32(h),
             )  # fmt: skip
             learner.params = jax.tree.leaves(params)
             learner.losses.append(loss)
             learner.auxes.append(aux)
             learner.done += 1
             learner.counts = [c + 1 for c in learner.counts]
+        # A push's mean reads its fragment's count of newest losses: older ones are not read.
+        kept = max(learner.counts)
+        learner.losses, learner.auxes = learner.losses[-kept:], learner.auxes[-kept:]
+        return learner
 
-    history, late_total, total, steps_before = [], 0, run.num_updates, 0
-    for sync in syncs:
-        p = sync.fragment
-        pushed, c_steps, losses, auxes = [], [], [], []
-        for m in range(m_count):
-            if m in sync.merged:
-                advance(m, sync.step)
-                learner = learners[m]
-                c = learner.counts[p]
-                pushed.append([learner.params[i] for i in members[p]])
-                c_steps.append(c)
-                losses.append(jnp.mean(jnp.stack(learner.losses[-c:])))
-                auxes.append(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)),
-                                          *learner.auxes[-c:]))  # fmt: skip
-            else:
-                pushed.append([theta[i] for i in members[p]])
-                c_steps.append(0)
-        weights = merge_weights([c * t for c, t in zip(c_steps, tokens, strict=True)], c_steps)
-        stacked = [jnp.stack([x[j] for x in pushed]) for j in range(len(members[p]))]
-        fragment = [theta[i] for i in members[p]]
-        rules_p = tuple(rules[i] for i in members[p])  # the fragment's merge per leaf
-        new, outer[p] = merge(rules_p)(fragment, outer[p], stacked, jnp.asarray(weights))
-        for i, v in zip(members[p], new, strict=True):
-            theta[i] = v
-        for m in range(m_count):  # each learner overwrites p at its next step boundary
-            boundary = steps_by(sync.time, seconds[m])
-            if boundary * seconds[m] < sync.time:
-                boundary += 1
-            learners[m].inbox.append((boundary, p, list(new)))
-        late = m_count - len(sync.merged)
-        steps_now = sum(steps_by(sync.time, s) for s in seconds)
-        late_total += late
-        sent = [
-            sum(
-                fragment_bytes[q] * _pushes_by(sync.time, seconds[m], q, spec.fragments, h_count)
-                for q in range(spec.fragments)
-            )
-            for m in range(m_count)
-        ]
-        entry = {
-            "update": sync.update,
-            "time": sync.time,
-            "fragment": p,
-            "sync": sync.index,
-            "merged": list(sync.merged),
-            "weights": [float(w) for w in weights],
-            "late": late,
-            "late_total": late_total,
-            "total_steps": steps_now,
-            "loss": float(jnp.mean(jnp.stack(losses))),
-            "bytes_communicated": round(sum(sent) / m_count),
-            "wire_bytes": round(sum(sent) / m_count),
-            "worker_bytes": sent,
-        }
+    def evaluate(self, state: _State, done: int) -> Any:
+        # As train_async: every eval_every inner steps per learner, and after the last sync.
+        if self.evaluate_fn is None:
+            return None
+        every = self.run.num_workers * self.run.eval_every
+        crossed = state.steps_now // every > state.steps_before // every
+        if not (crossed or done == self.run.num_updates):
+            return None
+        return self.evaluate_fn(jax.tree.unflatten(self.treedef, state.theta))
+
+    def record(self, i: int, item: Sync, metrics: Any, evals: Any) -> dict:
+        entry, losses, auxes = metrics
+        at = list(entry).index("total_steps") + 1  # the loss after the step count
+        items = list(entry.items())
+        entry = dict([*items[:at], ("loss", float(jnp.mean(jnp.stack(losses)))), *items[at:]])
         for name in auxes[0] if auxes else {}:
             if name in entry:
                 raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
             entry[name] = float(np.mean([float(a[name]) for a in auxes]))
-        done = sync.update + 1
-        every = m_count * run.eval_every  # as train_async: every eval_every steps per learner
-        crossed = steps_now // every > steps_before // every
-        steps_before = steps_now
-        if evaluate is not None and (crossed or done == total):
-            values = evaluate(jax.tree.unflatten(treedef, theta))
-            entry.update({k: float(v) for k, v in values.items()})
-        history.append(entry)
-        if run.callback is not None:
-            run.callback(entry)
-    params = jax.tree.unflatten(treedef, theta)
-    state = AsyncState(
-        params,
-        tuple(outer),
-        jax.tree.map(lambda *xs: jnp.stack(xs), *[x.opt_state for x in learners]),
-        total,
-    )
-    elapsed = syncs[-1].time if syncs else 0.0
-    return AsyncResult(params, state, history, elapsed, 1.0 if syncs else 0.0)
+        if evals is not None:
+            entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
+        return entry
+
+    def savable(self, state: _State) -> dict:
+        """The state as nested dicts of arrays. Its layout varies with the learners' pending
+        broadcasts and kept losses, so a resume restores it as it was saved
+        (`restore_target`); every dict holds at least one array."""
+        learners = {}
+        for m, x in enumerate(state.learners):
+            saved = {
+                "params": _numbered(x.params),
+                "opt": _numbered(jax.tree.leaves(x.opt_state)),
+                "numbers": np.asarray([x.done, len(x.losses), *x.counts], np.int64),
+                "losses": jnp.stack(x.losses) if x.losses else np.zeros(1, np.float32),
+            }
+            for name in x.auxes[0] if x.auxes else {}:
+                saved[f"aux-{name}"] = jnp.stack([a[name] for a in x.auxes])
+            for j, b in enumerate(x.inbox):
+                saved[f"inbox-{j:06d}"] = {
+                    "where": np.asarray([b.boundary, b.fragment, b.update], np.int64),
+                    "values": _numbered(b.values),
+                }
+            learners[f"{m:06d}"] = saved
+        return {
+            "theta": _numbered(state.theta),
+            "outer": {f"{p:06d}": _numbered(jax.tree.leaves(o)) for p, o in enumerate(state.outer)},
+            "learners": learners,
+            "counters": np.asarray(
+                [state.late_total, state.steps_before, state.steps_now], np.int64
+            ),
+        }
+
+    def restore_target(self, state: _State) -> Any:
+        sharding = jax.sharding.SingleDeviceSharding(self.run.device or jax.devices()[0])
+        return functools.partial(checkpoint.as_saved, sharding=sharding)
+
+    def restored(self, saved: dict, done: int) -> _State:
+        like = self.initial()
+        learners = []
+        for m, x in enumerate(like.learners):
+            s = saved["learners"][f"{m:06d}"]
+            numbers = [int(n) for n in s["numbers"]]
+            kept = numbers[1]
+            names = [k[len("aux-") :] for k in sorted(s) if k.startswith("aux-")]
+            inbox = [
+                _Broadcast(*(int(n) for n in s[k]["where"]), _listed(s[k]["values"]))
+                for k in sorted(s) if k.startswith("inbox-")
+            ]  # fmt: skip
+            learners.append(_Learner(
+                _listed(s["params"]),
+                jax.tree.unflatten(jax.tree.structure(x.opt_state), _listed(s["opt"])),
+                numbers[0], numbers[2:], [s["losses"][j] for j in range(kept)],
+                [{n: s[f"aux-{n}"][j] for n in names} for j in range(kept)], inbox,
+            ))  # fmt: skip
+        outer = [
+            jax.tree.unflatten(jax.tree.structure(o), _listed(saved["outer"][f"{p:06d}"]))
+            for p, o in enumerate(like.outer)
+        ]
+        late_total, steps_before, steps_now = (int(n) for n in saved["counters"])
+        return _State(_listed(saved["theta"]), outer, learners, late_total, steps_before,
+                      steps_now)  # fmt: skip
+
+
+def _numbered(leaves: list) -> dict:
+    """A list of arrays as a dict by zero-padded index (a checkpoint's layout keeps its order)."""
+    return {f"{i:06d}": x for i, x in enumerate(leaves)}
+
+
+def _listed(numbered: dict) -> list:
+    return [numbered[k] for k in sorted(numbered)]
+
+
+def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
+    """`train_async` with this server (see the module docstring): the loop of
+    `diloco_jax.loop` over the syncs, checkpointed with `run.checkpoints`."""
+    from diloco_jax.async_train import AsyncResult, AsyncState
+    from diloco_jax.loop import Loop
+
+    spec.checked(run.num_workers, run.inner_steps, run.params)
+    if run.dynamic_steps:
+        raise ValueError(
+            "dynamic_steps is for jobs of H steps; DecoupledDiLoCo's learners never stop"
+        )
+    job = _Job.of(spec, run)
+    loop = Loop(run.num_updates, run.checkpoints, run.callback, unit="updates",
+                total_name="num_updates")  # fmt: skip
+    state, history = loop.run(job, job.initial())
+    params = jax.tree.unflatten(job.treedef, state.theta)
+    inner = jax.tree.map(lambda *xs: jnp.stack(xs), *[x.opt_state for x in state.learners])
+    result_state = AsyncState(params, tuple(state.outer), inner, run.num_updates)
+    elapsed = job.syncs[-1].time if job.syncs else 0.0
+    return AsyncResult(params, result_state, history, elapsed, 1.0 if job.syncs else 0.0)
 
 
 def steps_by(time: float, seconds: float) -> int:

@@ -68,7 +68,9 @@ class Job(Protocol):
       history entry (metrics and evals as `step` and `evaluate` returned them).
       savable(state): what a checkpoint holds (a pytree of arrays), and restored(saved, done):
       the state again, from the checkpoint after `done` iterations read onto `savable`'s
-      structure and devices.
+      structure and devices. A job whose checkpoint layout varies with its progress may
+      define restore_target(state): what `checkpoint.restore` takes as `like_state` (e.g.
+      `checkpoint.as_saved` bound to its devices); `savable(state)` is the target otherwise.
     """
 
     def items(self, start: int) -> Iterable[Any]: ...
@@ -136,7 +138,8 @@ class Loop:
         ckpt = self.checkpoints
         if ckpt is None:
             return state, []
-        restored = saver.resume(job.savable(state), ckpt.fingerprint)
+        target = getattr(job, "restore_target", job.savable)(state)
+        restored = saver.resume(target, ckpt.fingerprint)
         if restored is None:
             return state, []
         saved, metadata, step = restored

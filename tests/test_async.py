@@ -472,8 +472,12 @@ def test_cli_async_run_takes_diloco_total_steps(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("server", [[], ["--server", "halos,regions=0/1,local_updates=1"]],
-                         ids=["one", "halos"])  # fmt: skip
+@pytest.mark.parametrize(
+    "server",
+    [[], ["--server", "halos,regions=0/1,local_updates=1"],
+     ["--server", "decoupled,quorum=1,grace_seconds=0.5"]],
+    ids=["one", "halos", "decoupled"],
+)  # fmt: skip
 def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys, server):
     argv, out = _async_cli(tmp_path)
     argv += ["--checkpoint-every", "1", *server]
@@ -482,7 +486,7 @@ def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys, server):
     # A crash before the last checkpoint: every round (M = 2 updates) was saved; drop the last.
     run_dir = out / "checkpoints" / "run"
     steps = dj.checkpoint.all_steps(run_dir)
-    assert steps[:2] == [2, 4] and len(steps) >= 2
+    assert steps[0] == 2 and len(steps) >= 2 and all(b - a <= 2 for a, b in zip(steps, steps[1:]))
     dj.checkpoint.discard_after(run_dir, steps[-2])
     assert main(argv) == 0
     resumed = _async_records(out)
@@ -520,10 +524,6 @@ def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys, server):
         (["--algo", "async", "--server", "decoupled,quorum=x"], "server field quorum"),
         (["--algo", "async", "--server", "decoupled,quorum=1,quorum=2"], "'quorum' twice"),
         (["--algo", "async", "--server", "decoupled", "--dynamic-steps"], "never stop"),
-        (
-            ["--algo", "async", "--server", "decoupled", "--checkpoint-every", "1"],
-            "--server decoupled runs without checkpoints",
-        ),
         (
             ["--algo", "async", "--server", "halos,regions=0/1", "--mesh", "workers=2"],
             "runs on one device: it takes no mesh",
@@ -617,18 +617,6 @@ def test_a_server_text_reads_as_its_part_field_by_field(text, want):
     from diloco_jax.lm.config import make_config, server_of
 
     assert server_of(make_config("quick", server=text)) == want
-
-
-def test_the_lm_apps_run_refuses_checkpoints_for_a_server_before_training(tmp_path):
-    from diloco_jax.lm import experiment
-    from diloco_jax.lm.config import ConfigError, make_config
-
-    cfg = make_config("micro", server="decoupled", inner_steps=3, rounds=2)
-    corpus = experiment.load_corpus(cfg)
-    folder = tmp_path / "checkpoints"
-    with pytest.raises(ConfigError, match="runs without checkpoints: no checkpoint_dir"):
-        experiment.run(cfg, corpus, "async", 2, checkpoint_dir=str(folder))
-    assert not folder.exists()
 
 
 @pytest.mark.parametrize("algo", ["diloco", "sync"])

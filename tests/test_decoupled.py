@@ -5,6 +5,7 @@ from the paper's rules (Adam inner steps, token weights, RDA), its degenerate ca
 
 import math
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -287,7 +288,6 @@ def test_bad_fields_name_themselves(spec, message):
         ({"fragments": 2}, {"inner_steps": 3}, "multiple of DecoupledDiLoCo.fragments"),
         ({}, {"dynamic_steps": True}, "dynamic_steps"),
         ({}, {"grace_seconds": 1.0}, "grace_seconds belongs to the single server"),
-        ({}, {"checkpoint_dir": "x"}, "checkpoint_dir"),
     ],
 )
 def test_run_level_refusals(spec, options, message):
@@ -303,3 +303,52 @@ def test_too_few_rounds_name_data():
     rounds = make_data(np.random.default_rng(0), 1, 2, 2)
     with pytest.raises(ValueError, match="data has 1 rounds"):
         _run(rounds, (1.0, 1.0), 2, 3, quorum=2)
+
+
+def test_a_run_killed_and_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """Checkpoints every 3 syncs; a crash after sync 7 resumes from the one after 6 (learners
+    mid-way, broadcasts they have yet to apply, a slow learner's pushes late) and ends bit for
+    bit as the run that never stopped, its history too; a finished run of 9 resumed for 14
+    equals 14 at once; another spec's checkpoints are refused."""
+    rounds = make_data(np.random.default_rng(5), 14, 3, 4)
+    seconds = (1.0, 1.7, 4.2)
+    spec = dict(quorum=2, grace_seconds=0.7, fragments=2, merge="rda",
+                tokens_per_step=(1.0, 2.0, 1.5))  # fmt: skip
+
+    def loss_with_aux(params, batch):
+        loss = linear_loss(params, batch)
+        return loss, {"half": loss / 2}
+
+    def run(updates, server=None, **options):
+        return dj.train_async(
+            loss_with_aux, _params(np.float32), rounds, num_workers=3, inner_steps=4,
+            num_updates=updates, step_seconds=seconds, inner_optimizer=optax.adam(INNER_LR),
+            outer_optimizer=optax.sgd(OUTER_LR, momentum=MOMENTUM, nesterov=True),
+            has_aux=True, eval_fn=lambda p: {"eval_loss": (p["w"] ** 2).sum()}, eval_every=3,
+            server=server or dj.DecoupledDiLoCo(**spec), **options,
+        )  # fmt: skip
+
+    full = run(14)
+    assert any(x["late"] for x in full.history)  # the slow learner misses syncs
+    crash = tmp_path / "crash"
+
+    def die_after_7(entry):
+        if entry["update"] == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(14, checkpoint_dir=crash, checkpoint_every=3, callback=die_after_7)
+    assert dj.checkpoint.latest_step(crash) == 6
+    resumed = run(14, checkpoint_dir=crash, checkpoint_every=3)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state, full.state)
+    assert resumed.history == full.history
+    assert (resumed.elapsed_seconds, resumed.utilization) == (
+        full.elapsed_seconds, full.utilization,
+    )  # fmt: skip
+    longer = tmp_path / "longer"
+    run(9, checkpoint_dir=longer, checkpoint_every=4)
+    again = run(14, checkpoint_dir=longer, checkpoint_every=4)
+    jax.tree.map(np.testing.assert_array_equal, again.state, full.state)
+    assert again.history == full.history
+    with pytest.raises(ValueError, match="checkpoint_dir"):  # another spec: another run
+        run(14, server=dj.DecoupledDiLoCo(**{**spec, "quorum": 3}), checkpoint_dir=longer)

@@ -386,12 +386,6 @@ def parse(argv: list[str] | None = None) -> Invocation:
             f"--outer-optimizer {cfg.outer_optimizer} gates each delta by its age, which is 0 "
             "without --algo async or --outer-delay: use --outer-optimizer adam"
         )
-    if getattr(args, "checkpoint_every", None) is not None and cfg.server is not None:
-        if not hasattr(config.server_of(cfg), "checkpoint_fields"):  # Decoupled DiLoCo's
-            name = cfg.server.split(",")[0]
-            raise ConfigError(
-                f"--server {name} runs without checkpoints: leave --checkpoint-every out"
-            )
     if algo == "async" and cfg.backend not in ("auto", "vmap"):
         raise ConfigError(f"--algo async runs on --backend auto or vmap, got {cfg.backend!r}")
     default_out = f"runs/{args.command}" + (f"-{args.algo}" if args.command == "train" else "")

@@ -479,9 +479,6 @@ def _run_async(
     budget = num_workers * cfg.total_steps
     num_updates = _updates_for(cfg, seconds, budget, server)
     extra = {} if server is None else {"server": server}
-    if common["checkpoint_dir"] is not None and server is not None:
-        if not hasattr(server, "checkpoint_fields"):  # Decoupled DiLoCo's
-            raise ConfigError(f"server {cfg.server!r} runs without checkpoints: no checkpoint_dir")
     result = train_async(
         loss_fn,
         params,
