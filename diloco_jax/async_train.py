@@ -313,20 +313,8 @@ def train_async(
     limits.check_steps("num_updates x inner_steps", num_updates, inner_steps)
     if not isinstance(dynamic_steps, bool):
         raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
-    if arrivals is None:
-        seconds = _checked_step_seconds(step_seconds, num_workers)
-        clock = {"step_seconds": list(seconds), "grace_seconds": _checked_grace(grace_seconds),
-                 "dynamic_steps": dynamic_steps}  # fmt: skip
-    else:
-        if step_seconds is not None or grace_seconds or dynamic_steps or server is not None:
-            raise ValueError(
-                "arrivals replays a recorded schedule: it takes no step_seconds, "
-                "grace_seconds, dynamic_steps or server"
-            )
-        recorded = _recorded_events(arrivals, num_workers, inner_steps)
-        if len(recorded) < num_updates:
-            raise ValueError(f"arrivals holds {len(recorded)} updates; num_updates = {num_updates}")
-        clock = {"arrivals": _digest(recorded)}
+    seconds, recorded, clock = _clock(step_seconds, grace_seconds, dynamic_steps, arrivals,
+                                      server, num_workers, inner_steps, num_updates)  # fmt: skip
     check_params(params)
     check_loss_options(has_aux, rng_seed)
     given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
@@ -339,14 +327,7 @@ def train_async(
     outer_optimizer = checked_optimizer("outer_optimizer", method.outer, default_outer_optimizer)
     where = _where(backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params,
                    num_workers)  # fmt: skip
-    # Every worker's inner state (and, in a checkpoint, its job's start) on these devices.
-    per_worker = limits.nbytes(params) + limits.nbytes(jax.eval_shape(inner_optimizer.init, params))
-    on = (
-        [where.device]
-        if isinstance(where, OneDevice)
-        else [d for m in where.meshes for d in m.devices.flat]
-    )
-    limits.check_fits(f"num_workers={num_workers}", num_workers * per_worker, on)
+    _check_fits(where, params, inner_optimizer, num_workers)
     run_checkpoints = functools.partial(
         checkpoints,
         checkpoint_dir,
@@ -360,68 +341,112 @@ def train_async(
         **({} if rng_seed is None else {"rng_seed": rng_seed}),
         **checkpoint.run_fields(checkpoint_fingerprint),
     )
+    run = AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
+                   dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
+                   eval_every, callback, getattr(where, "device", None))  # fmt: skip
     if server is not None:
         if job_start(outer_optimizer) is not None:  # no job would start at its θ̄
             raise ValueError(
                 f"outer_optimizer {type(outer_optimizer).__name__} (HeLoCo's look-ahead) runs "
                 f"with train_async's one server, not server={type(server).__name__}"
             )
-        return _other_server(
-            server,
-            AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
-                     dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
-                     eval_every, callback, getattr(where, "device", None)),
-            mesh=mesh, checkpoint_dir=checkpoint_dir, grace_seconds=grace_seconds,
-            checkpoints=run_checkpoints,
-        )  # fmt: skip
-    ckpt = run_checkpoints()
+        return _other_server(server, run, mesh=mesh, checkpoint_dir=checkpoint_dir,
+                             grace_seconds=grace_seconds, checkpoints=run_checkpoints)  # fmt: skip
+    return _one_server(run._replace(checkpoints=run_checkpoints()), where, grace_seconds, recorded)
+
+
+def _clock(
+    step_seconds,
+    grace_seconds,
+    dynamic_steps,
+    arrivals,
+    server,
+    num_workers,
+    inner_steps,
+    num_updates,
+) -> tuple[Any, Any, dict]:
+    """(step seconds or None, the recorded arrivals or None, the clock's fingerprint fields):
+    `train_async`'s simulated clock, or the recorded run its `arrivals` replay, checked."""
     if arrivals is None:
-        schedule = async_schedule(
-            seconds,
-            inner_steps,
-            num_updates,
-            grace_seconds=grace_seconds,
-            dynamic_steps=dynamic_steps,
+        seconds = _checked_step_seconds(step_seconds, num_workers)
+        clock = {
+            "step_seconds": list(seconds),
+            "grace_seconds": _checked_grace(grace_seconds),
+            "dynamic_steps": dynamic_steps,
+        }
+        return seconds, None, clock
+    if step_seconds is not None or grace_seconds or dynamic_steps or server is not None:
+        raise ValueError(
+            "arrivals replays a recorded schedule: it takes no step_seconds, "
+            "grace_seconds, dynamic_steps or server"
         )
+    recorded = _recorded_events(arrivals, num_workers, inner_steps)
+    if len(recorded) < num_updates:
+        raise ValueError(f"arrivals holds {len(recorded)} updates; num_updates = {num_updates}")
+    return None, recorded, {"arrivals": _digest(recorded)}  # fmt: skip
+
+
+def _check_fits(where: Any, params: Any, inner_optimizer: Any, num_workers: int) -> None:
+    """ValueError naming num_workers unless every worker's inner state (and, in a checkpoint,
+    its job's start) fits the run's devices."""
+    per_worker = limits.nbytes(params) + limits.nbytes(jax.eval_shape(inner_optimizer.init, params))
+    on = (
+        [where.device]
+        if isinstance(where, OneDevice)
+        else [d for m in where.meshes for d in m.devices.flat]
+    )
+    limits.check_fits(f"num_workers={num_workers}", num_workers * per_worker, on)
+
+
+def _one_server(run: "AsyncRun", where: Any, grace_seconds: float, recorded: Any) -> AsyncResult:
+    """`train_async` with its one server (see its docstring): the schedule of `run`'s clock
+    (or the `recorded` arrivals, None without), each arrival's job and outer update in the
+    loop of `diloco_jax.loop`, checkpointed with `run.checkpoints`."""
+    seconds, inner_steps, num_updates = run.step_seconds, run.inner_steps, run.num_updates
+    if recorded is None:
+        schedule = async_schedule(
+            seconds, inner_steps, num_updates, grace_seconds=grace_seconds,
+            dynamic_steps=run.dynamic_steps,
+        )  # fmt: skip
     else:
-        schedule = _recorded_schedule(recorded[:num_updates], num_workers)
-    job_data = _job_data(data, num_workers, inner_steps, schedule.events, where)
+        schedule = _recorded_schedule(recorded[:num_updates], run.num_workers)
+    job_data = _job_data(run.data, run.num_workers, inner_steps, schedule.events, where)
     # On a mesh, a job runs under plain jit on its worker's slice of it: traced with that
     # slice's axes in context (the same axes for every worker) as a round's body is.
     job_mesh = where.meshes[0].abstract_mesh if isinstance(where, OnMesh) else None
     run_job, apply_delta = _programs(
-        loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh
+        run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed, job_mesh
     )
-    evaluate = jax.jit(eval_fn) if eval_fn is not None else None
-    lookahead = job_start(outer_optimizer)  # HeLoCo's θ̄; without one, θ itself (no copy)
+    lookahead = job_start(run.outer_optimizer)  # HeLoCo's θ̄; without one, θ itself (no copy)
     start_of_job = (lambda theta, state: theta) if lookahead is None else jax.jit(lookahead)
 
-    theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
+    theta = where.shared(jax.tree.map(lambda x: jnp.array(x, copy=True), run.params))
     # Committed to the devices like the programs' outputs, so each job length compiles once.
-    outer_state = where.shared(outer_init(outer_optimizer, theta))
-    inner_states = where.inner_states(inner_optimizer.init, theta, num_workers)
+    outer_state = where.shared(outer_init(run.outer_optimizer, theta))
+    inner_states = where.inner_states(run.inner_optimizer.init, theta, run.num_workers)
     events = schedule.events
-    if ckpt is not None:
+    if run.checkpoints is not None:
         # A checkpoint saves the theta each job in flight started from: look ahead to them.
-        events = recorded if arrivals is not None else _with_jobs_in_flight(
-            seconds, inner_steps, num_updates, grace_seconds, dynamic_steps
+        events = recorded if recorded is not None else _with_jobs_in_flight(
+            seconds, inner_steps, num_updates, grace_seconds, run.dynamic_steps
         )  # fmt: skip
-    shards = where.shards(params)  # on a mesh: each device sends its shard of a delta
+    shards = where.shards(run.params)  # on a mesh: each device sends its shard of a delta
     arrivals = _Arrivals(
         events=events,
         num_updates=num_updates,
-        num_workers=num_workers,
+        num_workers=run.num_workers,
         where=where,
         run_job=run_job,
         apply_delta=apply_delta,
         job_data=job_data,
-        evaluate_fn=evaluate,
-        eval_every=eval_every,
+        evaluate_fn=jax.jit(run.eval_fn) if run.eval_fn is not None else None,
+        eval_every=run.eval_every,
         job_start=start_of_job,
-        per_job=round_bytes(params),
+        per_job=round_bytes(run.params),
         per_job_device=None if shards is None else round_bytes(shards),
     )
-    loop = Loop(num_updates, ckpt, callback, unit="updates", total_name="num_updates")
+    loop = Loop(num_updates, run.checkpoints, run.callback, unit="updates",
+                total_name="num_updates")  # fmt: skip
     first = {0: start_of_job(theta, outer_state)}
     running, history = loop.run(arrivals, _Running(theta, outer_state, inner_states, first, 0))
     state = AsyncState(
@@ -441,7 +466,7 @@ class AsyncRun(NamedTuple):
     num_workers: int
     inner_steps: int
     num_updates: int
-    step_seconds: tuple[float, ...]
+    step_seconds: tuple[float, ...] | None  # None: a recorded run's arrivals replayed
     dynamic_steps: bool
     has_aux: bool
     rng_seed: int | None
