@@ -343,7 +343,7 @@ def train_async(
     )
     run = AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
                    dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
-                   eval_every, callback, getattr(where, "device", None))  # fmt: skip
+                   eval_every, callback, where)  # fmt: skip
     if server is not None:
         if job_start(outer_optimizer) is not None:  # no job would start at its θ̄
             raise ValueError(
@@ -458,7 +458,8 @@ def _one_server(run: "AsyncRun", where: Any, grace_seconds: float, recorded: Any
 
 class AsyncRun(NamedTuple):
     """What a `server=` part of `train_async` trains with: the call's checked arguments (the
-    inner optimizer already masked by `trainable`), and the one device the run is on."""
+    inner optimizer already masked by `trainable`), and where the run's arrays live (one
+    device, or each worker's slice of the user's mesh)."""
 
     loss_fn: Any
     params: Any
@@ -475,7 +476,7 @@ class AsyncRun(NamedTuple):
     eval_fn: Callable | None
     eval_every: int
     callback: Callable | None
-    device: Any
+    where: Any  # where its arrays live: `async_placement.OneDevice` or `OnMesh`
     checkpoints: Any = None  # diloco_jax.loop.Checkpoints, for a part that saves them
 
 
@@ -490,7 +491,7 @@ def _other_server(
             f"server must be None, dj.DecoupledDiLoCo(...) or dj.HALoS(...), got {server!r}"
         )
     name = type(server).__name__
-    if mesh is not None:
+    if mesh is not None and not getattr(server, "takes_mesh", False):
         raise ValueError(f"server={name}(...) runs on one device: it takes no mesh=")
     if checkpoint_dir is not None and not hasattr(server, "checkpoint_fields"):
         raise ValueError(f"server={name}(...) does not save checkpoints: leave checkpoint_dir out")

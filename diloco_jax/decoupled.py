@@ -337,13 +337,13 @@ class _Job:
         return cls(
             spec, run, spec.schedule(run.step_seconds, h_count, run.num_updates), treedef,
             members, rules, spec.tokens_per_step or (1.0,) * m_count, fragment_bytes, step_fn,
-            merge, _data(run.data, m_count, h_count, run.device),
+            merge, _data(run.data, m_count, h_count, run.where.device),
             jax.jit(run.eval_fn) if run.eval_fn is not None else None,
         )  # fmt: skip
 
     def initial(self) -> _State:
         run = self.run
-        put = functools.partial(jax.device_put, device=run.device)
+        put = functools.partial(jax.device_put, device=run.where.device)
         theta = put([jnp.array(x, copy=True) for x in jax.tree.leaves(run.params)])
         outer = [put(outer_init(run.outer_optimizer, [theta[i] for i in idx]))
                  for idx in self.members]  # fmt: skip
@@ -488,7 +488,7 @@ class _Job:
         }
 
     def restore_target(self, state: _State) -> Any:
-        sharding = jax.sharding.SingleDeviceSharding(self.run.device or jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(self.run.where.device or jax.devices()[0])
         return functools.partial(checkpoint.as_saved, sharding=sharding)
 
     def restored(self, saved: dict, done: int) -> _State:

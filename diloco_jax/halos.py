@@ -29,7 +29,7 @@ with the local rule as its server's, where no two workers arrive at the same ins
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 from diloco_jax.checks import check_int, check_number, checked_optimizer
+from diloco_jax.comm import round_bytes
 from diloco_jax.delayed_nesterov import delayed_nesterov
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 
@@ -62,6 +63,9 @@ class HALoS:
     global_optimizer: Any = None
     worker_seconds: float = 0.0
     region_seconds: Any = 0.0
+
+    # Each worker's jobs run on its slice of a user's mesh (`train_async(mesh=...)`).
+    takes_mesh: ClassVar[bool] = True
 
     def __post_init__(self):
         regions = self.regions
@@ -162,7 +166,8 @@ def _train(spec: HALoS, run: Any) -> Any:
     outer = {"global": state.gps.state, "local": tuple(s.state for s in state.lps)}
     stacked = job.where.stack(state.inner_states)
     result_state = async_train.AsyncState(state.gps.theta, outer, stacked, run.num_updates)
-    return async_train.AsyncResult(state.gps.theta, result_state, history, elapsed, utilization)
+    theta, result_state = job.where.results((state.gps.theta, result_state))
+    return async_train.AsyncResult(theta, result_state, history, elapsed, utilization)
 
 
 @dataclasses.dataclass
@@ -227,11 +232,12 @@ class _Job:
     evaluate_fn: Any
     per_model: int
     means_like: Any
+    per_device: int | None  # on a mesh: one device's shard of a delta, in bytes
 
     @classmethod
     def of(cls, spec: HALoS, run: Any) -> "_Job":
         from diloco_jax import async_train
-        from diloco_jax.async_placement import OneDevice
+        from diloco_jax.async_placement import OnMesh
 
         m_count = run.num_workers
         steps = (
@@ -240,15 +246,23 @@ class _Job:
             else (run.inner_steps,) * m_count
         )
         global_rule = spec.global_optimizer or default_global_optimizer()
-        where = OneDevice(run.device)
+        where = run.where
+        # On a mesh a job runs on its worker's slice, traced with that slice's axes.
+        job_mesh = where.meshes[0].abstract_mesh if isinstance(where, OnMesh) else None
         run_job, apply_local = async_train._programs(
-            run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed
+            run.loss_fn,
+            run.inner_optimizer,
+            run.outer_optimizer,
+            run.has_aux,
+            run.rng_seed,
+            job_mesh,
         )
         job_data = async_train._job_data(run.data, m_count, run.inner_steps, (), where)
         per_model = sum(
             int(np.prod(np.shape(x))) * np.dtype(jnp.result_type(x)).itemsize
             for x in jax.tree.leaves(run.params)
         )
+        shards = where.shards(run.params)  # None on one device
         # A job's (loss, aux) as the job program gives them: a checkpoint holds one per worker.
         e = async_train.AsyncEvent(0, 0, 0, steps[0], 0.0, 0.0, 0, 0)
         means_like = jax.eval_shape(
@@ -260,6 +274,7 @@ class _Job:
             jax.jit(lambda p, st, d, age: outer_update(global_rule, p, st, d, age)),
             jax.jit(_merge), job_data,
             jax.jit(run.eval_fn) if run.eval_fn is not None else None, per_model, means_like,
+            None if shards is None else round_bytes(shards),
         )  # fmt: skip
 
     def initial(self) -> _State:
@@ -309,8 +324,8 @@ class _Job:
         w = state.workers[m]
         e = AsyncEvent(0, m, w.job, w.steps, w.at, 0.0, w.start_update, 0)
         delta, state.inner_states[m], means = self.run_job(
-            w.theta, state.inner_states[m], self.job_data(e), jnp.int32(e.job), jnp.int32(m),
-            num_steps=e.steps,
+            self.where.to_worker(w.theta, m), state.inner_states[m], self.job_data(e),
+            jnp.int32(e.job), jnp.int32(m), num_steps=e.steps,
         )  # fmt: skip
         w.pending, w.theta, w.means = False, delta, means
         w.arrives = w.at + w.steps * self.run.step_seconds[m] + self.spec.worker_seconds
@@ -323,7 +338,7 @@ class _Job:
         local = state.lps[r]
         staleness = local.version - w.start_update
         local.theta, local.state = self.apply_local(
-            local.theta, local.state, w.theta, jnp.int32(staleness)
+            local.theta, local.state, self.where.arrived(w.theta), jnp.int32(staleness)
         )
         local.version += 1
         state.busy += w.steps * self.run.step_seconds[m]
@@ -344,6 +359,8 @@ class _Job:
             global_updates=state.gps.version, bytes_communicated=sent, wire_bytes=sent,
             worker_bytes=list(state.sent), region_bytes=list(state.region_sent),
         )  # fmt: skip
+        if self.per_device is not None:  # on a mesh: each of its devices sends its shard
+            entry["wire_bytes_per_device"] = round((update + 1) * self.per_device / len(state.sent))
         return entry, means
 
     def _send(self, state: _State, time: float, r: int, what: str, value: Any) -> None:

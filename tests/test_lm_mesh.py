@@ -384,6 +384,22 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
 
 
 @pytest.mark.slow
+def test_halos_trains_on_a_mesh_as_on_one_device(tmp_path):
+    """`train --algo async --server halos,... --mesh workers=2,fsdp=2,tensor=2`: each worker's
+    jobs on its 4 devices, the servers' θ at model.param_specs over all 8; the losses of the
+    run on one device, to float32 rounding, and each device's bytes its shards."""
+    server = ["--algo", "async", "--server", "halos,regions=0/1,local_updates=1"]
+    plain, plain_summary = _train(tmp_path, "one", *server)
+    meshed, summary = _train(tmp_path, "mesh", *server, "--mesh", "workers=2,fsdp=2,tensor=2")
+    runs = [[r for r in x if r["run"] == "async"] for x in (plain, meshed)]
+    assert [r["update"] for r in runs[1]] == [r["update"] for r in runs[0]]
+    np.testing.assert_allclose([r["loss"] for r in runs[1]], [r["loss"] for r in runs[0]],
+                               rtol=2e-4)  # fmt: skip
+    assert summary["final_eval_loss"] == pytest.approx(plain_summary["final_eval_loss"], rel=2e-4)
+    assert 0 < runs[1][-1]["wire_bytes_per_device"] < runs[1][-1]["wire_bytes"]
+
+
+@pytest.mark.slow
 def test_compare_on_a_mesh_counts_what_each_device_sends(tmp_path):
     """`compare --mesh workers=2,fsdp=2,tensor=2`: DiLoCo, the one-worker baseline and data
     parallelism all train on the mesh, and each run's summary holds what a device sends: its

@@ -636,6 +636,54 @@ def test_train_async_on_a_mesh_with_a_sampler_equals_one_device():
     assert got.params["w1"].sharding.spec == specs["w1"]
 
 
+def _halos(mesh_name=None, dtype=jnp.float32, **options):
+    """HALoS, a region per worker, a push at each local update, hops on both levels (server
+    messages in flight between arrivals)."""
+    server = dj.HALoS(regions=(0, 1), local_updates=1, worker_seconds=0.2, region_seconds=0.5)
+    return _async(mesh_name, dtype, server=server, **options)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_halos_on_a_mesh_equals_one_device(mesh_name):
+    """HALoS's workers on their slices of the mesh, the servers' θ at the specs over all of
+    it: the one-device run's θ and history (float64), each device's bytes its shards."""
+    with precision("float64"):
+        ref, got = _halos(None, jnp.float64, num_updates=4), _halos(mesh_name, jnp.float64,
+                                                                   num_updates=4)  # fmt: skip
+        _close(ref.params, got.params, 1e-12)
+        _close(ref.state, got.state, 1e-12)
+    assert max(e["global_updates"] for e in got.history) > 0  # the GPS took pushes
+    keys = ("update", "time", "worker", "staleness", "global_updates", "wire_bytes")
+    assert [{k: e[k] for k in keys} for e in got.history] == [
+        {k: e[k] for k in keys} for e in ref.history
+    ]
+    shard = {"fsdp2xtensor2": 128 / 4 + 16 / 2 + 64 / 4, "fsdp4": (128 + 16 + 64) / 4}[mesh_name]
+    for done, entry in enumerate(got.history, start=1):
+        assert entry["wire_bytes_per_device"] == round(done * 8 * shard / M)
+    assert "wire_bytes_per_device" not in ref.history[0]
+    shape, names, specs = MESHES[mesh_name]
+    for name, spec in specs.items():
+        assert got.params[name].sharding.spec == spec
+        assert got.state.inner_opt_state[0].mu[name].sharding.spec == P("workers", *spec)
+
+
+def test_halos_on_a_mesh_resumes_bit_for_bit(tmp_path):
+    """2 checkpointed updates, then a call for 4 that resumes them on the mesh (a job and a
+    push in flight across the cut): the run of 4 in one go, bit for bit."""
+    whole = _halos("fsdp4", num_updates=4)
+    _halos("fsdp4", num_updates=2, checkpoint_dir=tmp_path)
+    resumed = _halos("fsdp4", num_updates=4, checkpoint_dir=tmp_path)
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert resumed.history == whole.history
+
+
+def test_decoupled_diloco_refuses_a_mesh():
+    shape, names, specs = MESHES["fsdp4"]
+    with pytest.raises(ValueError, match="runs on one device: it takes no mesh="):
+        _async("fsdp4", num_updates=1, server=dj.DecoupledDiLoCo())
+
+
 def test_train_async_mesh_options_are_checked():
     shape, names, specs = MESHES["fsdp4"]
     common = dict(num_workers=M, inner_steps=H, step_seconds=(1.0, 1.0), num_updates=1)

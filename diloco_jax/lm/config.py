@@ -587,14 +587,15 @@ def server_of(cfg: RunConfig) -> DecoupledDiLoCo | HALoS | None:
 
 
 def _check_server(cfg: RunConfig) -> None:
-    """The server part fits the run: M, H, one device, DyLU only for the jobs it has."""
+    """The server part fits the run: M, H, a mesh only where it takes one, DyLU only for the
+    jobs it has."""
     spec = server_of(cfg)
     try:
         spec.checked(cfg.workers, cfg.inner_steps)
     except ValueError as e:
         raise ConfigError(f"server: {e}") from None
     kind = type(spec).__name__
-    if cfg.mesh is not None:
+    if cfg.mesh is not None and not getattr(spec, "takes_mesh", False):
         raise ConfigError(f"server {kind} runs on one device: it takes no mesh")
     if cfg.dynamic_steps and isinstance(spec, DecoupledDiLoCo):
         raise ConfigError(
