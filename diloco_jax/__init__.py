@@ -9,11 +9,11 @@ model's adapter. The building blocks live in named submodules (docs/api.md lists
 """
 
 from diloco_jax.async_train import AsyncResult, async_schedule, dynamic_local_steps, train_async
-from diloco_jax.cgad import adam_decay, cgad
+from diloco_jax.cgad_outer import adam_decay, cgad
 from diloco_jax.compression import Compression
 from diloco_jax.decoupled import DecoupledDiLoCo
 from diloco_jax.delay import Delayed, Eager
-from diloco_jax.delayed_nesterov import delayed_nesterov
+from diloco_jax.delayed_nesterov_outer import delayed_nesterov
 from diloco_jax.donation import jit_round
 from diloco_jax.faults import AnomalySkip, NormSoftmax, Weights
 from diloco_jax.gasloc import GASLoC

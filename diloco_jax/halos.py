@@ -38,7 +38,7 @@ import optax
 
 from diloco_jax.checks import check_int, check_number, checked_optimizer
 from diloco_jax.comm import round_bytes
-from diloco_jax.delayed_nesterov import delayed_nesterov
+from diloco_jax.delayed_nesterov_outer import delayed_nesterov
 from diloco_jax.outer import outer_init, outer_update, widen, worker_delta
 
 

@@ -44,7 +44,7 @@ def outer_update(
 
     The update is applied in the delta dtype and the result cast back to each param's dtype.
     `age`: the outer updates applied since Δ's params (an int or int32 scalar; None: none, a
-    fresh Δ), passed to the optimizer as optax's extra argument `age` (`diloco_jax.cgad`
+    fresh Δ), passed to the optimizer as optax's extra argument `age` (`diloco_jax.cgad_outer`
     reads it; a transformation without extra arguments ignores it). Returns (new params,
     new outer_opt_state).
     """

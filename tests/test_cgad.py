@@ -11,7 +11,7 @@ from reference import linear_loss, make_data, precision
 from test_async import HAND_SCHEDULE, PARAMS, make_rounds
 
 import diloco_jax as dj
-from diloco_jax.cgad import age_gate, scale_by_age_gate
+from diloco_jax.cgad_outer import age_gate, scale_by_age_gate
 
 LR, DECAY, CUTOFF = 0.05, 0.3, 4.0
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import diloco_jax as dj
-from diloco_jax.delayed_nesterov import DelayedNesterovState
+from diloco_jax.delayed_nesterov_outer import DelayedNesterovState
 
 
 def dn_reference(deltas, lr, beta, n, c, theta0):

@@ -61,3 +61,21 @@ def test_the_engine_never_imports_the_lm_app():
             continue
         lm = {n for n in _imported(path, "diloco_jax") if n.startswith("diloco_jax.lm")}
         assert not lm, f"{path.name} imports {sorted(lm)}"
+
+
+def test_no_module_of_the_package_is_hidden_by_one_of_its_names():
+    """`import diloco_jax.X as x` gives module X wherever `dj.X` exists: an exported name
+    never shares a module's name (`dj.cgad` the function, `diloco_jax.cgad_outer` its
+    module)."""
+    import importlib
+    import pkgutil
+    import types
+
+    import diloco_jax as dj
+
+    for module in pkgutil.walk_packages(dj.__path__, "diloco_jax."):
+        parent, _, name = module.name.rpartition(".")
+        value = getattr(importlib.import_module(parent), name, None)
+        assert value is None or isinstance(value, types.ModuleType), (
+            f"{module.name} is hidden by {parent}.{name}, a {type(value).__name__}"
+        )

@@ -11,10 +11,10 @@ from typing import Any
 import optax
 
 from diloco_jax import limits, offload
-from diloco_jax.cgad import adam_decay, cgad
+from diloco_jax.cgad_outer import adam_decay, cgad
 from diloco_jax.checks import check_number
 from diloco_jax.decoupled import DecoupledDiLoCo
-from diloco_jax.delayed_nesterov import delayed_nesterov
+from diloco_jax.delayed_nesterov_outer import delayed_nesterov
 from diloco_jax.halos import HALoS
 from diloco_jax.heloco_outer import heloco
 from diloco_jax.lm.tokenizer import parse_spec
@@ -51,7 +51,7 @@ DEFAULT_OUTER_LR = {
     "adam_decay": 1e-3,
     "heloco": 0.7,
 }
-# Outer rules that scale each delta by its age's gate (diloco_jax.cgad): age_decay, and for
+# Outer rules that scale each delta by its age's gate (diloco_jax.cgad_outer): age_decay, and for
 # cgad age_cutoff, set the gate.
 AGE_GATED_OPTIMIZERS = ("cgad", "adam_decay")
 
@@ -169,7 +169,7 @@ class RunConfig:
     dn_buffer: int | None = None
     dn_c: float = 0.0
     # outer_optimizer "cgad" / "adam_decay": the age gate's decay (both, >= 0) and cutoff
-    # (cgad's, > 0), in outer updates (diloco_jax.cgad)
+    # (cgad's, > 0), in outer updates (diloco_jax.cgad_outer)
     age_decay: float | None = None
     age_cutoff: float | None = None
     # async only: train_async's server part as "NAME[,field=value...]" (`server_of`), e.g.
