@@ -591,22 +591,15 @@ class _Arrivals:
         # first reach each multiple of M x eval_every.
         if self.evaluate_fn is None:
             return None
-        every = self.num_workers * self.eval_every
-        steps = self.events[done - 1].steps
-        crossed = self.total_steps // every > (self.total_steps - steps) // every
-        return self.evaluate_fn(state.theta) if crossed or done == self.num_updates else None
+        before = self.total_steps - self.events[done - 1].steps
+        due = eval_due(before, self.total_steps, self.num_workers * self.eval_every)
+        return self.evaluate_fn(state.theta) if due or done == self.num_updates else None
 
     def record(self, i: int, e: AsyncEvent, metrics: Any, evals: Any) -> dict[str, Any]:
         entry, means = metrics
         loss, aux = to_host(means)
         entry["loss"] = float(loss)
-        for name, value in aux.items():
-            if name in entry:
-                raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
-            entry[name] = float(value)
-        if evals is not None:
-            entry.update({k: float(v) for k, v in to_host(evals).items()})
-        return entry
+        return joined(entry, aux, evals)
 
     def savable(self, state: _Running) -> _AsyncCheckpoint:
         job_starts = _job_starts(
@@ -627,6 +620,25 @@ class _Arrivals:
         }
         inner_states = self.where.unstack(saved.inner_opt_state, self.num_workers)
         return _Running(saved.params, saved.outer_opt_state, inner_states, starts, done)
+
+
+def eval_due(before: int, now: int, every: int) -> bool:
+    """Whether the inner steps applied, summed over the workers, first reached a multiple of
+    `every` (M x eval_every) in going from `before` to `now`: an asynchronous run's
+    evaluations (the last update's is the caller's)."""
+    return now // every > before // every
+
+
+def joined(entry: dict, aux: dict, evals: Any) -> dict:
+    """`entry` with the jobs' aux metrics (floats; a name the entry holds is refused) and the
+    evaluation's values (None: none), as an asynchronous run's history records them."""
+    for name, value in aux.items():
+        if name in entry:
+            raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
+        entry[name] = float(value)
+    if evals is not None:
+        entry.update({k: float(v) for k, v in to_host(evals).items()})
+    return entry
 
 
 def _recorded_events(

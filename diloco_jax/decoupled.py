@@ -437,26 +437,25 @@ class _Job:
 
     def evaluate(self, state: _State, done: int) -> Any:
         # As train_async: every eval_every inner steps per learner, and after the last sync.
+        from diloco_jax.async_train import eval_due
+
         if self.evaluate_fn is None:
             return None
         every = self.run.num_workers * self.run.eval_every
-        crossed = state.steps_now // every > state.steps_before // every
-        if not (crossed or done == self.run.num_updates):
+        due = eval_due(state.steps_before, state.steps_now, every)
+        if not (due or done == self.run.num_updates):
             return None
         return self.evaluate_fn(jax.tree.unflatten(self.treedef, state.theta))
 
     def record(self, i: int, item: Sync, metrics: Any, evals: Any) -> dict:
+        from diloco_jax.async_train import joined
+
         entry, losses, auxes = metrics
         at = list(entry).index("total_steps") + 1  # the loss after the step count
         items = list(entry.items())
         entry = dict([*items[:at], ("loss", float(jnp.mean(jnp.stack(losses)))), *items[at:]])
-        for name in auxes[0] if auxes else {}:
-            if name in entry:
-                raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
-            entry[name] = float(np.mean([float(a[name]) for a in auxes]))
-        if evals is not None:
-            entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
-        return entry
+        aux = {name: np.mean([float(a[name]) for a in auxes]) for name in auxes[0]} if auxes else {}
+        return joined(entry, aux, evals)
 
     def savable(self, state: _State) -> dict:
         """The state as nested dicts of arrays. Its layout varies with the learners' pending

@@ -37,21 +37,22 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from diloco_jax.carry import Carry, Part, set_leaves
 from diloco_jax.checks import check_number
 from diloco_jax.noloco import (
+    GroupSync,
     check_gossip_run,
     check_gossip_with,
     check_groups,
     group_masks,
     group_mean,
+    mean_norm,
 )
-from diloco_jax.outer import outer_update, widen
-from diloco_jax.schedule import OwnParams, OwnThetaSync, leaf_indices, part
+from diloco_jax.outer import widen
+from diloco_jax.schedule import OwnParams, leaf_indices, part
 from diloco_jax.trees import payload_bytes
-from diloco_jax.workers import WORKER_AXIS, stack_workers
+from diloco_jax.workers import stack_workers
 
 GASLOC = "gasloc"  # its state's name in `DiLoCoState.parts`
 _OWN_STATE = "GASLoC (gossip=: each worker holds its own outer weights and state)"
@@ -134,15 +135,11 @@ class GossipIterates(NamedTuple):
     OWNS_THETA = True  # `theta` stands in for the global θ (`delay.global_params`)
 
 
-class GASLoCSync(OwnThetaSync):
+class GASLoCSync(GroupSync):
     """GASLoC's sync: each worker's delta against its own θ_m, its outer step to y_m, its
     group's mean of y (`noloco.group_mean`), and the gossip and momentum terms."""
 
     name = GASLOC
-
-    def __init__(self, outer_optimizer, spec: GASLoC, num_workers: int):
-        self.apply_outer = jax.vmap(functools.partial(outer_update, outer_optimizer))
-        self.spec, self.num_workers = spec, num_workers
 
     def begin(self, c: Carry, ctx: Any) -> Carry:
         own = ctx.local[self.name]
@@ -170,14 +167,11 @@ class GASLoCSync(OwnThetaSync):
         theta = tuple(set_leaves(own.theta, indices, new_k))
         previous = tuple(set_leaves(own.previous, indices, y_k))
         norm = ctx.collectives.reduce(
-            functools.partial(_mean_norm, num_workers=self.num_workers), delta_k
+            functools.partial(mean_norm, num_workers=self.num_workers), delta_k
         )
         c = c.with_own(self.name, _Own(theta, outer_k, previous, norm))
         params_k = jax.tree.unflatten(ctx.treedef, theta)  # frozen leaves as they were
         return c._replace(workers=c.workers._replace(params=params_k))
-
-    def grad_norm(self, c: Carry) -> jax.Array:
-        return c.own[self.name].norm
 
     def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
         own = c.own[self.name]
@@ -187,12 +181,6 @@ class GASLoCSync(OwnThetaSync):
             jax.tree.unflatten(ctx.treedef, own.previous),
         )
         return None, state
-
-
-def _mean_norm(delta_k: Any, num_workers: int) -> jax.Array:
-    """float32: the mean over all M workers of each one's |Δ_m| (a scalar all-reduce)."""
-    norms_k = jax.vmap(lambda t: optax.tree.norm(t).astype(jnp.float32))(delta_k)
-    return lax.psum(jnp.sum(norms_k), WORKER_AXIS) / num_workers
 
 
 class _Own(NamedTuple):

@@ -387,25 +387,21 @@ class _Job:
 
     def evaluate(self, state: _State, done: int) -> Any:
         # As train_async: every eval_every inner steps per worker, and after the last update.
+        from diloco_jax.async_train import eval_due
+
         if self.evaluate_fn is None:
             return None
         every = self.run.num_workers * self.run.eval_every
-        now, steps = state.total_steps, state.last_steps
-        crossed = now // every > (now - steps) // every
-        due = crossed or done == self.run.num_updates
+        now = state.total_steps
+        due = eval_due(now - state.last_steps, now, every) or done == self.run.num_updates
         return self.evaluate_fn(state.gps.theta) if due else None
 
     def record(self, i: int, item: int, metrics: Any, evals: Any) -> dict:
+        from diloco_jax.async_train import joined
+
         entry, means = metrics
         loss, aux = jax.device_get(means)
-        entry = {**entry, "loss": float(loss)}
-        for name, value in aux.items():
-            if name in entry:
-                raise ValueError(f"loss_fn's aux name {name!r} collides with the history key")
-            entry[name] = float(value)
-        if evals is not None:
-            entry.update({k: float(v) for k, v in jax.device_get(evals).items()})
-        return entry
+        return joined({**entry, "loss": float(loss)}, aux, evals)
 
     def savable(self, state: _State) -> dict:
         """The state as a pytree of arrays of one structure at every update: an empty

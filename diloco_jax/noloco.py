@@ -238,15 +238,24 @@ def _from_device(h: int, num_devices: int):
     return lambda x: lax.ppermute(x, WORKER_AXIS, pairs)
 
 
-class GossipSync(OwnThetaSync):
+class GroupSync(OwnThetaSync):
+    """A gossip part's sync (NoLoCo's, GASLoC's): each worker's own outer step (vmapped over
+    the device's workers) under `spec`'s groups, and the round's "outer_grad_norm" as the
+    sync keeps it (`_Own.norm`)."""
+
+    def __init__(self, outer_optimizer, spec: Any, num_workers: int):
+        self.apply_outer = jax.vmap(functools.partial(outer_update, outer_optimizer))
+        self.spec, self.num_workers = spec, num_workers
+
+    def grad_norm(self, c: Carry) -> jax.Array:
+        return c.own[self.name].norm
+
+
+class GossipSync(GroupSync):
     """NoLoCo's sync: each worker's delta against its own φ_m, its group's means of Δ and φ
     (`group_mean`), and its own outer step on g_m (see the module docstring)."""
 
     name = GOSSIP
-
-    def __init__(self, outer_optimizer, spec: NoLoCo, num_workers: int):
-        self.apply_outer = jax.vmap(functools.partial(outer_update, outer_optimizer))
-        self.spec, self.num_workers = spec, num_workers
 
     def begin(self, c: Carry, ctx: Any) -> Carry:
         own = ctx.local[self.name]
@@ -266,23 +275,21 @@ class GossipSync(OwnThetaSync):
         new_k, outer_k = self.apply_outer(old_k, own.outer, grad_k)
         theta = tuple(set_leaves(own.theta, leaf_indices(sync, len(own.theta)), new_k))
         norm = ctx.collectives.reduce(
-            functools.partial(_mean_norm, num_workers=self.num_workers), mean_k
+            functools.partial(mean_norm, num_workers=self.num_workers), mean_k
         )
         c = c.with_own(self.name, _Own(theta, outer_k, norm))
         params_k = jax.tree.unflatten(ctx.treedef, theta)  # frozen leaves as they were
         return c._replace(workers=c.workers._replace(params=params_k))
-
-    def grad_norm(self, c: Carry) -> jax.Array:
-        return c.own[self.name].norm
 
     def end(self, c: Carry, ctx: Any) -> tuple[Any, Any]:
         own = c.own[self.name]
         return None, OwnOuter(jax.tree.unflatten(ctx.treedef, own.theta), own.outer)
 
 
-def _mean_norm(mean_k: Any, num_workers: int) -> jax.Array:
-    """float32: the mean over all M workers of each one's |Δ̄_G| (a scalar all-reduce)."""
-    norms_k = jax.vmap(lambda t: optax.tree.norm(t).astype(jnp.float32))(mean_k)
+def mean_norm(tree_k: Any, num_workers: int) -> jax.Array:
+    """float32: the mean over all M workers of the norm of each one's tree (leaves [k, ...]
+    on this device; a scalar all-reduce): NoLoCo's |Δ̄_G|, GASLoC's |Δ_m|."""
+    norms_k = jax.vmap(lambda t: optax.tree.norm(t).astype(jnp.float32))(tree_k)
     return lax.psum(jnp.sum(norms_k), WORKER_AXIS) / num_workers
 
 
