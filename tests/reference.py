@@ -51,6 +51,28 @@ def np_adam(g, m, v, t, lr, b1=0.9, b2=0.999, eps=1e-8):
     return -lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps), m, v
 
 
+class NpAdamWorkers:
+    """float64 Adam inner steps of M workers of the linear model [w0, w1, w2, b], each with
+    its own optimizer state that persists from round to round (the step count is shared)."""
+
+    def __init__(self, num_workers, lr):
+        self.m, self.v = np.zeros((num_workers, 4)), np.zeros((num_workers, 4))
+        self.t, self.lr = 0, lr
+
+    def run(self, start, x, y):
+        """Each worker's params [M, 4] after the round's H steps from `start` (on x [M, H, B,
+        3], y [M, H, B])."""
+        local = start.copy()
+        for h in range(x.shape[1]):
+            self.t += 1
+            for w in range(local.shape[0]):
+                err = x[w, h] @ local[w, :3] + local[w, 3] - y[w, h]
+                grad = np.append(x[w, h].T @ err / len(err), err.mean())
+                upd, self.m[w], self.v[w] = np_adam(grad, self.m[w], self.v[w], self.t, self.lr)
+                local[w] += upd
+        return local
+
+
 def linear_grads(w, b, x, y):
     err = x @ w + b - y
     return x.T @ err / len(y), err.mean(), 0.5 * np.mean(err**2)

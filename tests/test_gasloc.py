@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import linear_loss, make_data, np_adam, precision
+from reference import NpAdamWorkers, linear_loss, make_data, precision
 
 import diloco_jax as dj
 from diloco_jax import GASLoC, hlo
@@ -23,18 +23,9 @@ def _np_gasloc(w0, b0, rounds, group_size, alpha, gamma, seed):
     num_workers = rounds[0]["x"].shape[0]
     theta = np.tile(np.append(np.float64(w0), np.float64(b0)), (num_workers, 1))
     previous = None
-    adam_m, adam_v = np.zeros_like(theta), np.zeros_like(theta)
-    t = 0
+    inner = NpAdamWorkers(num_workers, INNER_LR)
     for r, batch in enumerate(rounds):
-        x, y = batch["x"].astype(np.float64), batch["y"].astype(np.float64)
-        local = theta.copy()
-        for h in range(x.shape[1]):
-            t += 1
-            for m in range(num_workers):
-                err = x[m, h] @ local[m, :3] + local[m, 3] - y[m, h]
-                grad = np.append(x[m, h].T @ err / len(err), err.mean())
-                upd, adam_m[m], adam_v[m] = np_adam(grad, adam_m[m], adam_v[m], t, INNER_LR)
-                local[m] += upd
+        local = inner.run(theta, batch["x"].astype(np.float64), batch["y"].astype(np.float64))
         ys = theta + OUTER_LR * (local - theta)
         new = np.empty_like(theta)
         for group in groups(seed, r, num_workers, group_size):

@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 from quick import quick
-from reference import linear_loss, make_data, np_adam, precision
+from reference import NpAdamWorkers, linear_loss, make_data, precision
 
 import diloco_jax as dj
 from diloco_jax import NoLoCo, hlo
@@ -29,18 +29,9 @@ def _np_noloco(w0, b0, rounds, group_size, consensus, seed):
     num_workers = rounds[0]["x"].shape[0]
     phi = np.tile(np.append(np.float64(w0), np.float64(b0)), (num_workers, 1))
     trace = np.zeros_like(phi)
-    adam_m, adam_v = np.zeros_like(phi), np.zeros_like(phi)
-    t = 0
+    inner = NpAdamWorkers(num_workers, INNER_LR)
     for r, batch in enumerate(rounds):
-        x, y = batch["x"].astype(np.float64), batch["y"].astype(np.float64)
-        theta = phi.copy()
-        for h in range(x.shape[1]):
-            t += 1
-            for m in range(num_workers):
-                err = x[m, h] @ theta[m, :3] + theta[m, 3] - y[m, h]
-                grad = np.append(x[m, h].T @ err / len(err), err.mean())
-                upd, adam_m[m], adam_v[m] = np_adam(grad, adam_m[m], adam_v[m], t, INNER_LR)
-                theta[m] += upd
+        theta = inner.run(phi, batch["x"].astype(np.float64), batch["y"].astype(np.float64))
         delta = phi - theta
         grad = np.empty_like(phi)
         for group in groups(seed, r, num_workers, group_size):
