@@ -388,7 +388,7 @@ class Worker:
             return afresh
         if position in self.states:
             return self.states[position]
-        path = self.directory / f"inner-{position:08d}.state"
+        path = self._saved_by() / f"inner-{position:08d}.state"
         try:
             saved = wire.read_file(path)
             kept = Kept(
@@ -402,6 +402,13 @@ class Worker:
             return afresh
         log.info("worker %d: inner state of position %d from %s", self.worker, position, path)
         return kept
+
+    def _saved_by(self) -> Path:
+        """The folder a state is read back from: the group leader's where this host has it
+        (every process of a group on one host then starts from the same state, even when
+        one was killed while writing its own copy), else this process's own."""
+        leader = self.directory.parent / "process-0"
+        return leader if self.grouped and leader.is_dir() else self.directory
 
     def _keep(self, position: int, kept: Kept) -> None:
         """Keeps `kept` as position's, in memory and on disk (the newest KEEP_STATES)."""
