@@ -67,18 +67,50 @@ def serve(
 ) -> tuple[grpc.Server, int]:
     """Starts the syncer's gRPC server on host:port (0: any free port), taking only calls that
     prove `secret`. Returns (server, the port it bound)."""
-    verifier = auth.Verifier(secret)
+    service = _Service(syncer, auth.Verifier(secret))
+    handlers = {
+        "Join": service.unary("Join", lambda m: syncer.join(m["worker"], m.get("incarnation"))),
+        "Heartbeat": service.unary(
+            "Heartbeat", lambda m: syncer.heartbeat(m["worker"], m["incarnation"])
+        ),
+        "Next": grpc.unary_stream_rpc_method_handler(service.next_round),
+        # Not a secret: the calls' MACs cover it, so none made for an earlier syncer passes.
+        "Epoch": grpc.unary_unary_rpc_method_handler(
+            lambda request, context: service.verifier.epoch
+        ),
+        "Push": grpc.stream_unary_rpc_method_handler(service.push),
+    }
+    # A thread per call in flight: each worker's Next and heartbeat, plus pushes.
+    pool = futures.ThreadPoolExecutor(max_workers=4 * syncer.task.num_workers + 8)
+    server = grpc.server(pool, options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"the syncer could not bind {host}:{port}")
+    server.start()
+    return server, bound
 
+
+class _Service:
+    """The syncer's side of each call: the message's proof checked (`verifier`) before it is
+    read, then handed to `syncer`."""
+
+    def __init__(self, syncer: Any, verifier: auth.Verifier):
+        self.syncer, self.verifier = syncer, verifier
+        # part -> the ids of its leaves last sent, them (held: their ids stay theirs), raw bytes
+        self.sent: dict[str, tuple] = {}
+
+    @staticmethod
     def refuse(context: grpc.ServicerContext, error: auth.Refused) -> None:
         log.warning("refused %s: %s", context.peer(), error)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
 
-    def unary(name: str, call: Callable[[dict], dict]) -> grpc.RpcMethodHandler:
+    def unary(self, name: str, call: Callable[[dict], dict]) -> grpc.RpcMethodHandler:
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             try:
-                message = wire.unpack(verifier.call(name, request))
+                message = wire.unpack(self.verifier.call(name, request))
             except auth.Refused as error:
-                refuse(context, error)
+                self.refuse(context, error)
             try:
                 return wire.pack(call(message))
             except (ValueError, KeyError, TypeError) as error:
@@ -86,23 +118,23 @@ def serve(
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
-    def push(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    def push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         try:
             head = next(requests)
-            header = wire.unpack(verifier.call("Push", head))
+            header = wire.unpack(self.verifier.call("Push", head))
             count = int(header["leaves"])
             leaves = [  # raw bytes, read as θ's leaves by the syncer
-                verifier.part(head, i, chunk)
+                self.verifier.part(head, i, chunk)
                 for i, chunk in enumerate(itertools.islice(requests, count))
             ]
         except auth.Refused as error:
-            refuse(context, error)
+            self.refuse(context, error)
         except (StopIteration, ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed push: {error}")
         if len(leaves) != count:  # the sender went away inside its push
             context.abort(grpc.StatusCode.CANCELLED, f"push ended after {len(leaves)} leaves")
         try:
-            reply = syncer.push(
+            reply = self.syncer.push(
                 header["worker"], header["incarnation"], int(header["serial"]), leaves,
                 float(header["loss"]), float(header.get("compute_s", 0.0)),
                 float(header.get("steps_s", 0.0)), bool(header.get("finite", True)),
@@ -115,50 +147,30 @@ def serve(
                         header["worker"], why)  # fmt: skip
         return wire.pack(reply)
 
-    sent: dict[str, tuple] = {}  # part -> the ids of its leaves last sent, them, raw bytes
-
-    def raw_part(name: str, arrays: list) -> list[bytes]:
+    def raw_part(self, name: str, arrays: list) -> list[bytes]:
         """A part's raw bytes (θ, the outer state, a sync's reply), made once per value for
         every worker that asks."""
-        ids, _, raw = sent.get(name, ((), [], []))
+        ids, _, raw = self.sent.get(name, ((), [], []))
         if ids != tuple(map(id, arrays)):
             raw = [bytes(wire.raw(x)) for x in arrays]
-            sent[name] = (tuple(map(id, arrays)), arrays, raw)  # held: their ids stay theirs
+            self.sent[name] = (tuple(map(id, arrays)), arrays, raw)
         return raw
 
-    def next_round(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def next_round(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
-            m = wire.unpack(verifier.call("Next", request))
+            m = wire.unpack(self.verifier.call("Next", request))
         except auth.Refused as error:
-            refuse(context, error)
+            self.refuse(context, error)
         try:
             timeout = min(float(m["timeout"]), 10.0)
-            reply = syncer.next_round(m["worker"], m["incarnation"], int(m["after"]), timeout,
-                                      int(m.get("held", -1)))  # fmt: skip
+            reply = self.syncer.next_round(m["worker"], m["incarnation"], int(m["after"]),
+                                           timeout, int(m.get("held", -1)))  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
-        parts = {name: raw_part(name, reply.pop(name)) for name in PARTS if name in reply}
+        parts = {name: self.raw_part(name, reply.pop(name)) for name in PARTS if name in reply}
         yield wire.pack({**reply, "parts": {name: len(raw) for name, raw in parts.items()}})
         for raw in parts.values():
             yield from raw  # gRPC's own copy is the only one made for this worker
-
-    handlers = {
-        "Join": unary("Join", lambda m: syncer.join(m["worker"], m.get("incarnation"))),
-        "Heartbeat": unary("Heartbeat", lambda m: syncer.heartbeat(m["worker"], m["incarnation"])),
-        "Next": grpc.unary_stream_rpc_method_handler(next_round),
-        # Not a secret: the calls' MACs cover it, so none made for an earlier syncer passes.
-        "Epoch": grpc.unary_unary_rpc_method_handler(lambda request, context: verifier.epoch),
-        "Push": grpc.stream_unary_rpc_method_handler(push),
-    }
-    # A thread per call in flight: each worker's Next and heartbeat, plus pushes.
-    pool = futures.ThreadPoolExecutor(max_workers=4 * syncer.task.num_workers + 8)
-    server = grpc.server(pool, options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"the syncer could not bind {host}:{port}")
-    server.start()
-    return server, bound
 
 
 class SyncerClient:
