@@ -364,18 +364,80 @@ def _train_diloco(
     rules = _model_state_rules(model_state, model_state_merge)
     if rules is not None:
         step_options["model_state_merge"] = model_state_lib.Resolved(rules)
-    init = functools.partial(init_state, num_workers=num_workers, method=method, trainable=mask)
     # Before the state is built: the data holds these workers, the devices hold their state.
     if not run.process_local_data:
         limits.check_first_item(data, (num_workers, inner_steps), "[num_workers, inner_steps]")
+    init = functools.partial(init_state, num_workers=num_workers, method=method, trainable=mask)
+    state = _built_state(init, params, model_state, worker_state, placed, backend, num_workers)
+    step = _round_step(fn, backend, method, num_workers, inner_steps, has_aux, run, mask,
+                       step_options, placed, unroll)  # fmt: skip
+    inner_like = None if worker_state is None else inner_state
+    bill = _diloco_bill(method, params, frozen, backend, placed, inner_like, rules, model_state,
+                        inner_steps)  # fmt: skip
+    faulty = method.weights.active
+
+    def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
+        return (
+            {"round": r, "steps": (r + 1) * inner_steps}
+            | step_record(metrics)
+            | {"outer_grad_norm": float(metrics["outer_grad_norm"])}
+            | bill.entries(r + 1)
+            | (_fault_record(metrics) if faulty else {})
+        )
+
+    rounds = Steps(
+        step=step,
+        record_metrics=record,
+        backend=backend,
+        data=data,
+        total=num_rounds,
+        lead=(num_workers, inner_steps),
+        what="[num_workers, inner_steps]",
+        eval_fn=run.eval_fn,
+        eval_every=run.eval_every,
+        eval_data=run.eval_data,
+        steps_each=inner_steps,
+        merge_rules=rules,
+        placement=placed,
+        process_local_data=check_bool("process_local_data", run.process_local_data),
+    )
+    ckpt = _diloco_checkpoints(run, params, method, num_workers, inner_steps, mask, rules,
+                               worker_step="params_of" in step_options)  # fmt: skip
+    loop = Loop(total=num_rounds, checkpoints=ckpt, callback=run.callback)
+    state, history = loop.run(rounds, place_state(state, backend, placed))
+    _warn_if_all_excluded(history, num_workers)
+    return _result(state, history, backend, rules)
+
+
+def _built_state(init, params, model_state, worker_state, placed, backend, num_workers):
+    """`init`'s state of the run, refused (naming num_workers) unless it fits the devices;
+    on a placement, built in place: no device ever holds more than its shards."""
     shapes = jax.eval_shape(lambda p: init(p, model_state=model_state, worker_state=worker_state),
                             params)  # fmt: skip
     limits.check_fits(f"num_workers={num_workers}", limits.nbytes(shapes), backend.devices)
     if placed is None:
-        state = init(params, model_state=model_state, worker_state=worker_state)
-    else:  # built in place: no device ever holds more than its shards
-        state = placement_lib.build_in_place(init, placed, params, model_state, worker_state)
-    step = jitted(
+        return init(params, model_state=model_state, worker_state=worker_state)
+    return placement_lib.build_in_place(init, placed, params, model_state, worker_state)
+
+
+def _check_sync_data(data: Any, num_workers: int, process_local_data: bool) -> None:
+    """ValueError unless `data` is train_sync's: one item a step, leaves [M, B, ...] (checked
+    on its first item, before anything is built for it, where this process holds them all)."""
+    if isinstance(data, Rounds):
+        raise ValueError(
+            "train_sync: data holds DiLoCo rounds from dj.worker_rounds (leaves [M, H, B, ...], "
+            "one item per round); train_sync takes one item per step (leaves [M, B, ...]): pass "
+            "dj.sync_steps(...) with the same arguments"
+        )
+    if not process_local_data:
+        limits.check_first_item(data, (num_workers,), "[num_workers]")
+
+
+def _round_step(fn, backend, method, num_workers, inner_steps, has_aux, run, mask, step_options,
+                placed, unroll) -> Callable:  # fmt: skip
+    """The jitted round of `train_diloco`'s loop (`diloco_round` on the backend, the state's
+    fields the method keeps donated), every option stated once here."""
+    return jitted(
         diloco_round,
         fn,
         backend,
@@ -394,42 +456,14 @@ def _train_diloco(
         **({"unroll_inner_steps": True} if unroll else {}),
         placement=placed,
     )
-    inner_like = None if worker_state is None else inner_state
-    bill = _diloco_bill(method, params, frozen, backend, placed, inner_like, rules, model_state,
-                        inner_steps)  # fmt: skip
-    faulty = method.weights.active
 
-    def record(r: int, metrics: dict[str, np.ndarray]) -> Record:
-        return (
-            {"round": r, "steps": (r + 1) * inner_steps}
-            | step_record(metrics)
-            | {"outer_grad_norm": float(metrics["outer_grad_norm"])}
-            | bill.entries(r + 1)
-            | (_fault_record(metrics) if faulty else {})
-        )
 
-    fingerprint = {}
-    if rules is not None:
-        fingerprint["model_state_merge"] = list(rules)
-    if step_options.get("params_of") is not None:
-        fingerprint["worker_step"] = True
-    rounds = Steps(
-        step=step,
-        record_metrics=record,
-        backend=backend,
-        data=data,
-        total=num_rounds,
-        lead=(num_workers, inner_steps),
-        what="[num_workers, inner_steps]",
-        eval_fn=run.eval_fn,
-        eval_every=run.eval_every,
-        eval_data=run.eval_data,
-        steps_each=inner_steps,
-        merge_rules=rules,
-        placement=placed,
-        process_local_data=check_bool("process_local_data", run.process_local_data),
-    )
-    ckpt = checkpoints(
+def _diloco_checkpoints(run, params, method, num_workers, inner_steps, mask, rules,
+                        worker_step: bool):  # fmt: skip
+    """The run's `Checkpoints` (None without a checkpoint_dir), its fingerprint the method's,
+    the run's sizes and what else makes the run another (the key, frozen leaves, merge rules,
+    a user's worker step)."""
+    return checkpoints(
         run.checkpoint_dir,
         run.checkpoint_every,
         run.keep_checkpoints,
@@ -440,13 +474,10 @@ def _train_diloco(
         **method.fingerprint(),
         **({} if run.rng_seed is None else {"rng_seed": run.rng_seed}),
         **({} if mask is None else {"trainable": list(mask.flags)}),
-        **fingerprint,
+        **({} if rules is None else {"model_state_merge": list(rules)}),
+        **({"worker_step": True} if worker_step else {}),
         **checkpoint.run_fields(run.checkpoint_fingerprint),
     )
-    loop = Loop(total=num_rounds, checkpoints=ckpt, callback=run.callback)
-    state, history = loop.run(rounds, place_state(state, backend, placed))
-    _warn_if_all_excluded(history, num_workers)
-    return _result(state, history, backend, rules)
 
 
 def _backend(run: _RunOptions, num_workers: int) -> Backend:
@@ -560,28 +591,9 @@ def train_sync(
     check_int("num_steps", num_steps, 0)
     check_int("num_workers", num_workers, 1)
     check_int("eval_every", eval_every, 1)
-    if isinstance(data, Rounds):
-        raise ValueError(
-            "train_sync: data holds DiLoCo rounds from dj.worker_rounds (leaves [M, H, B, ...], "
-            "one item per round); train_sync takes one item per step (leaves [M, B, ...]): pass "
-            "dj.sync_steps(...) with the same arguments"
-        )
-    if not process_local_data:  # before anything is built for them
-        limits.check_first_item(data, (num_workers,), "[num_workers]")
+    _check_sync_data(data, num_workers, process_local_data)
     check_params(params)
-    if method is not None:
-        if optimizer is not None:
-            raise ValueError("train_sync: give either optimizer= or method=, not both")
-        method = method_from_options(method, {}, caller="train_sync")
-        only_optimizers(method, "train_sync", "data parallelism has no outer step")
-        if method.outer is not None:
-            raise ValueError(
-                "train_sync takes DiLoCo.inner only (data parallelism has no outer step)"
-            )
-        optimizer = method.inner
-    optimizer = checked_optimizer("optimizer", optimizer, default_inner_optimizer)
-    frozen = trainable_lib.frozen_leaves(params, trainable)
-    optimizer = trainable_lib.masked_optimizer(optimizer, params, frozen)
+    optimizer = _sync_optimizer(optimizer, method, params, trainable)
     run = _RunOptions.of(locals())
     backend = _check_processes(_backend(run, num_workers))
     placed = _placement(run, backend, params, None, ())
@@ -589,28 +601,13 @@ def train_sync(
 
     state = init_sync_state(params, optimizer, model_state, num_workers)
     step = jitted(
-        sync_step,
-        loss_fn,
-        backend,
-        optimizer=optimizer,
-        num_workers=num_workers,
+        sync_step, loss_fn, backend, optimizer=optimizer, num_workers=num_workers,
         **({"has_aux": True} if has_aux else {}),
         **({"rng_seed": rng_seed} if rng_seed is not None else {}),
         **({} if rules is None else {"model_state_merge": model_state_lib.Resolved(rules)}),
         placement=placed,
-    )
-    per_device = None
-    if placed is not None:
-        per_device = sync_step_wire_bytes(placement_lib.shard_shapes(params, placed), num_workers)
-    elif backend.data_parallel > 1:
-        per_device = sync_step_wire_bytes(params, num_workers)
-    bill = Bill(
-        payload_bytes(params) if num_workers > 1 else 0,
-        sync_step_wire_bytes(params, num_workers),
-        per_device,
-        merge=merge_wire_bytes(model_state, rules, num_workers),
-        num_workers=num_workers,
-    )
+    )  # fmt: skip
+    bill = _sync_bill(params, placed, backend, num_workers, model_state, rules)
 
     def record(s: int, metrics: dict[str, np.ndarray]) -> Record:
         return {"step": s, "steps": s + 1} | step_record(metrics) | bill.entries(s + 1)
@@ -631,19 +628,50 @@ def train_sync(
         process_local_data=check_bool("process_local_data", process_local_data),
     )
     ckpt = checkpoints(
-        checkpoint_dir,
-        checkpoint_every,
-        keep_checkpoints,
-        params,
-        algorithm="sync",
-        num_workers=num_workers,
-        **({} if rng_seed is None else {"rng_seed": rng_seed}),
+        checkpoint_dir, checkpoint_every, keep_checkpoints, params, algorithm="sync",
+        num_workers=num_workers, **({} if rng_seed is None else {"rng_seed": rng_seed}),
         **({} if rules is None else {"model_state_merge": list(rules)}),
         **checkpoint.run_fields(checkpoint_fingerprint),
-    )
+    )  # fmt: skip
     loop = Loop(num_steps, ckpt, callback, unit="steps", total_name="num_steps")
     state, history = loop.run(rounds, place_state(state, backend, placed))
     return _result(state, history, backend, rules)
+
+
+def _sync_optimizer(optimizer, method, params, trainable) -> optax.GradientTransformation:
+    """train_sync's optimizer: `optimizer`, or a `method`'s inner one (refusing both, and a
+    method with an outer rule or other parts), or the default inner optimizer; masked to
+    leave `trainable`'s frozen leaves of `params` alone."""
+    if method is not None:
+        if optimizer is not None:
+            raise ValueError("train_sync: give either optimizer= or method=, not both")
+        method = method_from_options(method, {}, caller="train_sync")
+        only_optimizers(method, "train_sync", "data parallelism has no outer step")
+        if method.outer is not None:
+            raise ValueError(
+                "train_sync takes DiLoCo.inner only (data parallelism has no outer step)"
+            )
+        optimizer = method.inner
+    optimizer = checked_optimizer("optimizer", optimizer, default_inner_optimizer)
+    frozen = trainable_lib.frozen_leaves(params, trainable)
+    return trainable_lib.masked_optimizer(optimizer, params, frozen)
+
+
+def _sync_bill(params, placed, backend, num_workers, model_state, rules) -> Bill:
+    """What each step of train_sync sends: the gradients' all-reduce (per device too, on a
+    mesh or with data parallelism) and the model state's merge."""
+    per_device = None
+    if placed is not None:
+        per_device = sync_step_wire_bytes(placement_lib.shard_shapes(params, placed), num_workers)
+    elif backend.data_parallel > 1:
+        per_device = sync_step_wire_bytes(params, num_workers)
+    return Bill(
+        payload_bytes(params) if num_workers > 1 else 0,
+        sync_step_wire_bytes(params, num_workers),
+        per_device,
+        merge=merge_wire_bytes(model_state, rules, num_workers),
+        num_workers=num_workers,
+    )
 
 
 def _result(state: Any, history: list[Record], backend: Backend, rules=None) -> TrainResult:
