@@ -479,9 +479,10 @@ def _restore(
             continue
         # A whole checkpoint that disagrees with this run: another run's, never skipped.
         check_metadata(metadata, expected_metadata, where=f"{where} (step {step})")
-        if callable(like_state):  # a state whose layout varies: restored as it was saved
-            like_state = like_state(saved_tree)
-        like = _layout_of(saved_tree, like_state)
+        # A state whose layout varies is restored as this step saved it (an older step, tried
+        # when this one is damaged, may hold another layout).
+        target = like_state(saved_tree) if callable(like_state) else like_state
+        like = _layout_of(saved_tree, target)
         check_state_matches(saved_tree, like, where=f"{where} (step {step})")
         try:
             state = _read_state(manager, step, like, saved_tree)
@@ -489,8 +490,8 @@ def _restore(
         except Exception as error:  # noqa: BLE001
             failures.append(_skip(where, step, error))
             continue
-        if like is not like_state:
-            state = type(like_state).from_legacy(state, like_state)
+        if like is not target:
+            state = type(target).from_legacy(state, target)
         return state, metadata, step, (pointer if _is_pointer(pointer) else None)
     raise ValueError(f"no valid checkpoint in checkpoint_dir {where}: " + "; ".join(failures))
 

@@ -1,6 +1,7 @@
 """diloco_jax.checkpoint: bit-exact round trips (one device and a 4-device mesh), retention,
 fingerprint checks, fallback from damaged checkpoints, unfinished saves."""
 
+import functools
 import gc
 import json
 import os
@@ -211,6 +212,29 @@ def _flip_byte(path: pathlib.Path) -> None:
 # suspended and raise from their cleanup; Python reports that as an "unraisable" exception
 # when they are collected. Orbax's noise, not a failure: collect it here, inside these tests.
 orbax_read_cleanup = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@orbax_read_cleanup
+def test_a_state_restored_as_saved_falls_back_to_an_older_step_of_another_layout(tmp_path):
+    """A layout that varies from step to step (`as_saved`): with the newest step damaged in
+    its array bytes, the older step comes back in its own layout, bit for bit."""
+    device = jax.devices()[0]
+    older = {"a": jnp.arange(3.0), "pending": {"000000": jnp.ones(2)}}
+    rng = np.random.default_rng(0)  # bytes that do not compress: the array file is the largest
+    newer = {"a": jnp.arange(3.0) + 1,
+             "pending": {f"{j:06d}": jnp.asarray(rng.normal(size=65536), jnp.float32)
+                         for j in (0, 1)}}  # fmt: skip
+    params = {"a": np.zeros(3, np.float32)}
+    for step, state in ((1, older), (2, newer)):
+        ckpt.save(tmp_path, step, jax.device_put(state, device), meta(params, data_position=step))
+    _flip_byte(largest_file(tmp_path / "2"))
+    target = functools.partial(ckpt.as_saved, sharding=jax.sharding.SingleDeviceSharding(device))
+    with pytest.warns(RuntimeWarning, match="checkpoint step 2 .* damaged"):
+        restored, metadata, step = ckpt.restore(tmp_path, target, meta(params))
+    assert (step, metadata["data_position"]) == (1, 1)
+    assert jax.tree.structure(restored) == jax.tree.structure(older)
+    jax.tree.map(np.testing.assert_array_equal, restored, older)
+    gc.collect()
 
 
 @orbax_read_cleanup
