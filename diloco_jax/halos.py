@@ -258,10 +258,8 @@ class _Job:
             job_mesh,
         )
         job_data = async_train._job_data(run.data, m_count, run.inner_steps, (), where)
-        per_model = sum(
-            int(np.prod(np.shape(x))) * np.dtype(jnp.result_type(x)).itemsize
-            for x in jax.tree.leaves(run.params)
-        )
+        # A worker's delta, as train_async's one server counts it (and each device's shard).
+        per_model = round_bytes(run.params)
         shards = where.shards(run.params)  # None on one device
         # A job's (loss, aux) as the job program gives them: a checkpoint holds one per worker.
         e = async_train.AsyncEvent(0, 0, 0, steps[0], 0.0, 0.0, 0, 0)
