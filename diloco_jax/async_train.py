@@ -291,9 +291,10 @@ def train_async(
         running the same workers on the same clock: `dj.DecoupledDiLoCo(...)` (learners that
         never wait, a syncer merging a quorum of pushes; `diloco_jax.decoupled`) or
         `dj.HALoS(...)` (a server per region under a global one; `diloco_jax.halos`). Their
-        history entries and results are described there; they run on one device, without
-        `grace_seconds` (a syncer has its own window) or a mesh; both save checkpoints
-        (`checkpoint_dir`, resumed bit for bit).
+        history entries and results are described there; they take no `grace_seconds` (a
+        syncer has its own window) and save checkpoints (`checkpoint_dir`, resumed bit for
+        bit); HALoS runs its workers on a `mesh` as the one server does, Decoupled DiLoCo on
+        one device.
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has
@@ -352,7 +353,7 @@ def train_async(
             )
         return _other_server(server, run, mesh=mesh, checkpoint_dir=checkpoint_dir,
                              grace_seconds=grace_seconds, checkpoints=run_checkpoints)  # fmt: skip
-    return _one_server(run._replace(checkpoints=run_checkpoints()), where, grace_seconds, recorded)
+    return _one_server(run._replace(checkpoints=run_checkpoints()), grace_seconds, recorded)
 
 
 def _clock(
@@ -398,11 +399,12 @@ def _check_fits(where: Any, params: Any, inner_optimizer: Any, num_workers: int)
     limits.check_fits(f"num_workers={num_workers}", num_workers * per_worker, on)
 
 
-def _one_server(run: "AsyncRun", where: Any, grace_seconds: float, recorded: Any) -> AsyncResult:
+def _one_server(run: "AsyncRun", grace_seconds: float, recorded: Any) -> AsyncResult:
     """`train_async` with its one server (see its docstring): the schedule of `run`'s clock
     (or the `recorded` arrivals, None without), each arrival's job and outer update in the
     loop of `diloco_jax.loop`, checkpointed with `run.checkpoints`."""
     seconds, inner_steps, num_updates = run.step_seconds, run.inner_steps, run.num_updates
+    where = run.where
     if recorded is None:
         schedule = async_schedule(
             seconds, inner_steps, num_updates, grace_seconds=grace_seconds,
