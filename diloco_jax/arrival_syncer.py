@@ -36,6 +36,7 @@ import numpy as np
 from diloco_jax import wire
 from diloco_jax.async_train import dynamic_local_steps
 from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.gossip_syncer import GossipSyncer
 from diloco_jax.heloco_outer import job_start
 from diloco_jax.outer import outer_update
 from diloco_jax.syncer import Pushed, Syncer
@@ -202,8 +203,13 @@ class ArrivalSyncer(Syncer):
         }
 
 
-def make_syncer(task: ElasticTask, options: Elastic, directory: Path) -> Syncer:
-    """The syncer of the task's algo: `Syncer` (rounds) or `ArrivalSyncer` (async)."""
+def make_syncer(
+    task: ElasticTask, options: Elastic, directory: Path
+) -> "Syncer | ArrivalSyncer | GossipSyncer":
+    """The syncer of the task's algo: `Syncer` (rounds) or `ArrivalSyncer` (async); a gossip
+    method's membership alone (`GossipSyncer`)."""
+    if task.method.gossip is not None:
+        return GossipSyncer(task, options, directory)
     kind = ArrivalSyncer if task.algo == "async" else Syncer
     return kind(task, options, directory)
 

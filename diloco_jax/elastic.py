@@ -22,6 +22,11 @@ OUT/syncer/final.msgpack (θ after R syncs; `final_params`), OUT/syncer/history.
 (per sync: who was included, the mean loss, every worker's position; `history`) and each
 worker's OUT/workers/worker-m/metrics.jsonl (per inner phase; `worker_metrics`).
 
+A task whose method has a gossip part (NoLoCo, GASLoC) has no global θ: the syncer keeps the
+membership alone (`diloco_jax.gossip_syncer`), each worker exchanges with its group straight
+from its peers (`diloco_jax.gossip_worker`), and each worker's θ_m after R syncs is in its
+folder (`worker_params`).
+
 A task with `algo="async"` runs asynchronous DiLoCo instead (`diloco_jax.arrival_syncer`):
 no rounds, each delta applied as it arrives with its age, R server updates; history.jsonl is
 then the arrival log, and `train_async(..., arrivals=arrivals(OUT/syncer))` replays it.
@@ -41,8 +46,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from diloco_jax import auth, run_lock, wire
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
+from diloco_jax.gossip_syncer import checked_for_gossip
+from diloco_jax.outer import widen
 
 __all__ = [
     "Elastic",
@@ -51,7 +62,9 @@ __all__ = [
     "final_params",
     "history",
     "main",
+    "mean_worker_params",
     "worker_metrics",
+    "worker_params",
 ]
 
 ADDRESS_FILE = "syncer.address"
@@ -62,6 +75,23 @@ def final_params(directory: str | os.PathLike, task: ElasticTask) -> Any:
     """θ after the run's last sync, from a syncer folder, in the structure of task.params."""
     message = wire.read_file(Path(directory) / "final.msgpack")
     return wire.tree_like(task.params, message["theta"], "final.msgpack")
+
+
+def worker_params(directory: str | os.PathLike, task: ElasticTask, worker: int) -> Any:
+    """A gossip run's (NoLoCo, GASLoC: no global θ) θ_m of worker `worker` after its R syncs,
+    from the workers' folder (`worker --dir`, OUT/workers under `run`), in the structure of
+    task.params. The mean over the workers is the params the run stands for."""
+    message = wire.read_file(Path(directory) / f"worker-{worker}" / "final.msgpack")
+    return wire.tree_like(task.params, message["theta"], f"worker {worker}'s final.msgpack")
+
+
+def mean_worker_params(directory: str | os.PathLike, task: ElasticTask) -> Any:
+    """A gossip run's params: the mean over its workers' θ_m (`worker_params`), taken in
+    float32 or wider and cast back to each leaf's dtype, as `train_diloco`'s params of such a
+    run are (`delay.global_params`)."""
+    thetas = [worker_params(directory, task, m) for m in range(task.num_workers)]
+    stacked = jax.tree.map(lambda *x: np.stack(x), *thetas)
+    return jax.tree.map(lambda x: np.asarray(jnp.mean(widen(x), axis=0).astype(x.dtype)), stacked)
 
 
 def history(directory: str | os.PathLike) -> list[dict[str, Any]]:
@@ -230,9 +260,19 @@ def run_worker(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     if not 0 <= args.worker < task.num_workers:  # before its folder is made
         raise ValueError(f"--worker must be in [0, {task.num_workers}), got {args.worker}")
+    if task.method.gossip is not None and args.num_processes > 1:
+        raise ValueError("--num-processes must be 1 for a gossip task (NoLoCo, GASLoC): its "
+                         "worker is one process")  # fmt: skip
     folder = _folder(worker_folder(args.dir, args.worker), "--dir")
     lock = run_lock.acquire(folder, what=f"worker {args.worker}'s folder")
-    worker = Worker(task, args.worker, args.syncer, Path(args.dir), secret, args.syncer_timeout)
+    if task.method.gossip is not None:
+        from diloco_jax.gossip_worker import GossipWorker
+
+        worker = GossipWorker(task, args.worker, args.syncer, Path(args.dir), secret,
+                              args.syncer_timeout, args.peer_host)  # fmt: skip
+    else:
+        worker = Worker(task, args.worker, args.syncer, Path(args.dir), secret,
+                        args.syncer_timeout)  # fmt: skip
     try:
         return worker.run()
     except SyncerLost as error:
@@ -285,6 +325,11 @@ def launch(args: argparse.Namespace) -> int:
     _check_port(args.port, "--port")
     task = load_task(args.task)  # refused here, before any folder or process
     options = _options(args).checked(task.num_workers)
+    if task.method.gossip is not None:
+        checked_for_gossip(options, task.num_workers)
+        if args.processes_per_worker != 1:
+            raise ValueError("--processes-per-worker must be 1 for a gossip task (NoLoCo, "
+                             "GASLoC): its worker is one process")  # fmt: skip
     given = args.secret_file is not None or os.environ.get(auth.SECRET_ENV)
     secret = auth.load_secret(args.secret_file) if given else None
     out = _folder(args.out, "--out")
@@ -453,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a file holding the run's secret (default: $DILOCO_JAX_SECRET)",
     )
+    worker.add_argument("--peer-host", default="127.0.0.1",
+                        help="a gossip task's (NoLoCo, GASLoC): where this worker serves its "
+                        "values to its peers (0.0.0.0: every interface, told as this host's "
+                        "name)")  # fmt: skip
     worker.add_argument("--syncer-timeout", type=float, default=None,
                         help="seconds to keep retrying an unreachable syncer before exiting 1 "
                         "(default: the syncer's, 60 s until it is reached)")  # fmt: skip

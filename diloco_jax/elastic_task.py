@@ -89,6 +89,8 @@ class ElasticTask:
                 "ElasticTask.method's outer rule starts jobs from a look-ahead θ̄ (HeLoCo): "
                 "algo='async' does; a round starts every worker from θ"
             )
+        if method.gossip is not None:
+            _check_gossip_task(self, method)
         object.__setattr__(self, "method", method)
         seed = self.rng_seed
         if seed is not None and (
@@ -103,6 +105,19 @@ class ElasticTask:
                 raise ValueError(f"ElasticTask.{name} must be callable")
         _check_shardings("param_sharding", self.param_sharding, self.params)
         _check_shardings("batch_sharding", self.batch_sharding, None)
+
+
+def _check_gossip_task(task: ElasticTask, method: DiLoCo) -> None:
+    """ValueError naming what a gossip run on real processes can't take: algo "async", a
+    worker's own shardings, or a run its part refuses (M a power of 2 >= group_size)."""
+    name = type(method.gossip).__name__
+    if task.algo != "diloco":
+        raise ValueError(f"ElasticTask.algo must be 'diloco' with {name} (gossip=): its "
+                         "workers sync in groups, each sync together")  # fmt: skip
+    if task.param_sharding is not None or task.batch_sharding is not None:
+        raise ValueError(f"ElasticTask.param_sharding and batch_sharding are not taken with "
+                         f"{name} (gossip=): its workers run on their default device")  # fmt: skip
+    method.gossip.check_run(task.params, task.num_workers, task.inner_steps, None)
 
 
 def _check_shardings(name: str, value: Any, like: Any) -> None:
@@ -129,7 +144,8 @@ def refusal(method: DiLoCo) -> str | None:
     optimizer (AdamW, Muon/MuLoCo, any optax rule), the compression (each worker pushes its
     payload and keeps its error-feedback residual, `elastic_merge`), the outer rule
     (Nesterov, a clip, a cast outer state) and the non-finite exclusion run as in
-    `train_diloco`."""
+    `train_diloco`. A gossip part (NoLoCo, GASLoC) runs with no global θ: the workers
+    exchange with their groups directly (`diloco_jax.gossip_worker`)."""
     if method.fragmented:
         return (
             "fragments (Streaming DiLoCo) sync each fragment at its own inner step; the syncer "
@@ -142,8 +158,6 @@ def refusal(method: DiLoCo) -> str | None:
             "state sync (DES-LOC) averages the workers' inner optimizer state, which lives in "
             "each worker process and is not sent to the syncer"
         )
-    if method.gossip is not None:
-        return f"{type(method.gossip).__name__} has no global θ; the syncer holds one"
     w = method.weights
     if w.drop_probability is not None or w.membership is not None:
         return "simulated drops or membership: an elastic run's membership is its live workers"

@@ -102,7 +102,9 @@ class WorkerExit(Exception):
         self.code, self.line = code, line
 
 
-def _phase(loss_fn, optimizer, theta, opt_state, batches, key):
+def inner_phase(loss_fn, optimizer, theta, opt_state, batches, key):
+    """One worker's inner phase from `theta`: (Δ = theta - its params after the steps, the
+    new inner state, the mean inner loss)."""
     params, opt_state, losses = inner.inner_loop(
         loss_fn, optimizer, theta, opt_state, batches, key=key
     )
@@ -128,7 +130,7 @@ class Worker:
             timeout = syncer_timeout or Elastic().syncer_timeout
             self.client = SyncerClient(address, secret, timeout)
         self.optimizer = task.method.inner_optimizer
-        self.phase = jax.jit(functools.partial(_phase, task.loss_fn, self.optimizer))
+        self.phase = jax.jit(functools.partial(inner_phase, task.loss_fn, self.optimizer))
         self.opt_like = jax.tree.map(np.asarray, self.optimizer.init(task.params))
         self.merge = make_merge(task.method, task.params, task.num_workers)
         self.outer_like = jax.tree.map(

@@ -42,6 +42,7 @@ from diloco_jax.carry import Carry, Part, set_leaves
 from diloco_jax.checks import check_number
 from diloco_jax.noloco import (
     GroupSync,
+    Sent,
     check_gossip_run,
     check_gossip_with,
     check_groups,
@@ -49,7 +50,7 @@ from diloco_jax.noloco import (
     group_mean,
     mean_norm,
 )
-from diloco_jax.outer import widen
+from diloco_jax.outer import outer_update, widen
 from diloco_jax.schedule import OwnParams, leaf_indices, part
 from diloco_jax.trees import payload_bytes
 from diloco_jax.workers import stack_workers
@@ -114,6 +115,31 @@ class GASLoC(Part):
 
     def variant(self) -> dict:
         return {"gasloc": [self.group_size, self.alpha, self.gamma, self.seed]}
+
+    def worker_state(self, params: Any, outer_state: Any) -> "GossipIterates":
+        """One worker's own state on real processes (`diloco_jax.gossip_worker`): θ_m = θ_0,
+        a fresh outer state and y^prev = θ_0 widened, as `initial` gives each worker."""
+        return GossipIterates(params, outer_state, widen(params))
+
+    def worker_send(self, outer_optimizer, own: "GossipIterates", delta: Any) -> Sent:
+        """One worker's outer step to y_m (the values it averages with its group), its new
+        outer state kept for `worker_step`."""
+        y, outer = outer_update(outer_optimizer, own.theta, own.outer, delta)
+        return Sent(widen(y), outer)
+
+    def worker_step(
+        self, outer_optimizer, own: "GossipIterates", sent: Sent, mean: Any, sync: Any
+    ) -> "GossipIterates":
+        """θ_m from y_m, its group's mean ȳ_G and y^prev (the momentum term from sync 1 on):
+        `GASLoCSync.apply`'s rule for one worker."""
+        started = sync > 0
+
+        def step(y, ybar, prev, old):
+            momentum = jnp.where(started, y - prev, jnp.zeros_like(y))
+            return (y - self.alpha * (y - ybar) + self.gamma * momentum).astype(old.dtype)
+
+        theta = jax.tree.map(step, sent.values, mean, own.previous, own.theta)
+        return GossipIterates(theta, sent.kept, sent.values)
 
     def transfers(self, synced: list) -> list:
         """(op, operand bytes, times) per sync per worker: log2(group_size) stages, each a

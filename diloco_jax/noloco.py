@@ -119,6 +119,27 @@ class NoLoCo(Part):
     def variant(self) -> dict:
         return {"noloco": [self.group_size, self.consensus, self.seed]}
 
+    def worker_state(self, params: Any, outer_state: Any) -> "OwnOuter":
+        """One worker's own state on real processes (`diloco_jax.gossip_worker`): φ_m = θ_0
+        and a fresh outer state, as `initial` gives each worker."""
+        return OwnOuter(params, outer_state)
+
+    def worker_send(self, outer_optimizer, own: "OwnOuter", delta: Any) -> "Sent":
+        """What one worker averages with its group: its Δ_m and its φ_m in float32 or wider
+        (nothing is kept for `worker_step` beyond them)."""
+        return Sent((delta, widen(own.theta)), None)
+
+    def worker_step(
+        self, outer_optimizer, own: "OwnOuter", sent: "Sent", mean: Any, sync: Any
+    ) -> "OwnOuter":
+        """One worker's outer step from its group's means (Δ̄_G, φ̄_G) of `sent.values`:
+        `GossipSync.apply`'s rule for one worker."""
+        (_, phi), (mean_delta, mean_phi) = sent.values, mean
+        grad = jax.tree.map(
+            lambda d, pbar, p: d - self.consensus * (pbar - p), mean_delta, mean_phi, phi
+        )
+        return OwnOuter(*outer_update(outer_optimizer, own.theta, own.outer, grad))
+
     def transfers(self, synced: list) -> list:
         """(op, operand bytes, times) per sync per worker: log2(group_size) stages, each a
         collective-permute of the worker's Δ and φ in float32 (`synced`: the leaves it
@@ -176,6 +197,15 @@ class OwnOuter(NamedTuple):
 
     PER_WORKER = ("theta", "outer")
     OWNS_THETA = True  # `theta` stands in for the global θ (`delay.global_params`)
+
+
+class Sent(NamedTuple):
+    """One worker's side of a gossip sync on real processes: `values`, the tree it averages
+    with its group (float32 or wider), and `kept`, what its step reads besides (GASLoC's new
+    outer state; None for NoLoCo)."""
+
+    values: Any
+    kept: Any
 
 
 def group_masks(seed: int, sync: Any, num_workers: int, group_size: int) -> jax.Array:

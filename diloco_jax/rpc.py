@@ -1,8 +1,9 @@
 """The syncer's gRPC service and its client: five calls, each message a packed dict
 (`diloco_jax.wire`), no generated code.
 
-- Join {worker, incarnation?} -> {incarnation, options}
-- Heartbeat {worker, incarnation} -> {status}
+- Join {worker, incarnation?, address?} -> {incarnation, options}
+- Heartbeat {worker, incarnation, saved?} -> {status}
+  (address and saved: a gossip run's, `diloco_jax.gossip_syncer`)
 - Next {worker, incarnation, after, timeout} -> a stream: the worker's next round
   (`Syncer.next_round`) with {leaves: n}, then n messages, θ's leaves (their raw bytes)
 - Epoch -> the syncer's epoch (16 bytes, drawn at its start; every call's MAC covers it)
@@ -69,9 +70,12 @@ def serve(
     prove `secret`. Returns (server, the port it bound)."""
     service = _Service(syncer, auth.Verifier(secret))
     handlers = {
-        "Join": service.unary("Join", lambda m: syncer.join(m["worker"], m.get("incarnation"))),
+        "Join": service.unary(
+            "Join", lambda m: syncer.join(m["worker"], m.get("incarnation"), **_given(m, "address"))
+        ),
         "Heartbeat": service.unary(
-            "Heartbeat", lambda m: syncer.heartbeat(m["worker"], m["incarnation"])
+            "Heartbeat",
+            lambda m: syncer.heartbeat(m["worker"], m["incarnation"], **_given(m, "saved")),
         ),
         "Next": grpc.unary_stream_rpc_method_handler(service.next_round),
         # Not a secret: the calls' MACs cover it, so none made for an earlier syncer passes.
@@ -89,6 +93,11 @@ def serve(
         raise OSError(f"the syncer could not bind {host}:{port}")
     server.start()
     return server, bound
+
+
+def _given(message: dict, *names: str) -> dict:
+    """The optional fields a call carries (a gossip worker's peer address and saved syncs)."""
+    return {name: message[name] for name in names if name in message}
 
 
 class _Service:

@@ -98,3 +98,15 @@ def make_async_task():
     outer = outers[os.environ.get("ELASTIC_OUTER", "dn")]()
     return dataclasses.replace(make_task(), method=dj.DiLoCo(inner=METHOD.inner, outer=outer),
                                algo="async", dynamic_steps=True)  # fmt: skip
+
+
+def make_gossip_task():
+    """make_task's task with no global θ: ELASTIC_GOSSIP names the gossip part, "noloco"
+    (NoLoCo, pairs, its default heavy-ball outer step) or "gasloc" (GASLoC, pairs, α 0.8,
+    γ 0.3, SGD 0.7), each with seed 5."""
+    parts = {
+        "noloco": lambda: dj.NoLoCo(group_size=2, seed=5),
+        "gasloc": lambda: dj.GASLoC(group_size=2, alpha=0.8, gamma=0.3, seed=5),
+    }
+    gossip = parts[os.environ.get("ELASTIC_GOSSIP", "noloco")]()
+    return dataclasses.replace(make_task(), method=dj.DiLoCo(inner=METHOD.inner, gossip=gossip))

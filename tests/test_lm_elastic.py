@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import diloco_jax as dj
-from diloco_jax.elastic import arrivals, final_params, history
+from diloco_jax.elastic import arrivals, final_params, history, mean_worker_params
 from diloco_jax.lm import cli, experiment
 from diloco_jax.lm import elastic as lm_elastic
 
@@ -153,3 +153,45 @@ def test_train_elastic_async_equals_its_replay_on_the_same_windows(tmp_path, mon
     assert [x["update"] for x in lines if x["run"] == "async"] == list(range(6))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["updates"] == 6 and summary["inner_steps"] == sum(e.steps for e in events)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "gossip_flags",
+    [["--gossip-group-size", "2"], ["--gasloc", "alpha=0.8,gamma=0.5"]],
+    ids=["noloco", "gasloc"],
+)
+def test_train_elastic_with_gossip_equals_train_diloco(tmp_path, monkeypatch, gossip_flags):
+    """NoLoCo and GASLoC on worker processes that exchange with each other: the mean of the
+    workers' θ_m equals train_diloco's params on the same windows, and the summary states its
+    loss."""
+    out = tmp_path / "run"
+    argv = ["train", "--elastic", "--preset", "micro", "--rounds", "3", "--out", str(out),
+            "--no-progress", *gossip_flags]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
+    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "diloco (elastic): eval loss" in done.stdout and "3 syncs, each worker" in done.stdout
+    monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
+    task = lm_elastic.task()
+    kind = "GASLoC" if "--gasloc" in gossip_flags else "NoLoCo"
+    assert type(task.method.gossip).__name__ == kind  # the flag reached the workers
+    data = [
+        jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, r) for m in range(2)))
+        for r in range(3)
+    ]
+    expected = dj.train_diloco(
+        task.loss_fn, task.params, data, num_rounds=3, num_workers=2, inner_steps=4,
+        method=task.method, backend="sequential",
+    ).params  # fmt: skip
+    real = mean_worker_params(out / "elastic" / "workers", task)
+    for got, want in zip(jax.tree.leaves(real), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert not np.allclose(jax.tree.leaves(real)[0], jax.tree.leaves(task.params)[0])
+    summary = json.loads((out / "summary.json").read_text())
+    corpus = experiment.load_corpus(cli.parse(argv).cfg)
+    eval_loss = jax.jit(experiment.make_eval_fn(task.loss_fn, corpus))(real)["eval_loss"]
+    assert summary["final_eval_loss"] == pytest.approx(float(eval_loss), rel=1e-6)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["included"] for x in lines if x["run"] == "diloco"] == [[0, 1]] * 3

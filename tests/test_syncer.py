@@ -337,7 +337,6 @@ def test_files_keep_arrays_exactly_and_refuse_torn_and_edited_bytes(tmp_path):
         (dj.DiLoCo(schedule=dj.Streaming(2)), "fragments"),
         (dj.DiLoCo(delay=dj.Delayed(1)), "delay"),
         (dj.DiLoCo(state_sync=dj.StateSync(mu=4)), "DES-LOC"),
-        (dj.DiLoCo(gossip=dj.NoLoCo(2)), "NoLoCo"),
         (dj.DiLoCo(weights=dj.Weights(drop_probability=0.1)), "simulated drops"),
         (dj.DiLoCo(weights=dj.Weights(weighting="steps")), "weighting"),
     ],

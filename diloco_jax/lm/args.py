@@ -449,6 +449,12 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
         raise ConfigError(
             f"--min-workers must be in [1, --workers={cfg.workers}], got {min_workers}"
         )
+    if config.method(cfg).gossip is not None and min_workers not in (1, cfg.workers):
+        raise ConfigError(
+            f"--min-workers must be --workers={cfg.workers} (or left out) with "
+            f"--gossip-group-size or --gasloc: every worker takes part in every sync, got "
+            f"{min_workers}"
+        )
     return min_workers, args.restart_workers
 
 

@@ -136,10 +136,13 @@ def train_elastic(
     if code != 0:
         return code
     run_task = task()
-    theta = runtime.final_params(folder / "syncer", run_task)
+    gossip = run_task.method.gossip is not None
+    if gossip:  # no global θ: the mean of the workers' own, as train_diloco's params
+        theta = runtime.mean_worker_params(folder / "workers", run_task)
+    else:
+        theta = runtime.final_params(folder / "syncer", run_task)
     eval_fn = jax.jit(experiment.make_eval_fn(run_task.loss_fn, corpus))
     eval_loss = float(eval_fn(theta)["eval_loss"])
-    lines = runtime.history(folder / "syncer")
     summary = {
         "algo": algo,
         "elastic": True,
@@ -147,7 +150,11 @@ def train_elastic(
         "final_eval_ppl": math.exp(eval_loss),
         "final_eval_bpb": experiment.bits_per_byte(eval_loss, corpus.eval_bytes_per_token),
     }
-    records, counts, said = (_sync_records if algo == "diloco" else _update_records)(cfg, lines)
+    if gossip:
+        records, counts, said = _gossip_records(cfg, folder / "workers")
+    else:
+        lines = runtime.history(folder / "syncer")
+        records, counts, said = (_sync_records if algo == "diloco" else _update_records)(cfg, lines)
     write_jsonl(metrics, pre_history + records)
     summary.update(counts, wall_seconds=time.perf_counter() - started)
     write_json(out / "summary.json", summary)
@@ -166,6 +173,24 @@ def _sync_records(cfg: Any, syncs: list[dict]) -> tuple[list[dict], dict[str, in
     full = sum(len(s["included"]) == cfg.workers for s in syncs)
     counts = {"rounds": len(syncs), "syncs_with_every_worker": full}
     return records, counts, f"{full} of {len(syncs)} syncs with every worker"
+
+
+def _gossip_records(cfg: Any, workers: Path) -> tuple[list[dict], dict[str, int], str]:
+    """A gossip run's metrics lines (one per sync: the workers' mean inner loss, each
+    worker's last phase of it where a restart ran it twice), counts, and its line."""
+    from diloco_jax import elastic as runtime
+
+    losses: dict[int, dict[int, float]] = {}  # round -> worker -> loss
+    for m in range(cfg.workers):
+        for line in runtime.worker_metrics(workers, m):
+            losses.setdefault(line["round"], {})[m] = line["loss"]
+    records = [
+        {"run": "diloco", "round": r, "step": (r + 1) * cfg.inner_steps,
+         "loss": float(np.mean(list(losses[r].values()))), "included": sorted(losses[r])}
+        for r in sorted(losses)
+    ]  # fmt: skip
+    counts = {"rounds": len(records), "syncs_with_every_worker": len(records)}
+    return records, counts, f"{len(records)} syncs, each worker with its group"
 
 
 def _update_records(cfg: Any, updates: list[dict]) -> tuple[list[dict], dict[str, int], str]:
