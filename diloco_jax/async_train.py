@@ -293,8 +293,7 @@ def train_async(
         `dj.HALoS(...)` (a server per region under a global one; `diloco_jax.halos`). Their
         history entries and results are described there; they take no `grace_seconds` (a
         syncer has its own window) and save checkpoints (`checkpoint_dir`, resumed bit for
-        bit); HALoS runs its workers on a `mesh` as the one server does, Decoupled DiLoCo on
-        one device.
+        bit); both run their workers on a `mesh` as the one server does.
 
     Returns:
       AsyncResult(params, state, history, elapsed_seconds, utilization). history[u] has

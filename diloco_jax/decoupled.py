@@ -24,12 +24,18 @@ late at the end of a run are never computed (its inner state in the result stops
 K = M, no grace and equal speeds and tokens is synchronous DiLoCo (one fragment) or
 Streaming DiLoCo with tau = 0 and alpha = 0 (P fragments). The syncer's broadcasts are not
 counted as bytes; every push is (late ones too: they were sent).
+
+On the user's mesh (`train_async(mesh=..., param_sharding=...)`), learner m's params, inner
+state and steps sit on its slice m of the worker axis, sharded by the params' specs; θ, each
+fragment's outer state and the merged fragments at the specs over the whole mesh, as
+`train_async`'s one server places them (`diloco_jax.async_placement`). A push is put where
+θ is (its send), a merged fragment on each learner's devices when it applies it.
 """
 
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +43,13 @@ import numpy as np
 
 from diloco_jax import checkpoint
 from diloco_jax import sampler as sampler_lib
+from diloco_jax.async_placement import OnMesh
 from diloco_jax.checks import check_int, check_number
 from diloco_jax.inner import inner_loop, worker_key
 from diloco_jax.outer import outer_init, outer_update, worker_delta
 from diloco_jax.sampler import Sampler
 from diloco_jax.schedule import fragment_of
+from diloco_jax.workers import in_mesh_context
 
 MERGES = ("average", "rda")
 
@@ -70,6 +78,8 @@ class DecoupledDiLoCo:
     merge: str = "average"
     average_leaves: tuple[str, ...] = ()
     tokens_per_step: tuple[float, ...] | None = None
+
+    takes_mesh: ClassVar[bool] = True
 
     def __post_init__(self):
         check_int("DecoupledDiLoCo.quorum", self.quorum, 1)
@@ -241,16 +251,61 @@ def _draw(data, job, worker, h, s):
 
 
 @functools.lru_cache(maxsize=16)
-def _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed):
-    """(jitted learner step, rules -> jitted merge and outer step of a fragment with those
-    per-leaf rules); cached so repeated runs reuse the compilations."""
-    step = jax.jit(functools.partial(_step, loss_fn, inner_optimizer, has_aux, rng_seed))
+def _programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh):
+    """(jitted learner step, traced with `job_mesh`'s axes in context (a learner's slice of
+    the user's mesh; None on one device), rules -> jitted merge and outer step of a fragment
+    with those per-leaf rules); cached so repeated runs reuse the compilations."""
+    step = jax.jit(
+        in_mesh_context(
+            functools.partial(_step, loss_fn, inner_optimizer, has_aux, rng_seed), job_mesh
+        )
+    )
 
     @functools.cache
     def merge(rules):
         return jax.jit(functools.partial(_merge_and_step, outer_optimizer, rules))
 
     return step, merge
+
+
+class _Places:
+    """Where the run's arrays live (`where`: one device, or the user's mesh): θ-like leaves
+    by their index in θ, on the whole mesh (`shared`) or on learner m's slice of it
+    (`worker`), and each fragment's outer state."""
+
+    def __init__(self, where: Any, members: list):
+        self.where, self.members = where, members
+        self.on_mesh = isinstance(where, OnMesh)
+        if not self.on_mesh:
+            self.device = where.device or jax.devices()[0]
+
+    def sharding(self, index: int, worker: int | None = None) -> jax.sharding.Sharding:
+        """Where θ's leaf `index` lives: on the whole mesh, or on `worker`'s slice."""
+        if not self.on_mesh:
+            return jax.sharding.SingleDeviceSharding(self.device)
+        placed = self.where.full if worker is None else self.where.workers[worker]
+        return placed.sharding(placed.specs[index], per_worker=False)
+
+    def leaves(self, values: list, indices: list, worker: int | None = None) -> list:
+        """`values` (leaves of θ of these `indices`) on the whole mesh, or on `worker`'s."""
+        return [
+            jax.device_put(v, self.sharding(i, worker))
+            for v, i in zip(values, indices, strict=True)
+        ]
+
+    def outer(self, state: Any, fragment: int) -> Any:
+        """Fragment `fragment`'s outer state at its leaves' specs over the whole mesh."""
+        if not self.on_mesh:
+            return jax.device_put(state, self.device)
+        placed = self.where.full._replace(groups=(tuple(self.members[fragment]),))
+        return jax.device_put(state, placed.tree(state, per_worker=False))
+
+    def replicated(self, worker: int | None) -> jax.sharding.Sharding:
+        """A small array's place: on the device, or replicated on the (learner's) mesh."""
+        if not self.on_mesh:
+            return jax.sharding.SingleDeviceSharding(self.device)
+        mesh = self.where.full.mesh if worker is None else self.where.meshes[worker]
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 class _Broadcast(NamedTuple):
@@ -306,10 +361,12 @@ class _Job:
     rules: tuple  # leaf -> "average" or "rda"
     tokens: tuple
     fragment_bytes: list
+    shard_bytes: list | None  # on a mesh: one device's shard of each fragment, in bytes
     step_fn: Any
     merge: Any
     data_of: Any
     evaluate_fn: Any
+    places: _Places
 
     @classmethod
     def of(cls, spec: DecoupledDiLoCo, run: Any) -> "_Job":
@@ -324,33 +381,42 @@ class _Job:
             else "average"
             for i in range(len(leaves))
         )  # fmt: skip
-        args = (run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed)
+        places = _Places(run.where, members)
+        # On a mesh a learner's step runs on its slice, traced with that slice's axes.
+        job_mesh = run.where.meshes[0].abstract_mesh if places.on_mesh else None
+        args = (run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed,
+                job_mesh)  # fmt: skip
         try:
             step_fn, merge = _programs(*args)
         except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
             step_fn, merge = _programs.__wrapped__(*args)
-        fragment_bytes = [
-            sum(int(np.prod(np.shape(leaves[i]))) * np.dtype(jnp.result_type(leaves[i])).itemsize
-                for i in idx)
-            for idx in members
-        ]  # fmt: skip
+        shards = run.where.shards(run.params)  # None on one device
         return cls(
             spec, run, spec.schedule(run.step_seconds, h_count, run.num_updates), treedef,
-            members, rules, spec.tokens_per_step or (1.0,) * m_count, fragment_bytes, step_fn,
-            merge, _data(run.data, m_count, h_count, run.where.device),
-            jax.jit(run.eval_fn) if run.eval_fn is not None else None,
+            members, rules, spec.tokens_per_step or (1.0,) * m_count,
+            _fragment_bytes(leaves, members),
+            None if shards is None else _fragment_bytes(jax.tree.leaves(shards), members),
+            step_fn, merge, _data(run.data, m_count, h_count, run.where),
+            jax.jit(run.eval_fn) if run.eval_fn is not None else None, places,
         )  # fmt: skip
 
     def initial(self) -> _State:
-        run = self.run
-        put = functools.partial(jax.device_put, device=run.where.device)
-        theta = put([jnp.array(x, copy=True) for x in jax.tree.leaves(run.params)])
-        outer = [put(outer_init(run.outer_optimizer, [theta[i] for i in idx]))
-                 for idx in self.members]  # fmt: skip
-        init_inner = put(run.inner_optimizer.init(run.params))
+        run, places = self.run, self.places
+        every = list(range(len(self.rules)))
+        theta = places.leaves([jnp.array(x, copy=True) for x in jax.tree.leaves(run.params)],
+                              every)  # fmt: skip
+        outer = [
+            places.outer(outer_init(run.outer_optimizer, [theta[i] for i in idx]), p)
+            for p, idx in enumerate(self.members)
+        ]
+        inner = run.where.inner_states(
+            run.inner_optimizer.init, jax.tree.unflatten(self.treedef, theta), run.num_workers
+        )
         learners = [
-            _Learner(list(theta), init_inner, 0, [0] * self.spec.fragments, [], [], [])
-            for _ in range(run.num_workers)
+            _Learner(
+                places.leaves(theta, every, m), inner[m], 0, [0] * self.spec.fragments, [], [], []
+            )  # fmt: skip
+            for m in range(run.num_workers)
         ]
         return _State(theta, outer, learners)
 
@@ -367,7 +433,9 @@ class _Job:
             if m in sync.merged:
                 learner = self._advance(state.learners[m], m, sync.step)
                 c = learner.counts[p]
-                pushed.append([learner.params[i] for i in self.members[p]])
+                # Its push, put where θ is (the send).
+                pushed.append(self.places.leaves([learner.params[i] for i in self.members[p]],
+                                                 self.members[p]))  # fmt: skip
                 c_steps.append(c)
                 losses.append(jnp.mean(jnp.stack(learner.losses[-c:])))
                 auxes.append(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)),
@@ -381,6 +449,10 @@ class _Job:
         rules_p = tuple(self.rules[i] for i in self.members[p])  # the fragment's merge per leaf
         new, state.outer[p] = self.merge(rules_p)(
             fragment, state.outer[p], stacked, jnp.asarray(weights)
+        )
+        new, state.outer[p] = (
+            self.places.leaves(new, self.members[p]),
+            self.places.outer(state.outer[p], p),
         )
         for i, v in zip(self.members[p], new, strict=True):
             state.theta[i] = v
@@ -408,6 +480,18 @@ class _Job:
             "bytes_communicated": round(sum(sent) / m_count),
             "wire_bytes": round(sum(sent) / m_count), "worker_bytes": sent,
         }  # fmt: skip
+        if self.shard_bytes is not None:  # each device sends its shard of a push
+            per_device = [
+                sum(
+                    self.shard_bytes[q]
+                    * _pushes_by(
+                        sync.time, seconds[m], q, self.spec.fragments, self.run.inner_steps
+                    )  # fmt: skip
+                    for q in range(self.spec.fragments)
+                )
+                for m in range(m_count)
+            ]
+            entry["wire_bytes_per_device"] = round(sum(per_device) / m_count)
         return state, (entry, losses, auxes)
 
     def _advance(self, learner: _Learner, m: int, target: int) -> _Learner:
@@ -416,7 +500,8 @@ class _Job:
         h_count = self.run.inner_steps
         while learner.done < target:
             for b in [b for b in learner.inbox if b.boundary <= learner.done]:
-                for i, v in zip(self.members[b.fragment], b.values, strict=True):
+                indices = self.members[b.fragment]
+                for i, v in zip(indices, self.places.leaves(b.values, indices, m), strict=True):
                     learner.params[i] = v
                 learner.counts[b.fragment] = 0
             learner.inbox = [b for b in learner.inbox if b.boundary > learner.done]
@@ -451,6 +536,8 @@ class _Job:
         from diloco_jax.async_train import joined
 
         entry, losses, auxes = metrics
+        # Each learner's on its own devices: their mean taken on one, as on one device.
+        losses, auxes = jax.device_get(losses), jax.device_get(auxes)
         at = list(entry).index("total_steps") + 1  # the loss after the step count
         items = list(entry.items())
         entry = dict([*items[:at], ("loss", float(jnp.mean(jnp.stack(losses)))), *items[at:]])
@@ -474,7 +561,8 @@ class _Job:
             for j, b in enumerate(x.inbox):
                 saved[f"inbox-{j:06d}"] = {
                     "where": np.asarray([b.boundary, b.fragment, b.update], np.int64),
-                    "values": _numbered(b.values),
+                    # by the leaves' indices in θ: where each is restored to says so
+                    "values": dict(zip(_keys(self.members[b.fragment]), b.values, strict=True)),
                 }
             learners[f"{m:06d}"] = saved
         return {
@@ -487,8 +575,51 @@ class _Job:
         }
 
     def restore_target(self, state: _State) -> Any:
-        sharding = jax.sharding.SingleDeviceSharding(self.run.where.device or jax.devices()[0])
-        return functools.partial(checkpoint.as_saved, sharding=sharding)
+        """The restore target of a checkpoint in the layout it was saved in: on one device,
+        or each array where the run keeps it (`_on_mesh_target`)."""
+        if not self.places.on_mesh:
+            return functools.partial(checkpoint.as_saved, sharding=self.places.replicated(None))
+        return functools.partial(self._on_mesh_target, state)
+
+    def _on_mesh_target(self, initial: _State, saved_tree: dict) -> dict:
+        """`checkpoint.as_saved`'s target with each array's sharding: θ's leaves and merged
+        fragments at the specs over the whole mesh, the outer states as the run places them,
+        learner m's params and inner state on its slice, counters replicated (`initial`:
+        the run's first state, whose fixed parts give their shardings)."""
+        places, as_saved = self.places, checkpoint.as_saved
+
+        def leaf(key: str, worker: int | None = None) -> Any:
+            return places.sharding(int(key), worker)
+
+        def like(saved: dict, arrays: Any) -> dict:
+            """`saved`'s numbered arrays where `arrays` (in the same order) are."""
+            shardings = [x.sharding for x in jax.tree.leaves(arrays)]
+            return {k: as_saved(saved[k], s) for k, s in zip(sorted(saved), shardings,
+                                                              strict=True)}  # fmt: skip
+
+        target = {
+            "theta": {k: as_saved(v, leaf(k)) for k, v in saved_tree["theta"].items()},
+            "outer": {p: like(v, initial.outer[int(p)]) for p, v in saved_tree["outer"].items()},
+            "counters": as_saved(saved_tree["counters"], places.replicated(None)),
+            "learners": {},
+        }
+        for key, saved in saved_tree["learners"].items():
+            m = int(key)
+            small = places.replicated(m)
+            learner = {
+                "params": {k: as_saved(v, leaf(k, m)) for k, v in saved["params"].items()},
+                "opt": like(saved["opt"], initial.learners[m].opt_state),
+            }
+            for name, value in saved.items():
+                if name.startswith("inbox-"):
+                    learner[name] = {
+                        "where": as_saved(value["where"], small),
+                        "values": {k: as_saved(v, leaf(k)) for k, v in value["values"].items()},
+                    }
+                elif name not in learner:  # numbers, losses, aux-*
+                    learner[name] = as_saved(value, small)
+            target["learners"][key] = learner
+        return target
 
     def restored(self, saved: dict, done: int) -> _State:
         like = self.initial()
@@ -519,7 +650,20 @@ class _Job:
 
 def _numbered(leaves: list) -> dict:
     """A list of arrays as a dict by zero-padded index (a checkpoint's layout keeps its order)."""
-    return {f"{i:06d}": x for i, x in enumerate(leaves)}
+    return dict(zip(_keys(range(len(leaves))), leaves, strict=True))
+
+
+def _keys(indices: Any) -> list[str]:
+    return [f"{i:06d}" for i in indices]
+
+
+def _fragment_bytes(leaves: list, members: list) -> list[int]:
+    """Each fragment's bytes: its leaves' (arrays or shapes) sizes times their itemsizes."""
+    return [
+        sum(int(np.prod(np.shape(leaves[i]))) * np.dtype(jnp.result_type(leaves[i])).itemsize
+            for i in idx)
+        for idx in members
+    ]  # fmt: skip
 
 
 def _listed(numbered: dict) -> list:
@@ -542,8 +686,10 @@ def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
                 total_name="num_updates")  # fmt: skip
     state, history = loop.run(job, job.initial())
     params = jax.tree.unflatten(job.treedef, state.theta)
-    inner = jax.tree.map(lambda *xs: jnp.stack(xs), *[x.opt_state for x in state.learners])
-    result_state = AsyncState(params, tuple(state.outer), inner, run.num_updates)
+    inner = run.where.stack([x.opt_state for x in state.learners])
+    params, result_state = run.where.results(
+        (params, AsyncState(params, tuple(state.outer), inner, run.num_updates))
+    )
     elapsed = job.syncs[-1].time if job.syncs else 0.0
     return AsyncResult(params, result_state, history, elapsed, 1.0 if job.syncs else 0.0)
 
@@ -568,13 +714,12 @@ def _pushes_by(time: float, seconds: float, fragment: int, fragments: int, inner
     return count
 
 
-def _data(data: Any, num_workers: int, inner_steps: int, device: Any):
-    """(round, learner, step) -> that step's data on `device`: the learner's placed
-    `WorkerSampler`, or rounds[round][learner, step] with a leading step dim of 1."""
+def _data(data: Any, num_workers: int, inner_steps: int, where: Any):
+    """(round, learner, step) -> that step's data on the learner's devices (`where`): its
+    placed `WorkerSampler`, or rounds[round][learner, step] with a leading step dim of 1."""
     if isinstance(data, Sampler):
         sampler_lib.check_workers(data, num_workers)
-        placed = [jax.device_put(sampler_lib.for_worker(data, m), device)
-                  for m in range(num_workers)]  # fmt: skip
+        placed = [where.sampler(sampler_lib.for_worker(data, m), m) for m in range(num_workers)]
         return lambda job, m, h: placed[m]
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise ValueError(
@@ -596,6 +741,4 @@ def _data(data: Any, num_workers: int, inner_steps: int, device: Any):
                 )
         return jax.tree.map(np.asarray, batch)
 
-    return lambda job, m, h: jax.device_put(
-        jax.tree.map(lambda x: x[m, h : h + 1], round_of(job)), device
-    )
+    return lambda job, m, h: where.batch(jax.tree.map(lambda x: x[m, h : h + 1], round_of(job)), m)

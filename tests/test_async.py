@@ -526,10 +526,6 @@ def test_cli_async_run_resumes_from_its_checkpoint(tmp_path, capsys, server):
         (["--algo", "async", "--server", "decoupled,quorum=x"], "server field quorum"),
         (["--algo", "async", "--server", "decoupled,quorum=1,quorum=2"], "'quorum' twice"),
         (["--algo", "async", "--server", "decoupled", "--dynamic-steps"], "never stop"),
-        (
-            ["--algo", "async", "--server", "decoupled", "--mesh", "workers=2"],
-            "runs on one device: it takes no mesh",
-        ),
         # CGAD / Adam-Decay: their gate's fields, only with them, and an age to gate.
         (["--outer-optimizer", "cgad", "--age-decay", "0.1", "--age-cutoff", "4"], "is 0 without"),
         (["--algo", "async", "--outer-optimizer", "cgad", "--age-decay", "0.1"], "age_cutoff"),

@@ -384,11 +384,13 @@ def test_mesh_reaches_the_trainers_only_when_given(monkeypatch, tmp_path, algo):
 
 
 @pytest.mark.slow
-def test_halos_trains_on_a_mesh_as_on_one_device(tmp_path):
-    """`train --algo async --server halos,... --mesh workers=2,fsdp=2,tensor=2`: each worker's
-    jobs on its 4 devices, the servers' θ at model.param_specs over all 8; the losses of the
-    run on one device, to float32 rounding, and each device's bytes its shards."""
-    server = ["--algo", "async", "--server", "halos,regions=0/1,local_updates=1"]
+@pytest.mark.parametrize("spec", ["halos,regions=0/1,local_updates=1", "decoupled,quorum=1"])
+def test_a_server_trains_on_a_mesh_as_on_one_device(tmp_path, spec):
+    """`train --algo async --server halos,...|decoupled,... --mesh workers=2,fsdp=2,tensor=2`:
+    each worker's jobs (or learner's steps) on its 4 devices, the servers' θ at
+    model.param_specs over all 8; the losses of the run on one device, to float32 rounding,
+    and each device's bytes its shards."""
+    server = ["--algo", "async", "--server", spec]
     plain, plain_summary = _train(tmp_path, "one", *server)
     meshed, summary = _train(tmp_path, "mesh", *server, "--mesh", "workers=2,fsdp=2,tensor=2")
     runs = [[r for r in x if r["run"] == "async"] for x in (plain, meshed)]

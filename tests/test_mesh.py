@@ -678,10 +678,57 @@ def test_halos_on_a_mesh_resumes_bit_for_bit(tmp_path):
     assert resumed.history == whole.history
 
 
-def test_decoupled_diloco_refuses_a_mesh():
-    shape, names, specs = MESHES["fsdp4"]
-    with pytest.raises(ValueError, match="runs on one device: it takes no mesh="):
-        _async("fsdp4", num_updates=1, server=dj.DecoupledDiLoCo())
+def _decoupled(mesh_name=None, dtype=jnp.float32, **options):
+    """Decoupled DiLoCo: 2 fragments, a quorum of 1 with a grace window (the slow learner's
+    pushes merged in some syncs, late in others), RDA on w1."""
+    server = dj.DecoupledDiLoCo(quorum=1, grace_seconds=1.5, fragments=2, merge="rda",
+                                average_leaves=("b1", "w2"))  # fmt: skip
+    return _async(mesh_name, dtype, server=server, **options)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_decoupled_diloco_on_a_mesh_equals_one_device(mesh_name):
+    """Decoupled DiLoCo's learners on their slices of the mesh, θ and the fragments' outer
+    states at the specs over all of it: the one-device run's θ, state and history (float64),
+    each device's bytes its shards of the pushes."""
+    with precision("float64"):
+        ref = _decoupled(None, jnp.float64, num_updates=6)
+        got = _decoupled(mesh_name, jnp.float64, num_updates=6)
+        _close(ref.params, got.params, 1e-12)
+        _close(ref.state, got.state, 1e-12)
+    assert any(e["late"] for e in got.history) and any(e["merged"] == [0, 1] for e in got.history)
+    keys = ("update", "time", "fragment", "merged", "weights", "late", "wire_bytes", "loss")
+    assert [{k: e[k] for k in keys} for e in got.history] == [
+        {k: e[k] for k in keys} for e in ref.history
+    ]
+    # Leaves b1 (16 floats), w1 (128), w2 (64) in that order: fragment 0 is b1 and w2, fragment
+    # 1 is w1. One device's shards of them, in float64 bytes:
+    whole = (8 * (16 + 64), 8 * 128)
+    shard = {"fsdp2xtensor2": (8 * (16 / 2 + 64 / 4), 8 * 128 / 4),
+             "fsdp4": (8 * (16 / 4 + 64 / 4), 8 * 128 / 4)}[mesh_name]  # fmt: skip
+    for entry in got.history:
+        # learner m's pushes of fragment q by then: its steps 4k + 2(q + 1) ended by `time`
+        pushes = [[sum(1 for k in range(99) if (4 * k + 2 * (q + 1)) * s <= entry["time"])
+                   for q in (0, 1)] for s in (1.0, 1.7)]  # fmt: skip
+        sent = [round(sum(np.dot(size, n) for n in pushes) / M) for size in (whole, shard)]
+        assert [entry["wire_bytes"], entry["wire_bytes_per_device"]] == sent
+    shape, names, specs = MESHES[mesh_name]
+    assert "wire_bytes_per_device" not in ref.history[0]
+    for name, spec in specs.items():
+        assert got.params[name].sharding.spec == spec
+        assert got.state.inner_opt_state[0].mu[name].sharding.spec == P("workers", *spec)
+
+
+def test_decoupled_diloco_on_a_mesh_resumes_bit_for_bit(tmp_path):
+    """3 checkpointed syncs, then a call for 6 that resumes them on the mesh (merged
+    fragments pending at learners across the cut): the run of 6 in one go, bit for bit."""
+    whole = _decoupled("fsdp4", num_updates=6)
+    _decoupled("fsdp4", num_updates=3, checkpoint_dir=tmp_path)
+    resumed = _decoupled("fsdp4", num_updates=6, checkpoint_dir=tmp_path)
+    for a, b in zip(jax.tree.leaves(whole.state), jax.tree.leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert getattr(a, "sharding", None) == getattr(b, "sharding", None)
+    assert resumed.history == whole.history
 
 
 def test_train_async_mesh_options_are_checked():
