@@ -35,6 +35,7 @@ import numpy as np
 
 from diloco_jax import wire
 from diloco_jax.async_train import dynamic_local_steps
+from diloco_jax.decoupled_syncer import DecoupledSyncer
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.gossip_syncer import GossipSyncer
 from diloco_jax.heloco_outer import job_start
@@ -205,11 +206,13 @@ class ArrivalSyncer(Syncer):
 
 def make_syncer(
     task: ElasticTask, options: Elastic, directory: Path
-) -> "Syncer | ArrivalSyncer | GossipSyncer":
+) -> "Syncer | ArrivalSyncer | GossipSyncer | DecoupledSyncer":
     """The syncer of the task's algo: `Syncer` (rounds) or `ArrivalSyncer` (async); a gossip
-    method's membership alone (`GossipSyncer`)."""
+    method's membership alone (`GossipSyncer`); Decoupled DiLoCo's (`DecoupledSyncer`)."""
     if task.method.gossip is not None:
         return GossipSyncer(task, options, directory)
+    if task.server is not None:
+        return DecoupledSyncer(task, options, directory)
     kind = ArrivalSyncer if task.algo == "async" else Syncer
     return kind(task, options, directory)
 

@@ -350,7 +350,8 @@ def train_async(
                 f"outer_optimizer {type(outer_optimizer).__name__} (HeLoCo's look-ahead) runs "
                 f"with train_async's one server, not server={type(server).__name__}"
             )
-        return _other_server(server, run, mesh=mesh, checkpoint_dir=checkpoint_dir,
+        return _other_server(server, run._replace(recorded=recorded), mesh=mesh,
+                             checkpoint_dir=checkpoint_dir,
                              grace_seconds=grace_seconds, checkpoints=run_checkpoints)  # fmt: skip
     return _one_server(run._replace(checkpoints=run_checkpoints()), grace_seconds, recorded)
 
@@ -375,11 +376,16 @@ def _clock(
             "dynamic_steps": dynamic_steps,
         }
         return seconds, None, clock
-    if step_seconds is not None or grace_seconds or dynamic_steps or server is not None:
+    if step_seconds is not None or grace_seconds or dynamic_steps:
         raise ValueError(
             "arrivals replays a recorded schedule: it takes no step_seconds, "
-            "grace_seconds, dynamic_steps or server"
+            "grace_seconds or dynamic_steps"
         )
+    if server is not None:  # the part's own record of a real run (Decoupled DiLoCo's)
+        if not callable(getattr(server, "recorded", None)):
+            raise ValueError(f"server={type(server).__name__}(...) replays no arrivals")
+        recorded = server.recorded(arrivals, num_workers, inner_steps, num_updates)
+        return None, recorded, {"arrivals": recorded.digest}
     recorded = _recorded_events(arrivals, num_workers, inner_steps)
     if len(recorded) < num_updates:
         raise ValueError(f"arrivals holds {len(recorded)} updates; num_updates = {num_updates}")
@@ -479,6 +485,7 @@ class AsyncRun(NamedTuple):
     callback: Callable | None
     where: Any  # where its arrays live: `async_placement.OneDevice` or `OnMesh`
     checkpoints: Any = None  # diloco_jax.loop.Checkpoints, for a part that saves them
+    recorded: Any = None  # a server part's recorded real run to replay (its `recorded`)
 
 
 def _other_server(

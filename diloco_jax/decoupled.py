@@ -34,6 +34,8 @@ fragment's outer state and the merged fragments at the specs over the whole mesh
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
 from typing import Any, ClassVar, NamedTuple
 
@@ -52,6 +54,7 @@ from diloco_jax.schedule import fragment_of
 from diloco_jax.workers import in_mesh_context
 
 MERGES = ("average", "rda")
+NEVER = 2**62  # the boundary of a merge a learner never applied
 
 
 def _at_least_0(x: float) -> bool:
@@ -181,6 +184,37 @@ class DecoupledDiLoCo:
 
     def train(self, run: Any) -> Any:
         return _train(self, run)
+
+    def recorded(
+        self, arrivals: Any, num_workers: int, inner_steps: int, num_updates: int
+    ) -> "RecordedTiming":
+        """A real run's merges (`Merge`s, e.g. `elastic.arrivals(syncer_dir)` of a run of
+        this part on processes), checked against this spec and the run: what
+        `train_async(server=self, arrivals=...)` replays in place of the simulated clock.
+        ValueError naming arrivals[i] where one can't be this run's."""
+        self.checked(num_workers, inner_steps)
+        try:
+            merges = tuple(Merge(*m) for m in arrivals)
+        except TypeError as error:
+            raise ValueError(
+                f"arrivals must be a sequence of decoupled.Merge, got {error}"
+            ) from None
+        if len(merges) < num_updates:
+            raise ValueError(f"arrivals holds {len(merges)} merges; num_updates = {num_updates}")
+        offset = inner_steps // self.fragments
+        for i, m in enumerate(merges[:num_updates]):
+            why = None
+            if m.update != i:
+                why = f"update {m.update} at index {i}"
+            elif not 0 <= m.fragment < self.fragments:
+                why = f"fragment {m.fragment} of {self.fragments}"
+            elif m.step != m.index * inner_steps + (m.fragment + 1) * offset:
+                why = f"step {m.step} is not sync {m.index} of fragment {m.fragment}"
+            elif not set(m.merged) <= set(range(num_workers)) or len(m.boundaries) != num_workers:
+                why = f"learners outside [0, {num_workers})"
+            if why is not None:
+                raise ValueError(f"arrivals[{i}] can't be replayed: {why}")
+        return RecordedTiming(merges[:num_updates])
 
 
 class Sync(NamedTuple):
@@ -360,6 +394,7 @@ class _Job:
     members: list  # fragment -> its leaf indices
     rules: tuple  # leaf -> "average" or "rda"
     tokens: tuple
+    timing: Any  # `SimulatedTiming` or a real run's `RecordedTiming`
     fragment_bytes: list
     shard_bytes: list | None  # on a mesh: one device's shard of each fragment, in bytes
     step_fn: Any
@@ -372,29 +407,19 @@ class _Job:
     def of(cls, spec: DecoupledDiLoCo, run: Any) -> "_Job":
         m_count, h_count = run.num_workers, run.inner_steps
         leaves, treedef = jax.tree.flatten(run.params)
-        owner = fragment_of(run.params, spec.fragments)
-        members = [[i for i, f in enumerate(owner) if f == p] for p in range(spec.fragments)]
-        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
-            run.params)[0]]  # fmt: skip
-        rules = tuple(
-            "rda" if spec.merge == "rda" and not any(n in paths[i] for n in spec.average_leaves)
-            else "average"
-            for i in range(len(leaves))
-        )  # fmt: skip
+        members, rules = fragments_and_rules(spec, run.params)
         places = _Places(run.where, members)
         # On a mesh a learner's step runs on its slice, traced with that slice's axes.
         job_mesh = run.where.meshes[0].abstract_mesh if places.on_mesh else None
-        args = (run.loss_fn, run.inner_optimizer, run.outer_optimizer, run.has_aux, run.rng_seed,
-                job_mesh)  # fmt: skip
-        try:
-            step_fn, merge = _programs(*args)
-        except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
-            step_fn, merge = _programs.__wrapped__(*args)
+        step_fn, merge = programs(run.loss_fn, run.inner_optimizer, run.outer_optimizer,
+                                  run.has_aux, run.rng_seed, job_mesh)  # fmt: skip
         shards = run.where.shards(run.params)  # None on one device
+        timing = run.recorded
+        if timing is None:
+            timing = SimulatedTiming(spec, run.step_seconds, h_count, run.num_updates)
         return cls(
-            spec, run, spec.schedule(run.step_seconds, h_count, run.num_updates), treedef,
-            members, rules, spec.tokens_per_step or (1.0,) * m_count,
-            _fragment_bytes(leaves, members),
+            spec, run, timing.syncs, treedef, members, rules,
+            spec.tokens_per_step or (1.0,) * m_count, timing, _fragment_bytes(leaves, members),
             None if shards is None else _fragment_bytes(jax.tree.leaves(shards), members),
             step_fn, merge, _data(run.data, m_count, h_count, run.where),
             jax.jit(run.eval_fn) if run.eval_fn is not None else None, places,
@@ -426,8 +451,7 @@ class _Job:
     def step(self, state: _State, sync: Sync) -> tuple[_State, Any]:
         """Merges `sync`: each learner in it stepped to its push; the others' slots hold
         Θ_p (a zero delta, weight 0). Every learner gets the new Θ_p in its inbox."""
-        p, m_count = sync.fragment, self.run.num_workers
-        seconds = self.run.step_seconds
+        p, m_count, timing = sync.fragment, self.run.num_workers, self.timing
         pushed, c_steps, losses, auxes = [], [], [], []
         for m in range(m_count):
             if m in sync.merged:
@@ -457,22 +481,13 @@ class _Job:
         for i, v in zip(self.members[p], new, strict=True):
             state.theta[i] = v
         for m, learner in enumerate(state.learners):  # p overwritten at its next boundary
-            boundary = steps_by(sync.time, seconds[m])
-            if boundary * seconds[m] < sync.time:
-                boundary += 1
-            learner.inbox.append(_Broadcast(boundary, p, sync.update, list(new)))
+            learner.inbox.append(_Broadcast(timing.boundary(sync, m), p, sync.update, list(new)))
         late = m_count - len(sync.merged)
         state.late_total += late
         state.steps_before = state.steps_now
-        state.steps_now = sum(steps_by(sync.time, s) for s in seconds)
-        sent = [
-            sum(
-                self.fragment_bytes[q]
-                * _pushes_by(sync.time, seconds[m], q, self.spec.fragments, self.run.inner_steps)
-                for q in range(self.spec.fragments)
-            )
-            for m in range(m_count)
-        ]
+        state.steps_now = timing.total_steps(sync)
+        pushes = [timing.pushes(sync, m) for m in range(m_count)]  # [M][P], by T
+        sent = [int(np.dot(self.fragment_bytes, n)) for n in pushes]
         entry = {
             "update": sync.update, "time": sync.time, "fragment": p, "sync": sync.index,
             "merged": list(sync.merged), "weights": [float(w) for w in weights], "late": late,
@@ -481,16 +496,7 @@ class _Job:
             "wire_bytes": round(sum(sent) / m_count), "worker_bytes": sent,
         }  # fmt: skip
         if self.shard_bytes is not None:  # each device sends its shard of a push
-            per_device = [
-                sum(
-                    self.shard_bytes[q]
-                    * _pushes_by(
-                        sync.time, seconds[m], q, self.spec.fragments, self.run.inner_steps
-                    )  # fmt: skip
-                    for q in range(self.spec.fragments)
-                )
-                for m in range(m_count)
-            ]
+            per_device = [int(np.dot(self.shard_bytes, n)) for n in pushes]
             entry["wire_bytes_per_device"] = round(sum(per_device) / m_count)
         return state, (entry, losses, auxes)
 
@@ -648,6 +654,30 @@ class _Job:
                       steps_now)  # fmt: skip
 
 
+def fragments_and_rules(spec: DecoupledDiLoCo, params: Any) -> tuple[list, tuple]:
+    """(each fragment's leaf indices in θ, each leaf's merge: "rda" or "average")."""
+    owner = fragment_of(params, spec.fragments)
+    members = [[i for i, f in enumerate(owner) if f == p] for p in range(spec.fragments)]
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+        params)[0]]  # fmt: skip
+    rules = tuple(
+        "rda" if spec.merge == "rda" and not any(n in path for n in spec.average_leaves)
+        else "average"
+        for path in paths
+    )  # fmt: skip
+    return members, rules
+
+
+def programs(loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh=None):
+    """(the jitted learner step, rules -> the jitted merge and outer step of a fragment with
+    those per-leaf rules): the same programs on the simulated clock and on real processes."""
+    args = (loss_fn, inner_optimizer, outer_optimizer, has_aux, rng_seed, job_mesh)
+    try:
+        return _programs(*args)
+    except TypeError:  # unhashable loss_fn or optimizer: compile without the cache
+        return _programs.__wrapped__(*args)
+
+
 def _numbered(leaves: list) -> dict:
     """A list of arrays as a dict by zero-padded index (a checkpoint's layout keeps its order)."""
     return dict(zip(_keys(range(len(leaves))), leaves, strict=True))
@@ -692,6 +722,76 @@ def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
     )
     elapsed = job.syncs[-1].time if job.syncs else 0.0
     return AsyncResult(params, result_state, history, elapsed, 1.0 if job.syncs else 0.0)
+
+
+class Merge(NamedTuple):
+    """One merge of a real Decoupled DiLoCo run (`elastic.arrivals`): its `update` index,
+    `fragment`, `index` (the fragment's sync count), `step` (the learner step its pushes
+    follow), `time` (seconds since the run's first merge), `merged` (the learners whose
+    pushes it merged), `boundaries` (per learner, the step boundary at which it applied the
+    merged fragment; -1: it never did, having ended or died first), `total_steps` (the
+    learners' steps by then, as they last reported them) and `pushes` (per learner, its
+    pushes of each fragment sent by then)."""
+
+    update: int
+    fragment: int
+    index: int
+    step: int
+    time: float
+    merged: tuple
+    boundaries: tuple
+    total_steps: int
+    pushes: tuple
+
+
+class RecordedTiming:
+    """A real run's timing (`DecoupledDiLoCo.recorded`): its merges in place of the
+    schedule's, each learner's recorded boundaries and counts."""
+
+    def __init__(self, merges: tuple):
+        self.merges = merges
+        self.syncs = tuple(
+            Sync(m.update, m.fragment, m.index, m.step, m.time, tuple(m.merged)) for m in merges
+        )
+        text = json.dumps([list(m) for m in merges], sort_keys=True, default=list)
+        self.digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def boundary(self, sync: Sync, learner: int) -> int:
+        b = self.merges[sync.update].boundaries[learner]
+        return b if b >= 0 else NEVER
+
+    def total_steps(self, sync: Sync) -> int:
+        return self.merges[sync.update].total_steps
+
+    def pushes(self, sync: Sync, learner: int) -> list[int]:
+        return list(self.merges[sync.update].pushes[learner])
+
+
+class SimulatedTiming:
+    """When things happen on `train_async`'s simulated clock: the schedule's syncs, the
+    boundary at which each learner applies a merge, the steps and pushes made by then."""
+
+    def __init__(self, spec: DecoupledDiLoCo, step_seconds: tuple, inner_steps: int,
+                 num_syncs: int):  # fmt: skip
+        self.spec, self.seconds, self.inner_steps = spec, step_seconds, inner_steps
+        self.syncs = spec.schedule(step_seconds, inner_steps, num_syncs)
+
+    def boundary(self, sync: Sync, learner: int) -> int:
+        """The learner's first step boundary at or after the merge."""
+        s = self.seconds[learner]
+        boundary = steps_by(sync.time, s)
+        return boundary + 1 if boundary * s < sync.time else boundary
+
+    def total_steps(self, sync: Sync) -> int:
+        return sum(steps_by(sync.time, s) for s in self.seconds)
+
+    def pushes(self, sync: Sync, learner: int) -> list[int]:
+        """The learner's pushes of each fragment by the merge's time."""
+        fragments = self.spec.fragments
+        return [
+            _pushes_by(sync.time, self.seconds[learner], q, fragments, self.inner_steps)
+            for q in range(fragments)
+        ]
 
 
 def steps_by(time: float, seconds: float) -> int:

@@ -110,10 +110,39 @@ def arrivals(directory: str | os.PathLike) -> tuple:
     """An async run's arrival log (its syncer folder's history.jsonl) as `AsyncEvent`s in
     update order: update, worker, job (the worker's data position), steps, start and time
     (seconds since the first job started), start_update, staleness; for
-    `train_async(..., arrivals=...)`."""
+    `train_async(..., arrivals=...)`. A Decoupled DiLoCo run's: its merges as
+    `decoupled.Merge`s, with where each learner applied each (applied.jsonl), for
+    `train_async(server=..., arrivals=...)`."""
     from diloco_jax.arrival_syncer import arrival_events
 
-    return arrival_events(history(directory))
+    lines = history(directory)
+    if lines and "fragment" in lines[0]:
+        return _merges(Path(directory), lines)
+    return arrival_events(lines)
+
+
+def _merges(directory: Path, lines: list[dict]) -> tuple:
+    from diloco_jax.decoupled import Merge
+    from diloco_jax.decoupled_syncer import APPLIED_FILE
+
+    path = directory / APPLIED_FILE
+    applied = _jsonl(path) if path.exists() else []
+    boundary = {(a["update"], a["learner"]): a["boundary"] for a in applied}
+    count = len(lines[0]["pushes"])
+    return tuple(
+        Merge(
+            x["update"],
+            x["fragment"],
+            x["sync"],
+            x["step"],
+            x["time"],
+            tuple(x["merged"]),
+            tuple(boundary.get((x["update"], m), -1) for m in range(count)),
+            x["total_steps"],
+            tuple(tuple(n) for n in x["pushes"]),
+        )  # fmt: skip
+        for x in lines
+    )
 
 
 def worker_metrics(directory: str | os.PathLike, worker: int) -> list[dict[str, Any]]:
@@ -260,9 +289,9 @@ def run_worker(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     if not 0 <= args.worker < task.num_workers:  # before its folder is made
         raise ValueError(f"--worker must be in [0, {task.num_workers}), got {args.worker}")
-    if task.method.gossip is not None and args.num_processes > 1:
-        raise ValueError("--num-processes must be 1 for a gossip task (NoLoCo, GASLoC): its "
-                         "worker is one process")  # fmt: skip
+    if (task.method.gossip is not None or task.server is not None) and args.num_processes > 1:
+        raise ValueError("--num-processes must be 1 for a gossip or Decoupled DiLoCo task: "
+                         "its worker is one process")  # fmt: skip
     folder = _folder(worker_folder(args.dir, args.worker), "--dir")
     lock = run_lock.acquire(folder, what=f"worker {args.worker}'s folder")
     if task.method.gossip is not None:
@@ -270,6 +299,11 @@ def run_worker(args: argparse.Namespace) -> int:
 
         worker = GossipWorker(task, args.worker, args.syncer, Path(args.dir), secret,
                               args.syncer_timeout, args.peer_host)  # fmt: skip
+    elif task.server is not None:
+        from diloco_jax.decoupled_worker import DecoupledLearner
+
+        worker = DecoupledLearner(task, args.worker, args.syncer, Path(args.dir), secret,
+                                  args.syncer_timeout)  # fmt: skip
     else:
         worker = Worker(task, args.worker, args.syncer, Path(args.dir), secret,
                         args.syncer_timeout)  # fmt: skip
@@ -327,9 +361,11 @@ def launch(args: argparse.Namespace) -> int:
     options = _options(args).checked(task.num_workers)
     if task.method.gossip is not None:
         checked_for_gossip(options, task.num_workers)
-        if args.processes_per_worker != 1:
-            raise ValueError("--processes-per-worker must be 1 for a gossip task (NoLoCo, "
-                             "GASLoC): its worker is one process")  # fmt: skip
+    if (task.method.gossip is not None or task.server is not None) and (
+        args.processes_per_worker != 1
+    ):
+        raise ValueError("--processes-per-worker must be 1 for a gossip task (NoLoCo, GASLoC) "
+                         "or Decoupled DiLoCo: its worker is one process")  # fmt: skip
     given = args.secret_file is not None or os.environ.get(auth.SECRET_ENV)
     secret = auth.load_secret(args.secret_file) if given else None
     out = _folder(args.out, "--out")

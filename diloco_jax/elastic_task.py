@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from diloco_jax import limits
+from diloco_jax.decoupled import DecoupledDiLoCo
 from diloco_jax.heloco_outer import job_start
 from diloco_jax.method import DiLoCo, only_optimizers
 
@@ -36,6 +37,10 @@ class ElasticTask:
     dynamic_steps: with algo "async", DyLU: each job's inner steps floor(H v_m / max v), v
       the workers' measured inner steps per second (H for a worker not timed yet; a step
       count's first phase in a worker process compiles its program and is not timed).
+    server: with algo "async", None (one server applying each delta as it arrives) or
+      `dj.DecoupledDiLoCo(...)`: learners that never wait and a syncer merging a quorum of
+      their fragment pushes (`diloco_jax.decoupled_syncer`; num_rounds counts its merges).
+      Its replay: `train_async(server=..., arrivals=elastic.arrivals(syncer_dir))`.
     method: a `DiLoCo` (its inner and outer optimizers and outer_state_dtype; the parts that
       can't run elastically are refused, `refusal`); None: the paper's DiLoCo.
     rng_seed: None, or the seed of each step's key (`inner.worker_key(seed, round, m)`), as
@@ -61,6 +66,7 @@ class ElasticTask:
     batch_sharding: Any = None
     algo: str = "diloco"
     dynamic_steps: bool = False
+    server: Any = None
 
     def __post_init__(self):
         if self.algo not in ALGOS:
@@ -92,6 +98,8 @@ class ElasticTask:
         if method.gossip is not None:
             _check_gossip_task(self, method)
         object.__setattr__(self, "method", method)
+        if self.server is not None:
+            _check_server(self)
         seed = self.rng_seed
         if seed is not None and (
             isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= limits.SEED_MAX
@@ -105,6 +113,25 @@ class ElasticTask:
                 raise ValueError(f"ElasticTask.{name} must be callable")
         _check_shardings("param_sharding", self.param_sharding, self.params)
         _check_shardings("batch_sharding", self.batch_sharding, None)
+
+
+def _check_server(task: "ElasticTask") -> None:
+    """ValueError naming ElasticTask.server unless it is a Decoupled DiLoCo this task runs."""
+    server = task.server
+    if not isinstance(server, DecoupledDiLoCo):
+        raise ValueError(
+            f"ElasticTask.server must be None or dj.DecoupledDiLoCo(...) (HALoS runs on the "
+            f"simulated clock only), got {server!r}"
+        )
+    if task.algo != "async":
+        raise ValueError("ElasticTask.server needs algo='async': its learners never wait")
+    if task.dynamic_steps:
+        raise ValueError("ElasticTask.dynamic_steps is for jobs of H steps; DecoupledDiLoCo's "
+                         "learners never stop")  # fmt: skip
+    if server.adaptive_grace is not None:
+        raise ValueError("ElasticTask.server's adaptive_grace budgets on step times the real "
+                         "clock does not give: use grace_seconds")  # fmt: skip
+    server.checked(task.num_workers, task.inner_steps, task.params)
 
 
 def _check_gossip_task(task: ElasticTask, method: DiLoCo) -> None:

@@ -9,7 +9,8 @@
 - Epoch -> the syncer's epoch (16 bytes, drawn at its start; every call's MAC covers it)
 - Push: a stream of {worker, incarnation, serial, loss, compute_s, steps_s, leaves: n} then n
   messages, one per delta leaf (its raw bytes) -> {status}. A stream that ends before its n
-  leaves (its sender died inside the push) is dropped whole.
+  leaves (its sender died inside the push) is dropped whole. A Decoupled DiLoCo learner's
+  push also carries c_steps and applied (`diloco_jax.decoupled_syncer`).
 
 θ's leaf bytes are made once per θ for every worker; the receiver reads raw leaves as the
 leaves of the tree it already has (`wire.tree_like`).
@@ -96,7 +97,8 @@ def serve(
 
 
 def _given(message: dict, *names: str) -> dict:
-    """The optional fields a call carries (a gossip worker's peer address and saved syncs)."""
+    """The optional fields a call carries (a gossip worker's peer address and saved syncs; a
+    Decoupled DiLoCo learner's c_steps and the merges it applied)."""
     return {name: message[name] for name in names if name in message}
 
 
@@ -147,6 +149,7 @@ class _Service:
                 header["worker"], header["incarnation"], int(header["serial"]), leaves,
                 float(header["loss"]), float(header.get("compute_s", 0.0)),
                 float(header.get("steps_s", 0.0)), bool(header.get("finite", True)),
+                **_given(header, "c_steps", "applied"),
             )  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")

@@ -25,10 +25,11 @@ METHOD = dj.DiLoCo(
 )
 
 
-def batch(worker, position):
-    """Worker `worker`'s batch of its `position`-th inner phase: {"x": [H, 4, 3], "y": [H, 4]}."""
+def batch(worker, position, steps=INNER_STEPS):
+    """Worker `worker`'s batch of its `position`-th inner phase: {"x": [steps, 4, 3], "y":
+    [steps, 4]}."""
     rng = np.random.default_rng([worker, position])
-    x = rng.normal(size=(INNER_STEPS, 4, 3)).astype(np.float32)
+    x = rng.normal(size=(steps, 4, 3)).astype(np.float32)
     y = (x @ np.asarray([1.0, -2.0, 0.5], np.float32) + 0.3).astype(np.float32)
     return {"x": x, "y": y + 0.1 * rng.normal(size=y.shape).astype(np.float32)}
 
@@ -110,3 +111,20 @@ def make_gossip_task():
     }
     gossip = parts[os.environ.get("ELASTIC_GOSSIP", "noloco")]()
     return dataclasses.replace(make_task(), method=dj.DiLoCo(inner=METHOD.inner, gossip=gossip))
+
+
+DECOUPLED_STEPS = 4
+DECOUPLED = dj.DecoupledDiLoCo(quorum=2, grace_seconds=0.3, fragments=2, merge="rda",
+                               average_leaves=("b",))  # fmt: skip
+
+
+def make_decoupled_task():
+    """Decoupled DiLoCo's learners (H = 4 steps of `batch(m, round, 4)`) and syncer
+    (`DECOUPLED`: a quorum of 2 with 0.3 s of grace, 2 fragments, RDA but for "b"), AdamW
+    inner steps and the paper's Nesterov outer step; ELASTIC_ROUNDS merges."""
+
+    def batches(worker, position):
+        return batch(worker, position, DECOUPLED_STEPS)
+
+    return dataclasses.replace(make_task(), batches=batches, inner_steps=DECOUPLED_STEPS,
+                               algo="async", server=DECOUPLED)  # fmt: skip

@@ -1,0 +1,320 @@
+"""Decoupled DiLoCo's syncer on real processes (`ElasticTask(algo="async",
+server=dj.DecoupledDiLoCo(...))`): the rule of `diloco_jax.decoupled` on the real clock, for
+learners that never wait (`diloco_jax.decoupled_worker`).
+
+- A learner pushes fragment p after its own inner steps k H + (p + 1) H / P, for the
+  fragment's sync k, with c_steps (its steps since it last applied fragment p) and the mean
+  of those steps' losses. Pushes of a sync already merged are "late" and dropped.
+- Sync (p, k) merges once its quorum K of pushes is in and `grace_seconds` have passed after
+  the K-th, and never before the fragment's sync k - 1 (a fragment's syncs merge in order).
+  The merge is the simulated clock's own program (`decoupled.programs`): each delta against
+  the syncer's Θ_p, weighted by c_tokens² / c_steps, averaged or RDA per leaf, and the
+  fragment's outer step.
+- Every learner asks for the merges after the last it holds (a long poll) and applies them at
+  its next step boundary, reporting where (`applied.jsonl`).
+
+Each merge is a history.jsonl line: update, fragment, sync, step, time, merged, weights,
+c_steps, late, loss, total_steps (the learners' newest pushed steps, summed) and pushes (each
+learner's pushes of each fragment so far, late ones too). `elastic.arrivals(directory)` joins
+it with applied.jsonl into `decoupled.Merge`s, and `train_async(server=spec,
+arrivals=...)` replays the run on the simulated clock: the same Θ.
+
+A learner silent past heartbeat_timeout is removed (its pushes are no longer expected; it is
+told to rejoin when it speaks again); fewer than K members for quorum_timeout ends the run.
+What it does not do yet: resume after its own restart (a folder that holds a run is
+refused), adaptive grace (it budgets on step times the real clock does not give), and a
+learner group over several processes.
+"""
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import wire
+from diloco_jax.decoupled import fragments_and_rules, merge_weights, programs
+from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.outer import outer_init
+
+log = logging.getLogger("diloco_jax.syncer")
+APPLIED_FILE = "applied.jsonl"
+
+
+@dataclasses.dataclass
+class Learner:
+    incarnation: str
+    last_seen: float
+
+
+@dataclasses.dataclass
+class Push:
+    leaves: list
+    c_steps: int
+    loss: float
+
+
+class DecoupledSyncer:
+    """Decoupled DiLoCo's syncer (see the module docstring); every method is safe to call
+    from the gRPC threads."""
+
+    def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
+        self.task, self.options, self.spec = task, options.checked(task.num_workers), task.server
+        self.directory = Path(directory)
+        if (self.directory / "history.jsonl").exists():
+            raise ValueError(
+                f"--dir {str(directory)!r} holds a Decoupled DiLoCo run: its syncer does not "
+                "resume one (start a new run in a new folder)"
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.members_of, rules = fragments_and_rules(self.spec, task.params)
+        self.rules = [tuple(rules[i] for i in idx) for idx in self.members_of]
+        method = task.method
+        _, merge = programs(task.loss_fn, method.inner_optimizer, method.outer_optimizer, False,
+                            task.rng_seed)  # fmt: skip
+        self.merge = [merge(r) for r in self.rules]
+        self.theta = [np.asarray(x) for x in jax.tree.leaves(task.params)]
+        self.outer = [
+            jax.tree.map(
+                np.asarray, outer_init(method.outer_optimizer, [self.theta[i] for i in idx])
+            )
+            for idx in self.members_of
+        ]
+        m_count, p_count = task.num_workers, self.spec.fragments
+        self.tokens = self.spec.tokens_per_step or (1.0,) * m_count
+        self.cond = threading.Condition()
+        self.members: dict[int, Learner] = {}
+        self.update = 0  # merges applied
+        self.merged: list[tuple[int, list]] = []  # (fragment, leaves) of each merge, in order
+        self.next_sync = [0] * p_count  # each fragment's next sync to merge
+        self.pending: dict[tuple[int, int], dict[int, Push]] = {}
+        self.quorum_at: dict[tuple[int, int], float] = {}
+        self.last_merge = [-float("inf")] * p_count
+        self.pushes = [[0] * p_count for _ in range(m_count)]
+        self.newest_step = [0] * m_count
+        self.started = time.monotonic()
+        self.first_merge: float | None = None
+        self.short_since: float | None = None
+        self.done: str | None = None
+        self.told: set[int] = set()
+
+    # ---- the learners' calls ------------------------------------------------------------
+
+    def join(self, worker: int, incarnation: str | None) -> dict[str, Any]:
+        self._check_worker(worker)
+        with self.cond:
+            if self.done is not None:
+                return self._ended(worker)
+            member = self.members.get(worker)
+            if member is None or incarnation != member.incarnation:
+                member = Learner(uuid.uuid4().hex, time.monotonic())
+                self.members[worker] = member
+                log.info("learner %d joined (after merge %d)", worker, self.update)
+            member.last_seen = time.monotonic()
+            return {"incarnation": member.incarnation, "options": self.options.to_message()}
+
+    def heartbeat(self, worker: int, incarnation: str) -> dict[str, Any]:
+        self._check_worker(worker)
+        with self.cond:
+            return self._heard(worker, incarnation) or {"status": "ok"}
+
+    def next_round(
+        self, worker: int, incarnation: str, after: int, timeout: float, held: int = -1
+    ) -> dict:
+        """With `after` = -1: Θ whole and its version (the merges in it). Else, once there
+        are merges after version `after` (waiting at most `timeout` s): {"status": "round",
+        "round": the new version, "updates": [[update, fragment], ...], "reply": their
+        leaves in that order}; "pending" if none came; or "rejoin", "done", "abort"."""
+        self._check_worker(worker)
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                ended = self._heard(worker, incarnation)
+                if ended is not None:
+                    return ended
+                if after < 0:
+                    return {"status": "round", "serial": self.update, "round": self.update,
+                            "position": 0, "theta": list(self.theta)}  # fmt: skip
+                if self.update > after:
+                    news = self.merged[after:]
+                    return {"status": "round", "serial": self.update, "round": self.update,
+                            "position": 0, "updates": [[u, p] for u, (p, _) in
+                                                       enumerate(news, start=after)],
+                            "reply": [x for _, leaves in news for x in leaves]}  # fmt: skip
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"status": "pending"}
+                self.cond.wait(left)
+
+    def push(
+        self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
+        compute_s: float = 0.0, steps_s: float = 0.0, finite: bool = True, c_steps: int = 0,
+        applied: Any = (),
+    ) -> dict:  # fmt: skip
+        """Learner `worker`'s push of the fragment due at its step `serial`, with its
+        `c_steps` and the merges it `applied` since its last push ([[update, boundary], ...]):
+        {"status": "ok"}, "late" (its sync already merged), or "rejoin"."""
+        self._check_worker(worker)
+        offset = self.task.inner_steps // self.spec.fragments
+        if serial <= 0 or serial % offset:
+            raise ValueError(f"a push follows a step k H + (p + 1) H / P, got step {serial}")
+        slot = serial // offset - 1
+        p, k = slot % self.spec.fragments, slot // self.spec.fragments
+        like = [self.theta[i] for i in self.members_of[p]]
+        values = wire.tree_like(like, leaves, f"learner {worker}'s push of fragment {p}")
+        with self.cond:
+            ended = self._heard(worker, incarnation)
+            if ended is not None:
+                return ended
+            self._note_applied(worker, incarnation, applied)
+            self.pushes[worker][p] += 1
+            self.newest_step[worker] = max(self.newest_step[worker], serial)
+            if k < self.next_sync[p] or not finite:
+                log.info("learner %d's push of sync (%d, %d) is late", worker, p, k)
+                return {"status": "late"}
+            pushed = self.pending.setdefault((p, k), {})
+            pushed[worker] = Push([np.array(x) for x in values], int(c_steps), float(loss))
+            if len(pushed) == self.spec.quorum:
+                self.quorum_at[(p, k)] = time.monotonic()
+            self._merge_due()
+            return {"status": "ok"}
+
+    # ---- the clock ----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Merges what is due, removes learners silent past heartbeat_timeout, and ends the
+        run after quorum_timeout with fewer than K members."""
+        now, o = time.monotonic(), self.options
+        with self.cond:
+            if self.done is not None:
+                return
+            for m, member in list(self.members.items()):
+                if now - member.last_seen > o.heartbeat_timeout:
+                    del self.members[m]
+                    log.info("learner %d removed: silent for %.1f s", m, now - member.last_seen)
+            self._merge_due()
+            if len(self.members) < self.spec.quorum and now - self.started > o.join_timeout:
+                self.short_since = self.short_since or now
+                if now - self.short_since > o.quorum_timeout:
+                    self.done = (f"{len(self.members)} live learners, fewer than the quorum "
+                                 f"K = {self.spec.quorum}, for {o.quorum_timeout:g} s")  # fmt: skip
+                    log.error("%s", self.done)
+                    self.cond.notify_all()
+            else:
+                self.short_since = None
+
+    def run_clock(self, stop: threading.Event, period: float = 0.01) -> None:
+        while not stop.wait(period) and self.done is None:
+            try:
+                self.tick()
+            except Exception as error:
+                log.exception("the syncer failed")
+                with self.cond:
+                    self.done = f"the syncer failed: {type(error).__name__}: {error}"
+                    self.cond.notify_all()
+
+    def all_told(self) -> bool:
+        with self.cond:
+            return set(self.members) <= self.told
+
+    def flush(self) -> None:
+        """Nothing pending: each merge's line and the result are written as they happen."""
+
+    # ---- internals (with the lock held) -------------------------------------------------
+
+    def _merge_due(self) -> None:
+        """Merges every sync whose quorum and grace have passed, earliest due first."""
+        while self.done is None:
+            due = []
+            for p, k in enumerate(self.next_sync):
+                at = self.quorum_at.get((p, k))
+                if at is not None:
+                    due.append((max(at + self.spec.grace_seconds, self.last_merge[p]), p, k))
+            if not due or min(due)[0] > time.monotonic():
+                return
+            _, p, k = min(due)
+            self._merge(p, k)
+
+    def _merge(self, p: int, k: int) -> None:
+        m_count, idx, h = self.task.num_workers, self.members_of[p], self.task.inner_steps
+        pushed = self.pending.pop((p, k))
+        self.quorum_at.pop((p, k))
+        fragment = [self.theta[i] for i in idx]
+        c_steps = [pushed[m].c_steps if m in pushed else 0 for m in range(m_count)]
+        weights = merge_weights([c * t for c, t in zip(c_steps, self.tokens, strict=True)],
+                                c_steps)  # fmt: skip
+        slots = [pushed[m].leaves if m in pushed else fragment for m in range(m_count)]
+        stacked = [jnp.stack([s[j] for s in slots]) for j in range(len(idx))]
+        new, outer = self.merge[p](fragment, self.outer[p], stacked, jnp.asarray(weights))
+        new = [np.asarray(x) for x in new]
+        self.outer[p] = jax.tree.map(np.asarray, outer)
+        for i, v in zip(idx, new, strict=True):
+            self.theta[i] = v
+        now = time.monotonic()
+        self.first_merge = now if self.first_merge is None else self.first_merge
+        self.last_merge[p] = now
+        self.next_sync[p] = k + 1
+        merged = sorted(pushed)
+        losses = [pushed[m].loss for m in merged]
+        record = {
+            "round": self.update, "update": self.update, "fragment": p, "sync": k,
+            "step": k * h + (p + 1) * (h // self.spec.fragments),
+            "time": now - self.first_merge, "merged": merged,
+            "weights": [float(w) for w in weights], "c_steps": c_steps,
+            "late": m_count - len(merged), "loss": float(np.mean(losses)),
+            "total_steps": sum(self.newest_step), "pushes": [list(n) for n in self.pushes],
+        }  # fmt: skip
+        with open(self.directory / "history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.merged.append((p, new))
+        self.update += 1
+        log.info("merge %d: fragment %d's sync %d of learners %s", record["update"], p, k, merged)
+        if self.update >= self.task.num_rounds:
+            theta = jax.tree.unflatten(jax.tree.structure(self.task.params), self.theta)
+            wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(theta)})
+            self.done = "finished"
+        self.cond.notify_all()
+
+    def _note_applied(self, worker: int, incarnation: str, applied: Any) -> None:
+        lines = [
+            json.dumps(
+                {
+                    "learner": worker,
+                    "incarnation": incarnation,
+                    "update": int(u),
+                    "boundary": int(b),
+                }
+            )  # fmt: skip
+            for u, b in applied
+        ]
+        if lines:
+            with open(self.directory / APPLIED_FILE, "a") as f:
+                f.write("\n".join(lines) + "\n")
+
+    def _heard(self, worker: int, incarnation: str) -> dict[str, Any] | None:
+        if self.done is not None:
+            return self._ended(worker)
+        member = self.members.get(worker)
+        if member is None or member.incarnation != incarnation:
+            return {"status": "rejoin"}
+        member.last_seen = time.monotonic()
+        return None
+
+    def _ended(self, worker: int) -> dict[str, Any]:
+        self.told.add(worker)
+        if self.done == "finished":
+            return {"status": "done", "reason": "the run finished"}
+        return {"status": "abort", "reason": self.done}
+
+    def _check_worker(self, worker: Any) -> None:
+        if isinstance(worker, bool) or not isinstance(worker, int):
+            raise ValueError(f"worker must be an integer, got {worker!r}")
+        if not 0 <= worker < self.task.num_workers:
+            raise ValueError(f"worker must be in [0, {self.task.num_workers}), got {worker}")

@@ -1,0 +1,216 @@
+"""One Decoupled DiLoCo learner on real processes (`diloco_jax.decoupled_syncer`): it never
+waits for the syncer.
+
+It steps on and on from Θ as it joined: step s of its own (s = 0, 1, ...) is step s mod H of
+round s div H of `task.batches(m, round)`, keyed as `train_diloco`'s, with the simulated
+clock's own jitted step (`decoupled.programs`). At each step boundary s:
+
+1. if s is k H + (p + 1) H / P, it pushes fragment p (its params of that fragment, its
+   c_steps and the mean loss of those steps) on a sending thread of its own, so the push
+   never holds up the steps;
+2. it applies every merged fragment it has received since (a thread long-polls the syncer
+   for them), in merge order, and resets their counts; the next push reports at which
+   boundary it applied each (`applied.jsonl` at the syncer, read by the replay).
+
+It ends when the syncer says the run is done. A learner removed (silent past
+heartbeat_timeout, e.g. SIGSTOPped) joins again and goes on as it was: a slow learner, its
+pushes late and its merges applied late, as the replay records them. What it does not do
+yet: resume after its own process is killed (a restarted learner would start over from Θ as
+a new one, which the replay does not express).
+"""
+
+import functools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_jax import wire
+from diloco_jax.decoupled import fragments_and_rules, programs
+from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.elastic_worker import METRICS_FILE, SLOW_STEP_ENV, WorkerExit, worker_folder
+from diloco_jax.rpc import SyncerClient
+
+log = logging.getLogger("diloco_jax.worker")
+
+
+class DecoupledLearner:
+    def __init__(
+        self, task: ElasticTask, worker: int, address: str, directory: Path, secret: bytes,
+        syncer_timeout: float | None = None,
+    ):  # fmt: skip
+        if not 0 <= worker < task.num_workers:
+            raise ValueError(f"worker must be in [0, {task.num_workers}), got {worker}")
+        self.task, self.worker, self.spec = task, worker, task.server
+        self.directory = worker_folder(directory, worker)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.client = SyncerClient(address, secret, syncer_timeout or Elastic().syncer_timeout)
+        self.syncer_timeout = syncer_timeout
+        method = task.method
+        self.step_fn, _ = programs(task.loss_fn, method.inner_optimizer, method.outer_optimizer,
+                                   False, task.rng_seed)  # fmt: skip
+        self.members_of, _ = fragments_and_rules(self.spec, task.params)
+        self.treedef = jax.tree.structure(task.params)
+        self.offset = task.inner_steps // self.spec.fragments
+        self.options = Elastic()
+        self.incarnation: str | None = None
+        self.version = 0  # merges received
+        self.received: queue.Queue = queue.Queue()  # (update, fragment, leaves)
+        self.outbox: queue.Queue = queue.Queue()  # pushes, in order
+        self.like = [np.asarray(x) for x in jax.tree.leaves(task.params)]
+        self.slow_step = float(os.environ.get(SLOW_STEP_ENV, "0"))  # a slower device
+        self.ended: dict | None = None
+        self.stop = threading.Event()
+        self.joining = threading.Lock()
+
+    def run(self) -> int:
+        threads = [threading.Thread(target=f, daemon=True)
+                   for f in (self.heartbeats, self.listen, self.send)]  # fmt: skip
+        try:
+            self._join()
+            theta = self._theta()
+            for t in threads:
+                t.start()
+            self._train(theta)
+            raise WorkerExit(0 if self.ended["status"] == "done" else 1, self.ended["reason"])
+        except WorkerExit as end:
+            log.info("learner %d: %s", self.worker, end.line)
+            return end.code
+        finally:
+            self.stop.set()
+            for t in threads:
+                if t.is_alive():
+                    t.join()
+            self.client.close()
+
+    # ---- the steps ----------------------------------------------------------------------
+
+    def _train(self, theta: list) -> None:
+        """Steps until the run ends (see the module docstring)."""
+        task, m, h_count = self.task, self.worker, self.task.inner_steps
+        params = [jnp.asarray(x) for x in theta]
+        opt_state = task.method.inner_optimizer.init(jax.tree.unflatten(self.treedef, params))
+        counts, losses, applied, done = [0] * self.spec.fragments, [], [], 0
+        batches = functools.lru_cache(maxsize=2)(lambda job: task.batches(m, job))
+        while self.ended is None:
+            if done > 0 and done % self.offset == 0:  # its push of this boundary first
+                p = (done // self.offset - 1) % self.spec.fragments
+                c = counts[p]
+                loss = float(jnp.mean(jnp.stack(losses[-c:])))
+                mine = [np.asarray(params[i]) for i in self.members_of[p]]
+                self.outbox.put((done, p, c, loss, mine, applied))
+                applied = []
+            while not self.received.empty():  # then every merge received since
+                update, p, values = self.received.get()
+                for i, v in zip(self.members_of[p], values, strict=True):
+                    params[i] = jnp.asarray(v)
+                counts[p] = 0
+                applied.append([update, done])
+            job, h = divmod(done, h_count)
+            batch = jax.tree.map(lambda x, h=h: np.asarray(x)[h : h + 1], batches(job))
+            started = time.perf_counter()
+            tree, opt_state, loss, _ = self.step_fn(
+                jax.tree.unflatten(self.treedef, params), opt_state, batch, jnp.int32(job),
+                jnp.int32(m), jnp.int32(h),
+            )  # fmt: skip
+            params = jax.tree.leaves(tree)
+            time.sleep(self.slow_step)
+            counts = [c + 1 for c in counts]
+            losses = [*losses, loss][-max(counts) :]  # what a push's mean still reads
+            done += 1
+            line = {"step": done, "loss": float(loss), "seconds": time.perf_counter() - started,
+                    "time": time.time()}  # fmt: skip
+            with open(self.directory / METRICS_FILE, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    # ---- the threads --------------------------------------------------------------------
+
+    def send(self) -> None:
+        """Sends the pushes in order (a late one is dropped by the syncer, not resent)."""
+        while not self.stop.is_set():
+            try:
+                step, p, c, loss, leaves, applied = self.outbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            for _ in range(2):  # once more after joining again: it may still be in time
+                seen = self.incarnation
+                header = self._me(serial=step, loss=loss, c_steps=c, applied=applied)
+                reply = self.client.push(header, leaves, lambda leaf: None)
+                if reply["status"] != "rejoin":
+                    break
+                self._rejoin(seen)
+            if reply["status"] in ("done", "abort"):
+                self.ended = reply
+
+    def listen(self) -> None:
+        """Long-polls the syncer for the merges after the newest it has received."""
+        while not self.stop.is_set() and self.ended is None:
+            seen = self.incarnation
+            reply = self.client.call("Next", self._me(after=self.version, timeout=5.0), 15.0)
+            status = reply["status"]
+            if status in ("done", "abort"):
+                self.ended = reply
+            elif status == "rejoin":
+                self._rejoin(seen)
+            elif status == "round":
+                at = 0
+                for update, p in reply["updates"]:
+                    count = len(self.members_of[p])
+                    like = [self.like[i] for i in self.members_of[p]]
+                    values = wire.tree_like(like, reply["reply"][at : at + count], "a merge")
+                    self.received.put((update, p, values))
+                    at += count
+                self.version = int(reply["round"])
+
+    def heartbeats(self) -> None:
+        while not self.stop.wait(self.options.heartbeat_interval) and self.ended is None:
+            seen = self.incarnation
+            reply = self.client.once("Heartbeat", self._me(),
+                                     deadline=self.options.heartbeat_interval * 4)  # fmt: skip
+            if reply is None:
+                continue
+            if reply["status"] in ("done", "abort"):
+                self.ended = reply
+            elif reply["status"] == "rejoin":
+                self._rejoin(seen)
+
+    # ---- the syncer ---------------------------------------------------------------------
+
+    def _join(self) -> None:
+        reply = self.client.call("Join", {"worker": self.worker, "incarnation": None})
+        if reply.get("status") in ("done", "abort"):
+            raise WorkerExit(0 if reply["status"] == "done" else 1, reply["reason"])
+        self.incarnation = reply["incarnation"]
+        self.options = Elastic.from_message(reply["options"])
+        if self.syncer_timeout is None:
+            self.client.syncer_timeout = self.options.syncer_timeout
+        log.info("learner %d joined", self.worker)
+
+    def _rejoin(self, seen: str | None) -> None:
+        """Joins again, unless another thread already did since its call as `seen`."""
+        with self.joining:
+            if self.incarnation == seen:
+                log.info("learner %d: the syncer left it out; joining again", self.worker)
+                self._join()
+
+    def _theta(self) -> list:
+        """Θ whole as the syncer holds it now; the merges in it are received."""
+        reply = self.client.call("Next", self._me(after=-1, timeout=5.0), 15.0)
+        if reply["status"] in ("done", "abort"):
+            raise WorkerExit(0 if reply["status"] == "done" else 1, reply["reason"])
+        theta = wire.tree_like(self.task.params, reply["theta"], "the syncer's Θ")
+        while not self.received.empty():  # merges already in Θ
+            self.received.get()
+        self.version = int(reply["round"])
+        return jax.tree.leaves(theta)
+
+    def _me(self, **fields: Any) -> dict[str, Any]:
+        return {"worker": self.worker, "incarnation": self.incarnation, **fields}

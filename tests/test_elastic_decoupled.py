@@ -1,0 +1,88 @@
+"""Decoupled DiLoCo on real processes (`ElasticTask(algo="async", server=DecoupledDiLoCo(...))`):
+a syncer and four learner processes of unequal speeds that never wait, a quorum of 2 with
+grace, 2 fragments and RDA, one learner SIGSTOPped past the heartbeat timeout (removed, then
+back). Θ at the end must equal `train_async` with the same server replaying the run's
+merges and the boundaries at which each learner applied them, within 1e-6 relative."""
+
+import dataclasses
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+from elastic_linear import DECOUPLED, DECOUPLED_STEPS, METHOD, PARAMS, batch, make_decoupled_task
+from reference import linear_loss
+from test_elastic import Cluster, _wait
+
+import diloco_jax as dj
+from diloco_jax.elastic import arrivals, final_params, history
+
+MERGES = 40
+# Seconds per inner step added to each learner: learner 3 the slowest.
+SLOW = ("0.08", "0.1", "0.08", "0.2")
+
+
+def _replay(merges):
+    rounds = [
+        jax.tree.map(lambda *x: np.stack(x), *(batch(m, r, DECOUPLED_STEPS) for m in range(4)))
+        for r in range(1 + max(b for x in merges for b in x.boundaries) // DECOUPLED_STEPS + 8)
+    ]
+    return dj.train_async(
+        linear_loss, PARAMS, rounds, num_workers=4, inner_steps=DECOUPLED_STEPS,
+        num_updates=MERGES, server=DECOUPLED, arrivals=merges, inner_optimizer=METHOD.inner,
+        outer_optimizer=METHOD.outer,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_stopped_learner_and_unequal_speeds_reproduce_the_replay(tmp_path):
+    env = {"ELASTIC_ROUNDS": str(MERGES), "ELASTIC_PHASE_SECONDS": "0"}
+    cluster = Cluster(tmp_path, task="elastic_linear:make_decoupled_task", env=env)
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    syncer_dir = tmp_path / "syncer"
+    _wait(lambda: len(cluster.syncs()) >= 4, 120, "4 merges", cluster)
+    stopped = cluster.processes["worker-2"]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    _wait(lambda: "learner 2 removed" in cluster.log("syncer"), 60, "learner 2 removed", cluster)
+    time.sleep(0.5)
+    os.kill(stopped.pid, signal.SIGCONT)
+    cluster.finish()
+    merges = arrivals(syncer_dir)
+    assert [x.update for x in merges] == list(range(MERGES))
+    real = final_params(syncer_dir, make_decoupled_task())
+    replay = _replay(merges)
+    for name in ("w", "b"):
+        assert np.all(np.isfinite(real[name]))
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    assert [e["merged"] for e in replay.history] == [list(x.merged) for x in merges]
+    # The run was what the test made it: learner 2 left out while stopped, then back, its
+    # pushes behind the others' (late: a learner never catches up on its own steps) and the
+    # merges applied again; the slowest learner late at times.
+    lines = history(syncer_dir)
+    missed = next(i for i, x in enumerate(lines) if i >= 4 and 2 not in x["merged"])
+    assert sum(lines[-1]["pushes"][2]) > sum(lines[missed]["pushes"][2])
+    assert any(x.boundaries[2] >= 0 for x in merges[missed + 1 :])
+    assert "joining again" in cluster.log("worker-2")
+    assert any(x["late"] for x in lines)
+    assert all(any(b >= 0 for b in x.boundaries) for x in merges[: MERGES // 2])
+    # Control: the same merges replayed as if every learner's push had made each of them
+    # land elsewhere (the merged sets matter).
+    everyone = [x._replace(merged=(0, 1, 2, 3)) for x in merges]
+    assert not np.allclose(real["w"], _replay(everyone).params["w"], rtol=1e-4)
+
+
+def test_a_decoupled_task_refuses_what_its_learners_cannot_run():
+    task = make_decoupled_task()
+    refusals = {
+        "needs algo='async'": {"algo": "diloco"},
+        "HALoS runs on the simulated clock only": {"server": dj.HALoS(regions=(0, 0, 1, 1))},
+        "use grace_seconds": {
+            "server": dj.DecoupledDiLoCo(quorum=2, adaptive_grace=0.5, overlap_steps=1)
+        },
+        "quorum must be at most num_workers": {"server": dj.DecoupledDiLoCo(quorum=9)},
+    }
+    for words, changes in refusals.items():
+        with pytest.raises(ValueError, match=words):
+            dataclasses.replace(task, **changes)
