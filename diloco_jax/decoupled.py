@@ -212,6 +212,8 @@ class DecoupledDiLoCo:
                 why = f"step {m.step} is not sync {m.index} of fragment {m.fragment}"
             elif not set(m.merged) <= set(range(num_workers)) or len(m.boundaries) != num_workers:
                 why = f"learners outside [0, {num_workers})"
+            elif any(not 0 <= r[0] < num_workers or r[1] < 0 for r in m.restarts):
+                why = f"a restart outside [0, {num_workers}) or before step 0"
             if why is not None:
                 raise ValueError(f"arrivals[{i}] can't be replayed: {why}")
         return RecordedTiming(merges[:num_updates])
@@ -402,6 +404,10 @@ class _Job:
     data_of: Any
     evaluate_fn: Any
     places: _Places
+    snapshot_at: set  # (learner, step) whose inner state a replayed restart takes
+    # A replayed run's restarted learners: (learner, step) -> the inner state at that step
+    # of the process that died, what its restart took from its checkpoint.
+    snapshots: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, spec: DecoupledDiLoCo, run: Any) -> "_Job":
@@ -423,6 +429,7 @@ class _Job:
             None if shards is None else _fragment_bytes(jax.tree.leaves(shards), members),
             step_fn, merge, _data(run.data, m_count, h_count, run.where),
             jax.jit(run.eval_fn) if run.eval_fn is not None else None, places,
+            timing.snapshots(),
         )  # fmt: skip
 
     def initial(self) -> _State:
@@ -452,6 +459,8 @@ class _Job:
         """Merges `sync`: each learner in it stepped to its push; the others' slots hold
         Θ_p (a zero delta, weight 0). Every learner gets the new Θ_p in its inbox."""
         p, m_count, timing = sync.fragment, self.run.num_workers, self.timing
+        for restart in timing.restarts(sync):
+            self._restart(state, *restart)
         pushed, c_steps, losses, auxes = [], [], [], []
         for m in range(m_count):
             if m in sync.merged:
@@ -500,6 +509,22 @@ class _Job:
             entry["wire_bytes_per_device"] = round(sum(per_device) / m_count)
         return state, (entry, losses, auxes)
 
+    def _restart(self, state: _State, m: int, step: int, from_checkpoint: bool) -> None:
+        """Learner m's new process: from Θ as it is, at `step`, with the inner state of the
+        one that died at that step (its checkpoint) or the optimizer's init."""
+        learner = state.learners[m]
+        if not from_checkpoint:
+            theta = jax.tree.unflatten(self.treedef, state.theta)
+            opt_state = self.run.where.inner_states(self.run.inner_optimizer.init, theta,
+                                                    self.run.num_workers)[m]  # fmt: skip
+        elif learner.done <= step:
+            opt_state = self._advance(learner, m, step).opt_state
+        else:
+            opt_state = self.snapshots[(m, step)]
+        every = range(len(self.rules))
+        state.learners[m] = _Learner(self.places.leaves(state.theta, every, m), opt_state, step,
+                                     [0] * self.spec.fragments, [], [], [])  # fmt: skip
+
     def _advance(self, learner: _Learner, m: int, target: int) -> _Learner:
         """Learner m completes step `target`: every broadcast due at an earlier boundary is
         applied first (those due at `target` itself wait: the push there comes first)."""
@@ -521,6 +546,8 @@ class _Job:
             learner.auxes.append(aux)
             learner.done += 1
             learner.counts = [c + 1 for c in learner.counts]
+            if (m, learner.done) in self.snapshot_at:  # a later restart resumes from here
+                self.snapshots[(m, learner.done)] = learner.opt_state
         # A push's mean reads its fragment's count of newest losses: older ones are not read.
         kept = max(learner.counts)
         learner.losses, learner.auxes = learner.losses[-kept:], learner.auxes[-kept:]
@@ -712,6 +739,11 @@ def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
             "dynamic_steps is for jobs of H steps; DecoupledDiLoCo's learners never stop"
         )
     job = _Job.of(spec, run)
+    if job.snapshot_at and run.checkpoints is not None:
+        raise ValueError(
+            "checkpoint_dir can't be given replaying a Decoupled DiLoCo run with a learner "
+            "restarted from its checkpoint (the inner state it resumes is not saved)"
+        )
     loop = Loop(run.num_updates, run.checkpoints, run.callback, unit="updates",
                 total_name="num_updates")  # fmt: skip
     state, history = loop.run(job, job.initial())
@@ -730,8 +762,11 @@ class Merge(NamedTuple):
     follow), `time` (seconds since the run's first merge), `merged` (the learners whose
     pushes it merged), `boundaries` (per learner, the step boundary at which it applied the
     merged fragment; -1: it never did, having ended or died first), `total_steps` (the
-    learners' steps by then, as they last reported them) and `pushes` (per learner, its
-    pushes of each fragment sent by then)."""
+    learners' steps by then, as they last reported them), `pushes` (per learner, its
+    pushes of each fragment sent by then) and `restarts`: the learner processes that started
+    after the merge before it, each as (learner, the step it resumed at, whether its inner
+    state came from its checkpoint of that step: else the optimizer's init), each from Θ of
+    then with its counts at 0."""
 
     update: int
     fragment: int
@@ -742,6 +777,7 @@ class Merge(NamedTuple):
     boundaries: tuple
     total_steps: int
     pushes: tuple
+    restarts: tuple = ()  # (learner, step, from_checkpoint): processes (re)started before it
 
 
 class RecordedTiming:
@@ -766,6 +802,13 @@ class RecordedTiming:
     def pushes(self, sync: Sync, learner: int) -> list[int]:
         return list(self.merges[sync.update].pushes[learner])
 
+    def restarts(self, sync: Sync) -> tuple:
+        return tuple(self.merges[sync.update].restarts)
+
+    def snapshots(self) -> set[tuple[int, int]]:
+        """(learner, step): the inner states a restart takes from a learner's checkpoint."""
+        return {(m, s) for x in self.merges for m, s, saved in x.restarts if saved}
+
 
 class SimulatedTiming:
     """When things happen on `train_async`'s simulated clock: the schedule's syncs, the
@@ -784,6 +827,12 @@ class SimulatedTiming:
 
     def total_steps(self, sync: Sync) -> int:
         return sum(steps_by(sync.time, s) for s in self.seconds)
+
+    def restarts(self, sync: Sync) -> tuple:
+        return ()  # the simulated clock's learners never die
+
+    def snapshots(self) -> set[tuple[int, int]]:
+        return set()
 
     def pushes(self, sync: Sync, learner: int) -> list[int]:
         """The learner's pushes of each fragment by the merge's time."""

@@ -46,12 +46,14 @@ from diloco_jax.outer import outer_init
 
 log = logging.getLogger("diloco_jax.syncer")
 APPLIED_FILE = "applied.jsonl"
+STARTS_FILE = "starts.jsonl"  # each learner process's start: the Θ it took, its step
 
 
 @dataclasses.dataclass
 class Learner:
     incarnation: str
     last_seen: float
+    start: tuple[int, bool] | None = None  # a new process's (step, from its checkpoint)
 
 
 @dataclasses.dataclass
@@ -66,7 +68,8 @@ class DecoupledSyncer:
     from the gRPC threads."""
 
     def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
-        self.task, self.options, self.spec = task, options.checked(task.num_workers), task.server
+        self.task, self.spec = task, task.server
+        self.options = checked_for_decoupled(options, task.num_workers)
         self.directory = Path(directory)
         if (self.directory / "history.jsonl").exists():
             raise ValueError(
@@ -107,8 +110,16 @@ class DecoupledSyncer:
 
     # ---- the learners' calls ------------------------------------------------------------
 
-    def join(self, worker: int, incarnation: str | None) -> dict[str, Any]:
+    def join(
+        self, worker: int, incarnation: str | None, start: int | None = None,
+        from_checkpoint: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Learner `worker` (re)joins; a new process says the step it starts at (`start`)
+        and whether its inner state is its checkpoint's, logged when it takes Θ."""
         self._check_worker(worker)
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                                  or start < 0):  # fmt: skip
+            raise ValueError(f"start must be an integer step >= 0, got {start!r}")
         with self.cond:
             if self.done is not None:
                 return self._ended(worker)
@@ -117,6 +128,8 @@ class DecoupledSyncer:
                 member = Learner(uuid.uuid4().hex, time.monotonic())
                 self.members[worker] = member
                 log.info("learner %d joined (after merge %d)", worker, self.update)
+            if start is not None:
+                member.start = (start, bool(from_checkpoint))
             member.last_seen = time.monotonic()
             return {"incarnation": member.incarnation, "options": self.options.to_message()}
 
@@ -140,6 +153,7 @@ class DecoupledSyncer:
                 if ended is not None:
                     return ended
                 if after < 0:
+                    self._note_start(worker)
                     return {"status": "round", "serial": self.update, "round": self.update,
                             "position": 0, "theta": list(self.theta)}  # fmt: skip
                 if self.update > after:
@@ -282,6 +296,17 @@ class DecoupledSyncer:
             self.done = "finished"
         self.cond.notify_all()
 
+    def _note_start(self, worker: int) -> None:
+        """A new learner process takes Θ of now: the replay restarts it from the same."""
+        member = self.members[worker]
+        if member.start is None:
+            return
+        step, saved = member.start
+        member.start = None
+        line = {"learner": worker, "version": self.update, "step": step, "from_checkpoint": saved}
+        with open(self.directory / STARTS_FILE, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def _note_applied(self, worker: int, incarnation: str, applied: Any) -> None:
         lines = [
             json.dumps(
@@ -318,3 +343,22 @@ class DecoupledSyncer:
             raise ValueError(f"worker must be an integer, got {worker!r}")
         if not 0 <= worker < self.task.num_workers:
             raise ValueError(f"worker must be in [0, {self.task.num_workers}), got {worker}")
+
+
+def checked_for_decoupled(options: Elastic, num_workers: int) -> Elastic:
+    """`options` checked for a Decoupled DiLoCo run; ValueError naming an option it can't
+    honor: its quorum is the spec's, and nobody waits for a round."""
+    options = options.checked(num_workers)
+    if options.min_workers != 1:
+        raise ValueError(
+            "Elastic.min_workers does not apply to Decoupled DiLoCo: its quorum is "
+            f"DecoupledDiLoCo.quorum, got {options.min_workers}"
+        )
+    for name in ("round_timeout", "grace_seconds"):
+        if getattr(options, name) is not None:
+            raise ValueError(f"Elastic.{name} does not apply to Decoupled DiLoCo: its grace is "
+                             "DecoupledDiLoCo.grace_seconds, and no learner waits")  # fmt: skip
+    if options.inner_state != "checkpoint":
+        raise ValueError("Elastic.inner_state must be 'checkpoint' for Decoupled DiLoCo: a "
+                         "restarted learner takes its checkpoint's inner state")  # fmt: skip
+    return options

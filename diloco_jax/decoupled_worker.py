@@ -12,11 +12,14 @@ clock's own jitted step (`decoupled.programs`). At each step boundary s:
    for them), in merge order, and resets their counts; the next push reports at which
    boundary it applied each (`applied.jsonl` at the syncer, read by the replay).
 
-It ends when the syncer says the run is done. A learner removed (silent past
-heartbeat_timeout, e.g. SIGSTOPped) joins again and goes on as it was: a slow learner, its
-pushes late and its merges applied late, as the replay records them. What it does not do
-yet: resume after its own process is killed (a restarted learner would start over from Θ as
-a new one, which the replay does not express).
+Once the syncer has a push, the learner keeps its inner state of that boundary
+(`learner.state`: the step and the state, written whole or not at all). A learner process
+that starts takes Θ as the syncer holds it then, at the step of its checkpoint (0 without
+one) with that checkpoint's inner state (the optimizer's init without one) and its counts
+at 0; the syncer logs where (`starts.jsonl`), and the replay restarts it there the same way.
+A learner removed (silent past heartbeat_timeout, e.g. SIGSTOPped) joins again and goes on
+as it was: a slow learner, its pushes late and its merges applied late. It ends when the
+syncer says the run is done.
 """
 
 import functools
@@ -40,6 +43,7 @@ from diloco_jax.elastic_worker import METRICS_FILE, SLOW_STEP_ENV, WorkerExit, w
 from diloco_jax.rpc import SyncerClient
 
 log = logging.getLogger("diloco_jax.worker")
+STATE_FILE = "learner.state"
 
 
 class DecoupledLearner:
@@ -67,6 +71,9 @@ class DecoupledLearner:
         self.outbox: queue.Queue = queue.Queue()  # pushes, in order
         self.like = [np.asarray(x) for x in jax.tree.leaves(task.params)]
         self.slow_step = float(os.environ.get(SLOW_STEP_ENV, "0"))  # a slower device
+        self.state_path = self.directory / STATE_FILE
+        opt_like = method.inner_optimizer.init(task.params)
+        self.opt_like = jax.tree.map(np.asarray, opt_like)
         self.ended: dict | None = None
         self.stop = threading.Event()
         self.joining = threading.Lock()
@@ -75,11 +82,12 @@ class DecoupledLearner:
         threads = [threading.Thread(target=f, daemon=True)
                    for f in (self.heartbeats, self.listen, self.send)]  # fmt: skip
         try:
-            self._join()
+            start, opt_state = self._restore()
+            self._join(start=start, from_checkpoint=opt_state is not None)
             theta = self._theta()
             for t in threads:
                 t.start()
-            self._train(theta)
+            self._train(theta, start, opt_state)
             raise WorkerExit(0 if self.ended["status"] == "done" else 1, self.ended["reason"])
         except WorkerExit as end:
             log.info("learner %d: %s", self.worker, end.line)
@@ -93,20 +101,21 @@ class DecoupledLearner:
 
     # ---- the steps ----------------------------------------------------------------------
 
-    def _train(self, theta: list) -> None:
-        """Steps until the run ends (see the module docstring)."""
+    def _train(self, theta: list, start: int, opt_state: Any) -> None:
+        """Steps from step `start` until the run ends (see the module docstring)."""
         task, m, h_count = self.task, self.worker, self.task.inner_steps
         params = [jnp.asarray(x) for x in theta]
-        opt_state = task.method.inner_optimizer.init(jax.tree.unflatten(self.treedef, params))
-        counts, losses, applied, done = [0] * self.spec.fragments, [], [], 0
+        if opt_state is None:
+            opt_state = task.method.inner_optimizer.init(jax.tree.unflatten(self.treedef, params))
+        counts, losses, applied, done = [0] * self.spec.fragments, [], [], start
         batches = functools.lru_cache(maxsize=2)(lambda job: task.batches(m, job))
         while self.ended is None:
-            if done > 0 and done % self.offset == 0:  # its push of this boundary first
+            if done > start and done % self.offset == 0:  # its push of this boundary first
                 p = (done // self.offset - 1) % self.spec.fragments
                 c = counts[p]
                 loss = float(jnp.mean(jnp.stack(losses[-c:])))
                 mine = [np.asarray(params[i]) for i in self.members_of[p]]
-                self.outbox.put((done, p, c, loss, mine, applied))
+                self.outbox.put((done, p, c, loss, mine, applied, opt_state))
                 applied = []
             while not self.received.empty():  # then every merge received since
                 update, p, values = self.received.get()
@@ -134,10 +143,11 @@ class DecoupledLearner:
     # ---- the threads --------------------------------------------------------------------
 
     def send(self) -> None:
-        """Sends the pushes in order (a late one is dropped by the syncer, not resent)."""
+        """Sends the pushes in order (a late one is dropped by the syncer, not resent), and
+        keeps the inner state of each push's boundary once the syncer has the push."""
         while not self.stop.is_set():
             try:
-                step, p, c, loss, leaves, applied = self.outbox.get(timeout=0.1)
+                step, p, c, loss, leaves, applied, opt_state = self.outbox.get(timeout=0.1)
             except queue.Empty:
                 continue
             for _ in range(2):  # once more after joining again: it may still be in time
@@ -149,6 +159,9 @@ class DecoupledLearner:
                 self._rejoin(seen)
             if reply["status"] in ("done", "abort"):
                 self.ended = reply
+            elif reply["status"] in ("ok", "late"):
+                saved = {"step": step, "inner": wire.leaves(opt_state)}
+                wire.write_file(self.state_path, saved)
 
     def listen(self) -> None:
         """Long-polls the syncer for the merges after the newest it has received."""
@@ -184,8 +197,24 @@ class DecoupledLearner:
 
     # ---- the syncer ---------------------------------------------------------------------
 
-    def _join(self) -> None:
-        reply = self.client.call("Join", {"worker": self.worker, "incarnation": None})
+    def _restore(self) -> tuple[int, Any]:
+        """(the step of its checkpoint, its inner state), or (0, None) without one."""
+        if not self.state_path.exists():
+            return 0, None
+        try:
+            saved = wire.read_file(self.state_path)
+            opt_state = wire.tree_like(self.opt_like, saved["inner"], str(self.state_path))
+        except (OSError, ValueError, KeyError) as error:
+            log.warning("learner %d: %s can't be read (%s); starting at step 0", self.worker,
+                        self.state_path, error)  # fmt: skip
+            return 0, None
+        log.info("learner %d: resuming at step %d from %s", self.worker, int(saved["step"]),
+                 self.state_path)  # fmt: skip
+        return int(saved["step"]), opt_state
+
+    def _join(self, **start: Any) -> None:
+        """Joins; a new process says where it starts (`start`, `from_checkpoint`)."""
+        reply = self.client.call("Join", {"worker": self.worker, "incarnation": None, **start})
         if reply.get("status") in ("done", "abort"):
             raise WorkerExit(0 if reply["status"] == "done" else 1, reply["reason"])
         self.incarnation = reply["incarnation"]

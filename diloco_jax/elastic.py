@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax import auth, run_lock, wire
+from diloco_jax.decoupled_syncer import checked_for_decoupled
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
 from diloco_jax.gossip_syncer import checked_for_gossip
 from diloco_jax.outer import widen
@@ -123,24 +124,29 @@ def arrivals(directory: str | os.PathLike) -> tuple:
 
 def _merges(directory: Path, lines: list[dict]) -> tuple:
     from diloco_jax.decoupled import Merge
-    from diloco_jax.decoupled_syncer import APPLIED_FILE
+    from diloco_jax.decoupled_syncer import APPLIED_FILE, STARTS_FILE
 
-    path = directory / APPLIED_FILE
-    applied = _jsonl(path) if path.exists() else []
-    boundary = {(a["update"], a["learner"]): a["boundary"] for a in applied}
+    def read(name: str) -> list[dict]:
+        return _jsonl(directory / name) if (directory / name).exists() else []
+
+    boundary = {(a["update"], a["learner"]): a["boundary"] for a in read(APPLIED_FILE)}
+    starts: dict[int, list] = {}
+    for s in read(STARTS_FILE):
+        starts.setdefault(s["version"], []).append((s["learner"], s["step"], s["from_checkpoint"]))
     count = len(lines[0]["pushes"])
     return tuple(
         Merge(
-            x["update"],
-            x["fragment"],
-            x["sync"],
-            x["step"],
-            x["time"],
-            tuple(x["merged"]),
-            tuple(boundary.get((x["update"], m), -1) for m in range(count)),
-            x["total_steps"],
-            tuple(tuple(n) for n in x["pushes"]),
-        )  # fmt: skip
+            update=x["update"],
+            fragment=x["fragment"],
+            index=x["sync"],
+            step=x["step"],
+            time=x["time"],
+            merged=tuple(x["merged"]),
+            boundaries=tuple(boundary.get((x["update"], m), -1) for m in range(count)),
+            total_steps=x["total_steps"],
+            pushes=tuple(tuple(n) for n in x["pushes"]),
+            restarts=tuple(starts.get(x["update"], ())),
+        )
         for x in lines
     )
 
@@ -361,6 +367,8 @@ def launch(args: argparse.Namespace) -> int:
     options = _options(args).checked(task.num_workers)
     if task.method.gossip is not None:
         checked_for_gossip(options, task.num_workers)
+    if task.server is not None:
+        checked_for_decoupled(options, task.num_workers)
     if (task.method.gossip is not None or task.server is not None) and (
         args.processes_per_worker != 1
     ):

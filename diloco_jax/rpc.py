@@ -72,7 +72,8 @@ def serve(
     service = _Service(syncer, auth.Verifier(secret))
     handlers = {
         "Join": service.unary(
-            "Join", lambda m: syncer.join(m["worker"], m.get("incarnation"), **_given(m, "address"))
+            "Join",
+            lambda m: syncer.join(m["worker"], m.get("incarnation"), **_given(m, *JOIN_EXTRA)),
         ),
         "Heartbeat": service.unary(
             "Heartbeat",
@@ -94,6 +95,11 @@ def serve(
         raise OSError(f"the syncer could not bind {host}:{port}")
     server.start()
     return server, bound
+
+
+# A Join's optional fields: a gossip worker's peer address; a Decoupled DiLoCo learner
+# process's first step and whether its inner state is its checkpoint's.
+JOIN_EXTRA = ("address", "start", "from_checkpoint")
 
 
 def _given(message: dict, *names: str) -> dict:
