@@ -246,13 +246,15 @@ def train_async(
       num_workers: M >= 1. inner_steps: H >= 1. num_updates: >= 0.
       step_seconds: M positive finite floats, simulated seconds per inner step of each worker.
       grace_seconds, dynamic_steps: see `async_schedule`.
-      arrivals: instead of step_seconds (and without grace_seconds, dynamic_steps or a
-        server), a recorded arrival log to replay: at least num_updates `AsyncEvent`s in
-        update order (update u at index u), e.g. a real run's (`elastic.arrivals`). Each
-        names its worker, job (the worker's data position: its round of `data` and its
-        keys), steps (1..H), start_update (<= update: the θ it started from) and staleness
-        (update - start_update); a worker's jobs increase. The replay applies them in that
-        order, exactly as the simulated clock's own schedule.
+      arrivals: instead of step_seconds (and without grace_seconds or dynamic_steps), a
+        recorded arrival log to replay: at least num_updates `AsyncEvent`s in update order
+        (update u at index u), e.g. a real run's (`elastic.arrivals`). Each names its worker,
+        job (the worker's data position: its round of `data` and its keys), steps (1..H),
+        start_update (<= update: the θ it started from) and staleness (update -
+        start_update); a worker's jobs increase. The replay applies them in that order,
+        exactly as the simulated clock's own schedule. With `server=dj.DecoupledDiLoCo(...)`:
+        a real Decoupled DiLoCo run's `decoupled.Merge`s (`elastic.arrivals` of its syncer's
+        folder), its merges, boundaries and learner restarts in place of the schedule.
       has_aux: `loss_fn` returns (loss, aux dict of scalars); each aux metric's mean over the
         job's steps joins its history entry beside "loss".
       rng_seed: `loss_fn(params, batch, key)`; job j of worker m, step h draws

@@ -156,6 +156,39 @@ def test_train_elastic_async_equals_its_replay_on_the_same_windows(tmp_path, mon
 
 
 @pytest.mark.slow
+def test_train_elastic_decoupled_equals_its_replay_on_the_same_windows(tmp_path, monkeypatch):
+    """--algo async --server decoupled,...: learner processes that never wait, R x P merges on
+    the real clock, and train_async with the same server replaying the run's merges on the
+    same windows gives its Θ."""
+    out = tmp_path / "run"
+    argv = ["train", "--elastic", "--algo", "async", "--server",
+            "decoupled,quorum=1,grace_seconds=0.2,fragments=2", "--preset", "micro", "--rounds",
+            "2", "--out", str(out), "--no-progress"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
+    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "async (elastic): eval loss" in done.stdout and "4 merges" in done.stdout
+    monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
+    task = lm_elastic.task()
+    assert task.server == dj.DecoupledDiLoCo(quorum=1, grace_seconds=0.2, fragments=2)
+    merges = arrivals(out / "elastic" / "syncer")
+    data = [
+        jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, j) for m in range(2)))
+        for j in range(2 + max(b for x in merges for b in x.boundaries) // 4)
+    ]
+    expected = dj.train_async(
+        task.loss_fn, task.params, data, num_workers=2, inner_steps=4,
+        num_updates=len(merges), server=task.server, arrivals=merges, method=task.method,
+    ).params  # fmt: skip
+    real = final_params(out / "elastic" / "syncer", task)
+    for got, want in zip(jax.tree.leaves(real), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["update"] for x in lines if x["run"] == "async"] == list(range(4))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "gossip_flags",
     [["--gossip-group-size", "2"], ["--gasloc", "alpha=0.8,gamma=0.5"]],

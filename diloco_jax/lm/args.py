@@ -416,13 +416,16 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
         return None
     if args.algo not in ("diloco", "async"):
         raise ConfigError(f"--elastic runs --algo diloco or async, got {args.algo}")
-    real_clock = [f for f, k in (("--step-seconds", "step_seconds"), ("--server", "server"))
-                  if getattr(args, k, None) is not None]  # fmt: skip
-    if real_clock:
+    if getattr(args, "step_seconds", None) is not None:
         raise ConfigError(
-            f"--elastic runs without {real_clock[0]}: its workers run at their own speeds "
-            "(--step-seconds is the simulated clock's) and on the one server (Decoupled "
-            "DiLoCo and HALoS run on the simulated clock only)"
+            "--elastic runs without --step-seconds: its workers run at their own speeds "
+            "(--step-seconds is the simulated clock's)"
+        )
+    server = getattr(args, "server", None)
+    if server is not None and not server.strip().startswith("decoupled"):
+        raise ConfigError(
+            "--elastic runs --server decoupled,... or the one server: HALoS runs on the "
+            "simulated clock only"
         )
     given = [f for f, k in (("--mesh", "mesh"), ("--checkpoint-every", "checkpoint_every"),
              ("--tensorboard", "tensorboard"), ("--coordinator", "coordinator"))
@@ -448,6 +451,13 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
     if not 1 <= min_workers <= cfg.workers:
         raise ConfigError(
             f"--min-workers must be in [1, --workers={cfg.workers}], got {min_workers}"
+        )
+    server = config.server_of(cfg)
+    if server is not None and (min_workers != 1 or server.adaptive_grace is not None):
+        raise ConfigError(
+            "--elastic --server decoupled,... takes its quorum and grace from the server "
+            "(quorum=, grace_seconds=): no --min-workers, and no adaptive_grace (it budgets on "
+            "step times the real clock does not give)"
         )
     if config.method(cfg).gossip is not None and min_workers not in (1, cfg.workers):
         raise ConfigError(

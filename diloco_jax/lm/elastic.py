@@ -87,16 +87,22 @@ def task() -> ElasticTask:
     model_cfg, params, _ = experiment.init_model(cfg)
     message = wire.read_file(spec_path.parent / spec["theta"])
     params = wire.tree_like(params, message["theta"], "the pretrained θ_0")
+    server = config_lib.server_of(cfg)
+    if server is not None:  # Decoupled DiLoCo: as many merges as R rounds of every fragment
+        num_rounds = cfg.rounds * server.fragments
+    else:
+        num_rounds = cfg.rounds if algo == "diloco" else cfg.rounds * cfg.workers
     return ElasticTask(
         loss_fn=model_lib.make_loss_fn(model_cfg),
         params=params,
         batches=_Windows(cfg),
         num_workers=cfg.workers,
         inner_steps=cfg.inner_steps,
-        num_rounds=cfg.rounds if algo == "diloco" else cfg.rounds * cfg.workers,
+        num_rounds=num_rounds,
         method=config_lib.method(cfg),
         algo=algo,
         dynamic_steps=cfg.dynamic_steps,
+        server=server,
     )
 
 
@@ -152,6 +158,8 @@ def train_elastic(
     }
     if gossip:
         records, counts, said = _gossip_records(cfg, folder / "workers")
+    elif run_task.server is not None:
+        records, counts, said = _merge_records(runtime.history(folder / "syncer"))
     else:
         lines = runtime.history(folder / "syncer")
         records, counts, said = (_sync_records if algo == "diloco" else _update_records)(cfg, lines)
@@ -191,6 +199,18 @@ def _gossip_records(cfg: Any, workers: Path) -> tuple[list[dict], dict[str, int]
     ]  # fmt: skip
     counts = {"rounds": len(records), "syncs_with_every_worker": len(records)}
     return records, counts, f"{len(records)} syncs, each worker with its group"
+
+
+def _merge_records(merges: list[dict]) -> tuple[list[dict], dict[str, int], str]:
+    """A Decoupled DiLoCo run's metrics lines (one per merge), counts, and its line."""
+    records = [
+        {"run": "async", "update": x["update"], "fragment": x["fragment"],
+         "merged": x["merged"], "late": x["late"], "loss": x["loss"]}
+        for x in merges
+    ]  # fmt: skip
+    late = sum(x["late"] for x in merges)
+    counts = {"updates": len(merges), "late_pushes": late}
+    return records, counts, f"{len(merges)} merges, {late} late pushes"
 
 
 def _update_records(cfg: Any, updates: list[dict]) -> tuple[list[dict], dict[str, int], str]:
