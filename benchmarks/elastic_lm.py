@@ -6,7 +6,9 @@ ELASTIC_WORKERS (M, 4), ELASTIC_INNER_STEPS (H, 25), ELASTIC_ROUNDS (R, 30). ELA
 draws the windows from the LM app's default corpus (the embedded text, byte tokens) instead,
 so the loss curve means something: each worker reads its own contiguous shard.
 ELASTIC_ALGO=async makes it asynchronous DiLoCo with Delayed Nesterov (lr 0.7, momentum 0.9,
-buffer M) at the syncer, and DyLU unless ELASTIC_DYLU=0."""
+buffer M) at the syncer, and DyLU unless ELASTIC_DYLU=0. ELASTIC_ALGO=decoupled makes it
+Decoupled DiLoCo's learners and syncer: a quorum of M - 1, ELASTIC_GRACE seconds of grace
+(default 0.5), 2 fragments, R merges."""
 
 import os
 import sys
@@ -44,6 +46,10 @@ def task() -> ElasticTask:
 
     algo = os.environ.get("ELASTIC_ALGO", "diloco")
     asynchronous = {}
+    if algo == "decoupled":
+        grace = float(os.environ.get("ELASTIC_GRACE", "0.5"))
+        server = dj.DecoupledDiLoCo(quorum=workers - 1, grace_seconds=grace, fragments=2)
+        asynchronous = dict(algo="async", server=server)
     if algo == "async":
         outer = dj.delayed_nesterov(0.7, 0.9, buffer_size=workers)
         asynchronous = dict(algo="async", method=dj.DiLoCo(outer=outer),

@@ -13,7 +13,8 @@ learners that never wait (`diloco_jax.decoupled_worker`).
 - Every learner asks for the merges after the last it holds (a long poll) and applies them at
   its next step boundary, reporting where (`applied.jsonl`).
 
-Each merge is a history.jsonl line: update, fragment, sync, step, time, merged, weights,
+Each merge is a history.jsonl line: update, fragment, sync, step, time (seconds since the
+first merge), wall (Unix seconds), merged, weights,
 c_steps, late, loss, total_steps (the learners' newest pushed steps, summed) and pushes (each
 learner's pushes of each fragment so far, late ones too). `elastic.arrivals(directory)` joins
 it with applied.jsonl into `decoupled.Merge`s, and `train_async(server=spec,
@@ -280,7 +281,7 @@ class DecoupledSyncer:
         record = {
             "round": self.update, "update": self.update, "fragment": p, "sync": k,
             "step": k * h + (p + 1) * (h // self.spec.fragments),
-            "time": now - self.first_merge, "merged": merged,
+            "time": now - self.first_merge, "wall": time.time(), "merged": merged,
             "weights": [float(w) for w in weights], "c_steps": c_steps,
             "late": m_count - len(merged), "loss": float(np.mean(losses)),
             "total_steps": sum(self.newest_step), "pushes": [list(n) for n in self.pushes],

@@ -113,7 +113,7 @@ class DecoupledLearner:
             if done > start and done % self.offset == 0:  # its push of this boundary first
                 p = (done // self.offset - 1) % self.spec.fragments
                 c = counts[p]
-                loss = float(jnp.mean(jnp.stack(losses[-c:])))
+                loss = float(jnp.mean(jnp.asarray(losses[-c:], jnp.float32)))
                 mine = [np.asarray(params[i]) for i in self.members_of[p]]
                 self.outbox.put((done, p, c, loss, mine, applied, opt_state))
                 applied = []
@@ -131,6 +131,7 @@ class DecoupledLearner:
                 jnp.int32(m), jnp.int32(h),
             )  # fmt: skip
             params = jax.tree.leaves(tree)
+            loss = float(loss)  # the step done (a slower device's sleep comes after it)
             time.sleep(self.slow_step)
             counts = [c + 1 for c in counts]
             losses = [*losses, loss][-max(counts) :]  # what a push's mean still reads

@@ -1,0 +1,165 @@
+"""Decoupled DiLoCo on real processes against its simulated clock, on localhost: a syncer and
+M learner processes training benchmarks/elastic_lm.py's task (`ELASTIC_ALGO=decoupled`: a
+quorum of M - 1, `--grace` seconds, 2 fragments), learner M-1 a straggler that takes `--slow`
+seconds more per inner step (`DILOCO_JAX_SLOW_STEP`). See benchmarks/README.md,
+"elastic_decoupled.py".
+
+    .venv/bin/python benchmarks/elastic_decoupled.py [--workers 4] [--merges 24]
+        [--inner-steps 8] [--slow 0.1] [--grace 0.5] [--out FILE]
+
+Measured from one run (default out: benchmarks/results/elastic_decoupled.json), from the
+first merge to the last (the processes' start-up and compilation left out):
+- real: the seconds between them, and the inner steps every learner completed in them and
+  their tokens per second;
+- simulated: `DecoupledDiLoCo.schedule` at each learner's measured seconds per inner step
+  (the median of its steps' seconds, its first two left out: compilation): the clock
+  `train_async(server=...)` sweeps, the same window and the learners' steps in it;
+- synchronous DiLoCo at the same step times, every round waiting for the slowest learner;
+- replay: `train_async(server=..., arrivals=...)` on the run's record from the same θ_0: the
+  largest relative difference of its Θ from the real one.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from diloco_jax.auth import new_secret
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_OUT = HERE / "results" / "elastic_decoupled.json"
+TASK = "elastic_lm:task"
+
+
+def _spawn(out: Path, name: str, argv: list[str], env: dict) -> subprocess.Popen:
+    log = open(out / f"{name}.log", "ab")  # noqa: SIM115 (the process keeps it)
+    return subprocess.Popen([sys.executable, "-m", "diloco_jax.elastic", *argv], stdout=log,
+                            stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+
+def real_run(args: argparse.Namespace, workdir: Path) -> Path:
+    """One run to its end: the syncer and each learner a process, the last one slower."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               DILOCO_JAX_SECRET=new_secret().decode())  # fmt: skip
+    syncer_dir = workdir / "syncer"
+    argv = ["syncer", "--task", TASK, "--dir", str(syncer_dir), "--port", "0",
+            "--heartbeat-timeout", "30"]  # fmt: skip
+    procs = {"syncer": _spawn(workdir, "syncer", argv, env)}
+    address = syncer_dir / "syncer.address"
+    while not (address.exists() and address.read_text().endswith("\n")):
+        time.sleep(0.02)
+    for m in range(args.workers):
+        slow = str(args.slow if m == args.workers - 1 else 0.0)
+        argv = ["worker", "--task", TASK, "--worker", str(m), "--syncer",
+                address.read_text().strip(), "--dir", str(workdir / "workers")]  # fmt: skip
+        procs[f"worker-{m}"] = _spawn(workdir, f"worker-{m}", argv,
+                                      {**env, "DILOCO_JAX_SLOW_STEP": slow})  # fmt: skip
+    try:
+        for name, p in procs.items():
+            if p.wait(900) != 0:
+                log = (workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with {p.returncode}:\n{log}")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return workdir
+
+
+def measure(args: argparse.Namespace, out: Path) -> dict:
+    import elastic_lm
+
+    import diloco_jax as dj
+    from diloco_jax import elastic
+    from diloco_jax.decoupled import steps_by
+
+    task = elastic_lm.task()
+    spec = task.server
+    lines = elastic.history(out / "syncer")
+    merges = elastic.arrivals(out / "syncer")
+    steps = [elastic.worker_metrics(out / "workers", m) for m in range(args.workers)]
+    per_step = [statistics.median(x["seconds"] for x in s[2:]) for s in steps]
+    tokens_per_step = int(np.prod(np.shape(task.batches(0, 0)["inputs"])[1:]))
+    start, end = lines[0]["wall"], lines[-1]["wall"]  # the first merge and the last
+    real_seconds = end - start
+    real_steps = sum(1 for s in steps for x in s if start < x["time"] <= end)
+    schedule = spec.schedule(per_step, args.inner_steps, len(lines))
+    sim_seconds = schedule[-1].time - schedule[0].time
+    sim_steps = sum(
+        steps_by(schedule[-1].time, s) - steps_by(schedule[0].time, s) for s in per_step
+    )
+    rounds = [
+        jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, j) for m in range(args.workers)))
+        for j in range(2 + max(b for x in merges for b in x.boundaries) // args.inner_steps)
+    ]
+    replay = dj.train_async(
+        task.loss_fn, task.params, rounds, num_workers=args.workers,
+        inner_steps=args.inner_steps, num_updates=len(merges), server=spec, arrivals=merges,
+        method=task.method,
+    )  # fmt: skip
+    real = elastic.final_params(out / "syncer", task)
+    difference = max(
+        float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+        for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(replay.params), strict=True)
+    )
+    return {
+        "merges": len(lines),
+        "late_pushes": sum(x["late"] for x in lines),
+        "seconds_per_step": [round(s, 4) for s in per_step],
+        "real_seconds": round(real_seconds, 3),
+        "real_inner_steps": real_steps,
+        "real_tokens_per_second": round(real_steps * tokens_per_step / real_seconds, 1),
+        "simulated_seconds": round(sim_seconds, 3),
+        "simulated_inner_steps": sim_steps,
+        "simulated_tokens_per_second": round(sim_steps * tokens_per_step / sim_seconds, 1),
+        # Synchronous DiLoCo at the same step times: every step waits for the slowest learner.
+        "synchronous_tokens_per_second": round(args.workers * tokens_per_step / max(per_step), 1),
+        "replay_max_relative_difference": difference,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--merges", type=int, default=24)
+    parser.add_argument("--inner-steps", type=int, default=8)
+    parser.add_argument("--slow", type=float, default=0.1)
+    parser.add_argument("--grace", type=float, default=0.5)
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args(argv)
+    os.environ.update(ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.merges),
+                      ELASTIC_INNER_STEPS=str(args.inner_steps), ELASTIC_ALGO="decoupled",
+                      ELASTIC_GRACE=str(args.grace))  # fmt: skip
+    sys.path.insert(0, str(HERE))
+    with tempfile.TemporaryDirectory() as workdir:
+        result = measure(args, real_run(args, Path(workdir)))
+    print(json.dumps(result), flush=True)
+    record = {
+        "command": "benchmarks/elastic_decoupled.py " + " ".join(argv or sys.argv[1:]),
+        "workers": args.workers,
+        "inner_steps": args.inner_steps,
+        "straggler_extra_seconds_per_step": args.slow,
+        "grace_seconds": args.grace,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "jax": jax.__version__,
+        "run": result,
+    }
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
