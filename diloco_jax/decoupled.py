@@ -368,6 +368,7 @@ class _Learner:
     losses: list
     auxes: list
     inbox: list
+    origin: tuple = (0, 0)  # (version, step): where its trajectory began (a replay's restarts)
 
 
 @dataclasses.dataclass
@@ -408,6 +409,8 @@ class _Job:
     # A replayed run's restarted learners: (learner, step) -> the inner state at that step
     # of the process that died, what its restart took from its checkpoint.
     snapshots: dict = dataclasses.field(default_factory=dict)
+    # (update, learner) -> a push made before a restart and merged after it (a replay's)
+    stash: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, spec: DecoupledDiLoCo, run: Any) -> "_Job":
@@ -460,10 +463,22 @@ class _Job:
         Θ_p (a zero delta, weight 0). Every learner gets the new Θ_p in its inbox."""
         p, m_count, timing = sync.fragment, self.run.num_workers, self.timing
         for restart in timing.restarts(sync):
-            self._restart(state, *restart)
+            self._restart(state, sync.update, *restart)
         pushed, c_steps, losses, auxes = [], [], [], []
         for m in range(m_count):
-            if m in sync.merged:
+            if (sync.update, m) in self.stash:  # made before a restart of learner m
+                values, c, loss, aux = self.stash.pop((sync.update, m))
+                pushed.append(values)
+                c_steps.append(c)
+                losses.append(loss)
+                auxes.append(aux)
+            elif m in sync.merged:
+                origin = timing.origin(sync, m)
+                if origin is not None and origin != state.learners[m].origin:
+                    raise ValueError(
+                        f"arrivals[{sync.update}] merges learner {m}'s push from the "
+                        f"trajectory begun at {origin}, which no restart of the record began"
+                    )
                 learner = self._advance(state.learners[m], m, sync.step)
                 c = learner.counts[p]
                 # Its push, put where θ is (the send).
@@ -509,10 +524,24 @@ class _Job:
             entry["wire_bytes_per_device"] = round(sum(per_device) / m_count)
         return state, (entry, losses, auxes)
 
-    def _restart(self, state: _State, m: int, step: int, from_checkpoint: bool) -> None:
-        """Learner m's new process: from Θ as it is, at `step`, with the inner state of the
-        one that died at that step (its checkpoint) or the optimizer's init."""
+    def _restart(
+        self, state: _State, version: int, m: int, step: int, from_checkpoint: bool
+    ) -> None:
+        """Learner m's new process (or its Θ taken whole): from Θ as it is, at `step`, with
+        the inner state of the trajectory before at that step (its checkpoint) or the
+        optimizer's init. The pushes that trajectory made and a later merge takes are
+        computed first (`stash`)."""
         learner = state.learners[m]
+        # The same origin is the same trajectory (a first start): nothing of it set aside.
+        before = () if learner.origin == (version, step) else learner.origin
+        for update, push_step in self.timing.pushes_of(m, before, version):
+            learner = self._advance(learner, m, push_step)
+            p = self.syncs[update].fragment
+            c = learner.counts[p]
+            values = self.places.leaves([learner.params[i] for i in self.members[p]],
+                                        self.members[p])  # fmt: skip
+            aux = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *learner.auxes[-c:])
+            self.stash[(update, m)] = (values, c, jnp.mean(jnp.stack(learner.losses[-c:])), aux)
         if not from_checkpoint:
             theta = jax.tree.unflatten(self.treedef, state.theta)
             opt_state = self.run.where.inner_states(self.run.inner_optimizer.init, theta,
@@ -522,8 +551,9 @@ class _Job:
         else:
             opt_state = self.snapshots[(m, step)]
         every = range(len(self.rules))
-        state.learners[m] = _Learner(self.places.leaves(state.theta, every, m), opt_state, step,
-                                     [0] * self.spec.fragments, [], [], [])  # fmt: skip
+        theta = self.places.leaves(state.theta, every, m)
+        counts = [0] * self.spec.fragments
+        state.learners[m] = _Learner(theta, opt_state, step, counts, [], [], [], (version, step))
 
     def _advance(self, learner: _Learner, m: int, target: int) -> _Learner:
         """Learner m completes step `target`: every broadcast due at an earlier boundary is
@@ -739,10 +769,10 @@ def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
             "dynamic_steps is for jobs of H steps; DecoupledDiLoCo's learners never stop"
         )
     job = _Job.of(spec, run)
-    if job.snapshot_at and run.checkpoints is not None:
+    if job.timing.restarted and run.checkpoints is not None:
         raise ValueError(
             "checkpoint_dir can't be given replaying a Decoupled DiLoCo run with a learner "
-            "restarted from its checkpoint (the inner state it resumes is not saved)"
+            "restarted past its start (the state its restart takes is not saved)"
         )
     loop = Loop(run.num_updates, run.checkpoints, run.callback, unit="updates",
                 total_name="num_updates")  # fmt: skip
@@ -766,7 +796,9 @@ class Merge(NamedTuple):
     pushes of each fragment sent by then) and `restarts`: the learner processes that started
     after the merge before it, each as (learner, the step it resumed at, whether its inner
     state came from its checkpoint of that step: else the optimizer's init), each from Θ of
-    then with its counts at 0."""
+    then with its counts at 0; `origins`: per learner, the (version, step) of the restart
+    whose trajectory made its merged push (None: not merged; () for a record without them),
+    so a push made before a restart and merged after it is the one computed."""
 
     update: int
     fragment: int
@@ -778,6 +810,7 @@ class Merge(NamedTuple):
     total_steps: int
     pushes: tuple
     restarts: tuple = ()  # (learner, step, from_checkpoint): processes (re)started before it
+    origins: tuple = ()  # per learner, where the trajectory of its merged push began
 
 
 class RecordedTiming:
@@ -805,9 +838,28 @@ class RecordedTiming:
     def restarts(self, sync: Sync) -> tuple:
         return tuple(self.merges[sync.update].restarts)
 
+    def origin(self, sync: Sync, learner: int) -> tuple | None:
+        origins = self.merges[sync.update].origins
+        return tuple(origins[learner]) if origins and origins[learner] is not None else None
+
+    def pushes_of(self, learner: int, origin: tuple, after: int) -> list[tuple[int, int]]:
+        """(update, step) of the learner's pushes from the trajectory begun at `origin`
+        merged from update `after` on, in update order."""
+        return [
+            (x.update, x.step) for x in self.merges[after:]
+            if x.origins and x.origins[learner] is not None
+            and tuple(x.origins[learner]) == origin
+        ]  # fmt: skip
+
     def snapshots(self) -> set[tuple[int, int]]:
         """(learner, step): the inner states a restart takes from a learner's checkpoint."""
         return {(m, s) for x in self.merges for m, s, saved in x.restarts if saved}
+
+    @property
+    def restarted(self) -> bool:
+        """Whether a learner restarted past the run's start (state a replay keeps aside)."""
+        return any(x.update > 0 or s > 0 or saved for x in self.merges
+                   for _, s, saved in x.restarts)  # fmt: skip
 
 
 class SimulatedTiming:
@@ -831,8 +883,16 @@ class SimulatedTiming:
     def restarts(self, sync: Sync) -> tuple:
         return ()  # the simulated clock's learners never die
 
+    def origin(self, sync: Sync, learner: int) -> None:
+        return None
+
+    def pushes_of(self, learner: int, origin: tuple, after: int) -> list:
+        return []
+
     def snapshots(self) -> set[tuple[int, int]]:
         return set()
+
+    restarted = False
 
     def pushes(self, sync: Sync, learner: int) -> list[int]:
         """The learner's pushes of each fragment by the merge's time."""

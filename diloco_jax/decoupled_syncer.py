@@ -22,9 +22,15 @@ arrivals=...)` replays the run on the simulated clock: the same Θ.
 
 A learner silent past heartbeat_timeout is removed (its pushes are no longer expected; it is
 told to rejoin when it speaks again); fewer than K members for quorum_timeout ends the run.
-What it does not do yet: resume after its own restart (a folder that holds a run is
-refused), adaptive grace (it budgets on step times the real clock does not give), and a
-learner group over several processes.
+Each merge is checkpointed (`syncer.ckpt`: Θ, the fragments' outer states, the syncs next
+due) before any learner hears of it. A restarted syncer resumes from it: the learners join
+again and send again the pushes of syncs not merged yet (which it lost), and a learner
+holding a version older than the merges it keeps (the newest KEEP_MERGES, none after a
+restart) takes Θ whole at its next step boundary, its inner state and step kept; it says
+where in its next push (`starts.jsonl`, as a restart the replay runs the same way).
+
+What it does not do: adaptive grace (it budgets on step times the real clock does not give)
+and a learner group over several processes.
 """
 
 import dataclasses
@@ -48,6 +54,9 @@ from diloco_jax.outer import outer_init
 log = logging.getLogger("diloco_jax.syncer")
 APPLIED_FILE = "applied.jsonl"
 STARTS_FILE = "starts.jsonl"  # each learner process's start: the Θ it took, its step
+HISTORY_FILE = "history.jsonl"
+CHECKPOINT_FILE = "syncer.ckpt"  # the state after the newest merge
+KEEP_MERGES = 64  # the merged fragments kept for learners to fetch one by one
 
 
 @dataclasses.dataclass
@@ -62,6 +71,7 @@ class Push:
     leaves: list
     c_steps: int
     loss: float
+    origin: list  # [version, step]: where the trajectory that made it began
 
 
 class DecoupledSyncer:
@@ -72,11 +82,6 @@ class DecoupledSyncer:
         self.task, self.spec = task, task.server
         self.options = checked_for_decoupled(options, task.num_workers)
         self.directory = Path(directory)
-        if (self.directory / "history.jsonl").exists():
-            raise ValueError(
-                f"--dir {str(directory)!r} holds a Decoupled DiLoCo run: its syncer does not "
-                "resume one (start a new run in a new folder)"
-            )
         self.directory.mkdir(parents=True, exist_ok=True)
         self.members_of, rules = fragments_and_rules(self.spec, task.params)
         self.rules = [tuple(rules[i] for i in idx) for idx in self.members_of]
@@ -104,10 +109,15 @@ class DecoupledSyncer:
         self.pushes = [[0] * p_count for _ in range(m_count)]
         self.newest_step = [0] * m_count
         self.started = time.monotonic()
-        self.first_merge: float | None = None
+        self.first_merge: float | None = None  # its wall-clock time
         self.short_since: float | None = None
         self.done: str | None = None
         self.told: set[int] = set()
+        # Resumed: the merges before `base` are in Θ but not kept one by one, so a learner
+        # holding an older version takes Θ whole.
+        self.base = self._restore()
+        if self.update >= task.num_rounds:
+            self.done = "finished"
 
     # ---- the learners' calls ------------------------------------------------------------
 
@@ -142,10 +152,11 @@ class DecoupledSyncer:
     def next_round(
         self, worker: int, incarnation: str, after: int, timeout: float, held: int = -1
     ) -> dict:
-        """With `after` = -1: Θ whole and its version (the merges in it). Else, once there
-        are merges after version `after` (waiting at most `timeout` s): {"status": "round",
-        "round": the new version, "updates": [[update, fragment], ...], "reply": their
-        leaves in that order}; "pending" if none came; or "rejoin", "done", "abort"."""
+        """With `after` = -1 (a new learner process) or a version from before this syncer's
+        restart: Θ whole and its version (the merges in it). Else, once there are merges
+        after version `after` (waiting at most `timeout` s): {"status": "round", "round": the
+        new version, "updates": [[update, fragment, sync], ...], "reply": their leaves in
+        that order}; "pending" if none came; or "rejoin", "done", "abort"."""
         self._check_worker(worker)
         deadline = time.monotonic() + timeout
         with self.cond:
@@ -153,16 +164,17 @@ class DecoupledSyncer:
                 ended = self._heard(worker, incarnation)
                 if ended is not None:
                     return ended
-                if after < 0:
-                    self._note_start(worker)
+                if after < self.base:  # a new process, or one behind a syncer restart
+                    if after < 0:
+                        self._note_start(worker)
                     return {"status": "round", "serial": self.update, "round": self.update,
                             "position": 0, "theta": list(self.theta)}  # fmt: skip
                 if self.update > after:
-                    news = self.merged[after:]
+                    news = self.merged[after - self.base :]
                     return {"status": "round", "serial": self.update, "round": self.update,
-                            "position": 0, "updates": [[u, p] for u, (p, _) in
+                            "position": 0, "updates": [[u, p, k] for u, (p, k, _) in
                                                        enumerate(news, start=after)],
-                            "reply": [x for _, leaves in news for x in leaves]}  # fmt: skip
+                            "reply": [x for *_, leaves in news for x in leaves]}  # fmt: skip
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return {"status": "pending"}
@@ -171,10 +183,12 @@ class DecoupledSyncer:
     def push(
         self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
         compute_s: float = 0.0, steps_s: float = 0.0, finite: bool = True, c_steps: int = 0,
-        applied: Any = (),
+        applied: Any = (), resynced: Any = (), origin: Any = (0, 0),
     ) -> dict:  # fmt: skip
         """Learner `worker`'s push of the fragment due at its step `serial`, with its
-        `c_steps` and the merges it `applied` since its last push ([[update, boundary], ...]):
+        `c_steps`, the merges it `applied` since its last push ([[update, boundary], ...])
+        and where it took Θ whole after a syncer restart (`resynced`: [[version, boundary],
+        ...]); `origin`, where the trajectory that made it began ([version, step]):
         {"status": "ok"}, "late" (its sync already merged), or "rejoin"."""
         self._check_worker(worker)
         offset = self.task.inner_steps // self.spec.fragments
@@ -189,13 +203,16 @@ class DecoupledSyncer:
             if ended is not None:
                 return ended
             self._note_applied(worker, incarnation, applied)
+            for version, boundary in resynced:  # the replay restarts it there, state kept
+                self._log_start(worker, int(version), int(boundary), True)
             self.pushes[worker][p] += 1
             self.newest_step[worker] = max(self.newest_step[worker], serial)
             if k < self.next_sync[p] or not finite:
                 log.info("learner %d's push of sync (%d, %d) is late", worker, p, k)
                 return {"status": "late"}
             pushed = self.pending.setdefault((p, k), {})
-            pushed[worker] = Push([np.array(x) for x in values], int(c_steps), float(loss))
+            pushed[worker] = Push([np.array(x) for x in values], int(c_steps), float(loss),
+                                  [int(x) for x in origin])  # fmt: skip
             if len(pushed) == self.spec.quorum:
                 self.quorum_at[(p, k)] = time.monotonic()
             self._merge_due()
@@ -272,8 +289,8 @@ class DecoupledSyncer:
         self.outer[p] = jax.tree.map(np.asarray, outer)
         for i, v in zip(idx, new, strict=True):
             self.theta[i] = v
-        now = time.monotonic()
-        self.first_merge = now if self.first_merge is None else self.first_merge
+        now, wall = time.monotonic(), time.time()
+        self.first_merge = wall if self.first_merge is None else self.first_merge
         self.last_merge[p] = now
         self.next_sync[p] = k + 1
         merged = sorted(pushed)
@@ -281,15 +298,20 @@ class DecoupledSyncer:
         record = {
             "round": self.update, "update": self.update, "fragment": p, "sync": k,
             "step": k * h + (p + 1) * (h // self.spec.fragments),
-            "time": now - self.first_merge, "wall": time.time(), "merged": merged,
+            "time": wall - self.first_merge, "wall": wall, "merged": merged,
             "weights": [float(w) for w in weights], "c_steps": c_steps,
             "late": m_count - len(merged), "loss": float(np.mean(losses)),
             "total_steps": sum(self.newest_step), "pushes": [list(n) for n in self.pushes],
+            "origins": [pushed[m].origin if m in pushed else None for m in range(m_count)],
         }  # fmt: skip
-        with open(self.directory / "history.jsonl", "a") as f:
+        with open(self.directory / HISTORY_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self.merged.append((p, new))
+        self.merged.append((p, k, new))
+        if len(self.merged) > KEEP_MERGES:
+            del self.merged[0]
+            self.base += 1
         self.update += 1
+        self._save()  # before any learner hears of the merge: a restart never loses one told
         log.info("merge %d: fragment %d's sync %d of learners %s", record["update"], p, k, merged)
         if self.update >= self.task.num_rounds:
             theta = jax.tree.unflatten(jax.tree.structure(self.task.params), self.theta)
@@ -304,9 +326,44 @@ class DecoupledSyncer:
             return
         step, saved = member.start
         member.start = None
-        line = {"learner": worker, "version": self.update, "step": step, "from_checkpoint": saved}
+        self._log_start(worker, self.update, step, saved)
+
+    def _log_start(self, worker: int, version: int, step: int, from_checkpoint: bool) -> None:
+        line = {"learner": worker, "version": version, "step": step,
+                "from_checkpoint": from_checkpoint}  # fmt: skip
         with open(self.directory / STARTS_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+    def _save(self) -> None:
+        """The state after the newest merge, whole or not at all (`CHECKPOINT_FILE`)."""
+        message = {
+            "update": self.update, "theta": list(self.theta),
+            "outer": [wire.leaves(o) for o in self.outer], "next_sync": list(self.next_sync),
+            "pushes": [list(n) for n in self.pushes], "newest_step": list(self.newest_step),
+            "first_merge": self.first_merge,
+        }  # fmt: skip
+        wire.write_file(self.directory / CHECKPOINT_FILE, message)
+
+    def _restore(self) -> int:
+        """The state of the folder's checkpoint, if any (history.jsonl cut back to it): the
+        merges in it."""
+        path = self.directory / CHECKPOINT_FILE
+        if not path.exists():
+            return 0
+        saved = wire.read_file(path)
+        self.update = int(saved["update"])
+        self.theta = wire.tree_like(self.theta, saved["theta"], str(path))
+        self.outer = [wire.tree_like(o, leaves, str(path))
+                      for o, leaves in zip(self.outer, saved["outer"], strict=True)]  # fmt: skip
+        self.next_sync = [int(k) for k in saved["next_sync"]]
+        self.pushes = [[int(x) for x in n] for n in saved["pushes"]]
+        self.newest_step = [int(x) for x in saved["newest_step"]]
+        self.first_merge = saved["first_merge"]
+        history = self.directory / HISTORY_FILE
+        lines = history.read_text().splitlines(keepends=True)[: self.update]
+        history.write_text("".join(lines))
+        log.info("resumed after merge %d from %s", self.update, path)
+        return self.update
 
     def _note_applied(self, worker: int, incarnation: str, applied: Any) -> None:
         lines = [

@@ -18,8 +18,11 @@ that starts takes Θ as the syncer holds it then, at the step of its checkpoint 
 one) with that checkpoint's inner state (the optimizer's init without one) and its counts
 at 0; the syncer logs where (`starts.jsonl`), and the replay restarts it there the same way.
 A learner removed (silent past heartbeat_timeout, e.g. SIGSTOPped) joins again and goes on
-as it was: a slow learner, its pushes late and its merges applied late. It ends when the
-syncer says the run is done.
+as it was: a slow learner, its pushes late and its merges applied late. After any rejoin it
+sends again its pushes of syncs it has not seen merged (a restarted syncer lost them), and a
+learner behind a restarted syncer's kept merges takes Θ whole at its next step boundary,
+its inner state and step kept, reporting where in its next push. It ends when the syncer
+says the run is done.
 """
 
 import functools
@@ -67,8 +70,15 @@ class DecoupledLearner:
         self.options = Elastic()
         self.incarnation: str | None = None
         self.version = 0  # merges received
-        self.received: queue.Queue = queue.Queue()  # (update, fragment, leaves)
+        # (update, fragment, leaves) of each merge, or ("theta", version, Θ's leaves)
+        self.received: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()  # pushes, in order
+        # step -> its push, until its sync is known merged: sent again after a rejoin (a
+        # restarted syncer lost the pushes of the syncs it had not merged)
+        self.kept: dict[int, tuple] = {}
+        self.kept_lock = threading.Lock()
+        self.resend = threading.Event()
+        self.saved_step = -1  # the step of its newest checkpoint written
         self.like = [np.asarray(x) for x in jax.tree.leaves(task.params)]
         self.slow_step = float(os.environ.get(SLOW_STEP_ENV, "0"))  # a slower device
         self.state_path = self.directory / STATE_FILE
@@ -85,9 +95,10 @@ class DecoupledLearner:
             start, opt_state = self._restore()
             self._join(start=start, from_checkpoint=opt_state is not None)
             theta = self._theta()
+            origin = (self.version, start)  # where its trajectory begins: Θ's version, its step
             for t in threads:
                 t.start()
-            self._train(theta, start, opt_state)
+            self._train(theta, origin, opt_state)
             raise WorkerExit(0 if self.ended["status"] == "done" else 1, self.ended["reason"])
         except WorkerExit as end:
             log.info("learner %d: %s", self.worker, end.line)
@@ -101,13 +112,15 @@ class DecoupledLearner:
 
     # ---- the steps ----------------------------------------------------------------------
 
-    def _train(self, theta: list, start: int, opt_state: Any) -> None:
-        """Steps from step `start` until the run ends (see the module docstring)."""
+    def _train(self, theta: list, origin: tuple, opt_state: Any) -> None:
+        """Steps from Θ of version origin[0] at step origin[1] until the run ends (see the
+        module docstring)."""
         task, m, h_count = self.task, self.worker, self.task.inner_steps
         params = [jnp.asarray(x) for x in theta]
         if opt_state is None:
             opt_state = task.method.inner_optimizer.init(jax.tree.unflatten(self.treedef, params))
-        counts, losses, applied, done = [0] * self.spec.fragments, [], [], start
+        counts, losses, applied, resynced = [0] * self.spec.fragments, [], [], []
+        start = done = origin[1]
         batches = functools.lru_cache(maxsize=2)(lambda job: task.batches(m, job))
         while self.ended is None:
             if done > start and done % self.offset == 0:  # its push of this boundary first
@@ -115,10 +128,18 @@ class DecoupledLearner:
                 c = counts[p]
                 loss = float(jnp.mean(jnp.asarray(losses[-c:], jnp.float32)))
                 mine = [np.asarray(params[i]) for i in self.members_of[p]]
-                self.outbox.put((done, p, c, loss, mine, applied, opt_state))
-                applied = []
+                push = (done, c, loss, mine, applied, resynced, list(origin), opt_state)
+                with self.kept_lock:
+                    self.kept[done] = push
+                self.outbox.put(push)
+                applied, resynced = [], []
             while not self.received.empty():  # then every merge received since
                 update, p, values = self.received.get()
+                if update == "theta":  # Θ whole, version p: after a syncer restart
+                    params, counts, losses = [jnp.asarray(v) for v in values], [0] * len(counts), []
+                    resynced.append([p, done])
+                    origin = (p, done)
+                    continue
                 for i, v in zip(self.members_of[p], values, strict=True):
                     params[i] = jnp.asarray(v)
                 counts[p] = 0
@@ -144,25 +165,37 @@ class DecoupledLearner:
     # ---- the threads --------------------------------------------------------------------
 
     def send(self) -> None:
-        """Sends the pushes in order (a late one is dropped by the syncer, not resent), and
-        keeps the inner state of each push's boundary once the syncer has the push."""
+        """Sends the pushes in order (a late one is dropped by the syncer), after a rejoin
+        the ones of syncs not known merged again first, and keeps the inner state of each
+        push's boundary once the syncer has the push."""
         while not self.stop.is_set():
+            if self.resend.is_set():
+                self.resend.clear()
+                with self.kept_lock:
+                    again = [self.kept[s] for s in sorted(self.kept)]
+                for push in again:
+                    self._send(push)
             try:
-                step, p, c, loss, leaves, applied, opt_state = self.outbox.get(timeout=0.1)
+                push = self.outbox.get(timeout=0.1)
             except queue.Empty:
                 continue
-            for _ in range(2):  # once more after joining again: it may still be in time
-                seen = self.incarnation
-                header = self._me(serial=step, loss=loss, c_steps=c, applied=applied)
-                reply = self.client.push(header, leaves, lambda leaf: None)
-                if reply["status"] != "rejoin":
-                    break
-                self._rejoin(seen)
-            if reply["status"] in ("done", "abort"):
-                self.ended = reply
-            elif reply["status"] in ("ok", "late"):
-                saved = {"step": step, "inner": wire.leaves(opt_state)}
-                wire.write_file(self.state_path, saved)
+            self._send(push)
+
+    def _send(self, push: tuple) -> None:
+        step, c, loss, leaves, applied, resynced, origin, opt_state = push
+        for _ in range(2):  # once more after joining again: it may still be in time
+            seen = self.incarnation
+            header = self._me(serial=step, loss=loss, c_steps=c, applied=applied,
+                              resynced=resynced, origin=origin)  # fmt: skip
+            reply = self.client.push(header, leaves, lambda leaf: None)
+            if reply["status"] != "rejoin":
+                break
+            self._rejoin(seen)
+        if reply["status"] in ("done", "abort"):
+            self.ended = reply
+        elif reply["status"] in ("ok", "late") and step > self.saved_step:
+            wire.write_file(self.state_path, {"step": step, "inner": wire.leaves(opt_state)})
+            self.saved_step = step
 
     def listen(self) -> None:
         """Long-polls the syncer for the merges after the newest it has received."""
@@ -174,15 +207,28 @@ class DecoupledLearner:
                 self.ended = reply
             elif status == "rejoin":
                 self._rejoin(seen)
+            elif status == "round" and "theta" in reply:  # behind a restarted syncer
+                theta = wire.tree_like(self.like, reply["theta"], "the syncer's Θ")
+                self.received.put(("theta", int(reply["round"]), theta))
+                self.version = int(reply["round"])
             elif status == "round":
                 at = 0
-                for update, p in reply["updates"]:
+                for update, p, k in reply["updates"]:
                     count = len(self.members_of[p])
                     like = [self.like[i] for i in self.members_of[p]]
                     values = wire.tree_like(like, reply["reply"][at : at + count], "a merge")
                     self.received.put((update, p, values))
+                    self._forget(p, k)
                     at += count
                 self.version = int(reply["round"])
+
+    def _forget(self, fragment: int, index: int) -> None:
+        """Drops the kept pushes of fragment's syncs up to `index`: merged."""
+        with self.kept_lock:
+            for step in list(self.kept):
+                slot = step // self.offset - 1
+                if slot % self.spec.fragments == fragment and slot // self.spec.fragments <= index:
+                    del self.kept[step]
 
     def heartbeats(self) -> None:
         while not self.stop.wait(self.options.heartbeat_interval) and self.ended is None:
@@ -230,6 +276,7 @@ class DecoupledLearner:
             if self.incarnation == seen:
                 log.info("learner %d: the syncer left it out; joining again", self.worker)
                 self._join()
+                self.resend.set()
 
     def _theta(self) -> list:
         """Θ whole as the syncer holds it now; the merges in it are received."""

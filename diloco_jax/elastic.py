@@ -131,8 +131,10 @@ def _merges(directory: Path, lines: list[dict]) -> tuple:
 
     boundary = {(a["update"], a["learner"]): a["boundary"] for a in read(APPLIED_FILE)}
     starts: dict[int, list] = {}
-    for s in read(STARTS_FILE):
-        starts.setdefault(s["version"], []).append((s["learner"], s["step"], s["from_checkpoint"]))
+    for s in read(STARTS_FILE):  # a push sent again reports its restart again: once each
+        start = (s["learner"], s["step"], s["from_checkpoint"])
+        if start not in starts.setdefault(s["version"], []):
+            starts[s["version"]].append(start)
     count = len(lines[0]["pushes"])
     return tuple(
         Merge(
@@ -146,6 +148,7 @@ def _merges(directory: Path, lines: list[dict]) -> tuple:
             total_steps=x["total_steps"],
             pushes=tuple(tuple(n) for n in x["pushes"]),
             restarts=tuple(starts.get(x["update"], ())),
+            origins=tuple(None if o is None else tuple(o) for o in x["origins"]),
         )
         for x in lines
     )

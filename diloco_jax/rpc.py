@@ -155,7 +155,7 @@ class _Service:
                 header["worker"], header["incarnation"], int(header["serial"]), leaves,
                 float(header["loss"]), float(header.get("compute_s", 0.0)),
                 float(header.get("steps_s", 0.0)), bool(header.get("finite", True)),
-                **_given(header, "c_steps", "applied"),
+                **_given(header, "c_steps", "applied", "resynced", "origin"),
             )  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")

@@ -1,7 +1,8 @@
 """Decoupled DiLoCo on real processes (`ElasticTask(algo="async", server=DecoupledDiLoCo(...))`):
 a syncer and four learner processes of unequal speeds that never wait, a quorum of 2 with
 grace, 2 fragments and RDA, one learner SIGKILLed and restarted (from its checkpoint) and one
-SIGSTOPped past the heartbeat timeout (removed, then back). Θ at the end must equal
+SIGSTOPped past the heartbeat timeout (removed, then back); and the syncer SIGKILLed and
+restarted from its checkpoint. Θ at the end must equal
 `train_async` with the same server replaying the run's merges, where each learner applied
 them and where each learner process started, within 1e-6 relative."""
 
@@ -82,9 +83,38 @@ def test_a_killed_and_a_stopped_learner_reproduce_the_replay(tmp_path):
     # land elsewhere (the merged sets matter), and so does learner 1's restart.
     everyone = [x._replace(merged=(0, 1, 2, 3)) for x in merges]
     assert not np.allclose(real["w"], _replay(everyone).params["w"], rtol=1e-4)
-    never = [x._replace(restarts=tuple(r for r in x.restarts if r[0] != 1 or i == 0))
+    never = [x._replace(restarts=tuple(r for r in x.restarts if r[0] != 1 or i == 0), origins=())
              for i, x in enumerate(merges)]  # fmt: skip
     assert not np.allclose(real["w"], _replay(never).params["w"], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_killed_syncer_resumes_and_the_run_reproduces_the_replay(tmp_path):
+    env = {"ELASTIC_ROUNDS": str(MERGES), "ELASTIC_PHASE_SECONDS": "0"}
+    cluster = Cluster(tmp_path, task="elastic_linear:make_decoupled_task", env=env,
+                      min_workers=1)  # fmt: skip
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    syncer_dir = tmp_path / "syncer"
+    _wait(lambda: len(cluster.syncs()) >= 8, 120, "8 merges", cluster)
+    cluster.processes["syncer"].kill()
+    cluster.processes["syncer"].wait()
+    killed_at = len(cluster.syncs())
+    cluster.syncer()  # at the same port, from its checkpoint
+    cluster.finish()
+    assert "resumed after merge" in cluster.log("syncer")
+    merges = arrivals(syncer_dir)
+    assert [x.update for x in merges] == list(range(MERGES))
+    real = final_params(syncer_dir, make_decoupled_task())
+    replay = _replay(merges)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    # Learners behind the restarted syncer took Θ whole where they were, their state kept.
+    resyncs = [(i, r) for i, x in enumerate(merges) for r in x.restarts if i >= killed_at - 1]
+    assert resyncs and all(r[2] and r[1] > 0 for _, r in resyncs)
+    # Control: the replay without those resyncs lands elsewhere.
+    kept = [x._replace(restarts=(), origins=()) if i >= killed_at - 1 else x
+            for i, x in enumerate(merges)]  # fmt: skip
+    assert not np.allclose(real["w"], _replay(kept).params["w"], rtol=1e-4)
 
 
 def test_a_decoupled_task_refuses_what_its_learners_cannot_run():
