@@ -49,24 +49,31 @@ def _spawn(out: Path, name: str, argv: list[str], env: dict) -> subprocess.Popen
 
 def real_run(args: argparse.Namespace, dylu: bool, workdir: Path) -> Path:
     """One run to its end; returns its syncer folder."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               DILOCO_JAX_SECRET=new_secret().decode(),
-               ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.updates),
+    env = dict(ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.updates),
                ELASTIC_INNER_STEPS=str(args.inner_steps), ELASTIC_ALGO="async",
                ELASTIC_DYLU="1" if dylu else "0")  # fmt: skip
+    return run_processes(workdir, env, args.workers, args.slow)
+
+
+def run_processes(workdir: Path, task_env: dict, workers: int, slow: float, *flags: str) -> Path:
+    """The syncer and each worker a process of this host (`TASK`, sized by `task_env`),
+    worker M-1 `slow` seconds slower per inner step, all run to their end; returns the
+    syncer's folder (the workers' is beside it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               DILOCO_JAX_SECRET=new_secret().decode(), **task_env)  # fmt: skip
     syncer_dir = workdir / "syncer"
-    argv = ["syncer", "--task", TASK, "--dir", str(syncer_dir), "--port", "0"]
+    argv = ["syncer", "--task", TASK, "--dir", str(syncer_dir), "--port", "0", *flags]
     procs = {"syncer": _spawn(workdir, "syncer", argv, env)}
     address = syncer_dir / "syncer.address"
     while not (address.exists() and address.read_text().endswith("\n")):
         time.sleep(0.02)
-    for m in range(args.workers):
-        slow = str(args.slow if m == args.workers - 1 else 0.0)
+    for m in range(workers):
+        extra = str(slow if m == workers - 1 else 0.0)
         argv = ["worker", "--task", TASK, "--worker", str(m), "--syncer",
                 address.read_text().strip(), "--dir", str(workdir / "workers")]  # fmt: skip
         procs[f"worker-{m}"] = _spawn(workdir, f"worker-{m}", argv,
-                                      {**env, "DILOCO_JAX_SLOW_STEP": slow})  # fmt: skip
+                                      {**env, "DILOCO_JAX_SLOW_STEP": extra})  # fmt: skip
     try:
         for name, p in procs.items():
             if p.wait(900) != 0:

@@ -24,57 +24,26 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
-
-from diloco_jax.auth import new_secret
+from elastic_async import run_processes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results" / "elastic_decoupled.json"
-TASK = "elastic_lm:task"
-
-
-def _spawn(out: Path, name: str, argv: list[str], env: dict) -> subprocess.Popen:
-    log = open(out / f"{name}.log", "ab")  # noqa: SIM115 (the process keeps it)
-    return subprocess.Popen([sys.executable, "-m", "diloco_jax.elastic", *argv], stdout=log,
-                            stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
 
 def real_run(args: argparse.Namespace, workdir: Path) -> Path:
-    """One run to its end: the syncer and each learner a process, the last one slower."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               DILOCO_JAX_SECRET=new_secret().decode())  # fmt: skip
-    syncer_dir = workdir / "syncer"
-    argv = ["syncer", "--task", TASK, "--dir", str(syncer_dir), "--port", "0",
-            "--heartbeat-timeout", "30"]  # fmt: skip
-    procs = {"syncer": _spawn(workdir, "syncer", argv, env)}
-    address = syncer_dir / "syncer.address"
-    while not (address.exists() and address.read_text().endswith("\n")):
-        time.sleep(0.02)
-    for m in range(args.workers):
-        slow = str(args.slow if m == args.workers - 1 else 0.0)
-        argv = ["worker", "--task", TASK, "--worker", str(m), "--syncer",
-                address.read_text().strip(), "--dir", str(workdir / "workers")]  # fmt: skip
-        procs[f"worker-{m}"] = _spawn(workdir, f"worker-{m}", argv,
-                                      {**env, "DILOCO_JAX_SLOW_STEP": slow})  # fmt: skip
-    try:
-        for name, p in procs.items():
-            if p.wait(900) != 0:
-                log = (workdir / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with {p.returncode}:\n{log}")
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    """One run to its end: the syncer and each learner a process, the last one slower;
+    returns the run's folder."""
+    task_env = dict(ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.merges),
+                    ELASTIC_INNER_STEPS=str(args.inner_steps), ELASTIC_ALGO="decoupled",
+                    ELASTIC_GRACE=str(args.grace))  # fmt: skip
+    run_processes(workdir, task_env, args.workers, args.slow, "--heartbeat-timeout", "30")
     return workdir
 
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from diloco_jax import wire
 from diloco_jax.decoupled import fragments_and_rules, merge_weights, programs
-from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.elastic_task import Elastic, ElasticTask, check_worker, end_reply
 from diloco_jax.outer import outer_init
 
 log = logging.getLogger("diloco_jax.syncer")
@@ -392,15 +392,10 @@ class DecoupledSyncer:
 
     def _ended(self, worker: int) -> dict[str, Any]:
         self.told.add(worker)
-        if self.done == "finished":
-            return {"status": "done", "reason": "the run finished"}
-        return {"status": "abort", "reason": self.done}
+        return end_reply(self.done)
 
     def _check_worker(self, worker: Any) -> None:
-        if isinstance(worker, bool) or not isinstance(worker, int):
-            raise ValueError(f"worker must be an integer, got {worker!r}")
-        if not 0 <= worker < self.task.num_workers:
-            raise ValueError(f"worker must be in [0, {self.task.num_workers}), got {worker}")
+        check_worker(worker, self.task.num_workers)
 
 
 def checked_for_decoupled(options: Elastic, num_workers: int) -> Elastic:

@@ -196,6 +196,22 @@ def refusal(method: DiLoCo) -> str | None:
     return None
 
 
+def check_worker(worker: Any, num_workers: int) -> None:
+    """ValueError unless `worker` (a call's worker id) is an integer in [0, num_workers)."""
+    if isinstance(worker, bool) or not isinstance(worker, int):
+        raise ValueError(f"worker must be an integer, got {worker!r}")
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker must be in [0, {num_workers}), got {worker}")
+
+
+def end_reply(done: str) -> dict[str, Any]:
+    """A syncer's reply saying the run ended: "done" (`done` is "finished") or "abort" with
+    its reason."""
+    if done == "finished":
+        return {"status": "done", "reason": "the run finished"}
+    return {"status": "abort", "reason": done}
+
+
 def load_task(spec: str) -> ElasticTask:
     """The task `module:function` names: `function()` (or `function` itself if it is already
     an `ElasticTask`). Raises ValueError naming the spec if it can't be imported, raises while

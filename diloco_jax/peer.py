@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 from diloco_jax import auth, wire
-from diloco_jax.rpc import CHANNEL_OPTIONS, CLIENT_OPTIONS, RETRIED
+from diloco_jax.rpc import CHANNEL_OPTIONS, CLIENT_OPTIONS, RETRIED, stream
 
 log = logging.getLogger("diloco_jax.peer")
 SERVICE = "diloco_jax.Peer"
@@ -141,7 +141,7 @@ class PeerClient:
                 self.epoch = self._epoch(b"", timeout=5.0)
             message = wire.pack({"sync": sync, "stage": stage, "timeout": timeout})
             request = self.signer.call("Values", message, self.epoch)
-            head, *leaves = self._values(request, timeout=timeout + 30.0)
+            head, *leaves = stream(self._values(request, timeout=timeout + 30.0), timeout + 30.0)
         except grpc.RpcError as error:
             self.epoch = None  # a restarted partner has a new one
             refused = error.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -40,7 +40,7 @@ import numpy as np
 
 from diloco_jax import wire
 from diloco_jax.elastic_merge import make_merge
-from diloco_jax.elastic_task import Elastic, ElasticTask
+from diloco_jax.elastic_task import Elastic, ElasticTask, check_worker
 from diloco_jax.outer import outer_init
 
 log = logging.getLogger("diloco_jax.syncer")
@@ -323,10 +323,7 @@ class Syncer:
             return set(self.members) <= self.told
 
     def _check_worker(self, worker: Any) -> None:
-        if isinstance(worker, bool) or not isinstance(worker, int):
-            raise ValueError(f"worker must be an integer, got {worker!r}")
-        if not 0 <= worker < self.task.num_workers:
-            raise ValueError(f"worker must be in [0, {self.task.num_workers}), got {worker}")
+        check_worker(worker, self.task.num_workers)
 
     def _remove(self, worker: int, why: str) -> None:
         del self.members[worker]
