@@ -52,7 +52,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
 
     import diloco_jax as dj
     from diloco_jax import elastic
-    from diloco_jax.decoupled import steps_by
+    from diloco_jax.decoupled import replay_rounds, steps_by
 
     task = elastic_lm.task()
     spec = task.server
@@ -71,7 +71,7 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
     )
     rounds = [
         jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, j) for m in range(args.workers)))
-        for j in range(2 + max(b for x in merges for b in x.boundaries) // args.inner_steps)
+        for j in range(replay_rounds(merges, args.inner_steps))
     ]
     replay = dj.train_async(
         task.loss_fn, task.params, rounds, num_workers=args.workers,

@@ -813,6 +813,13 @@ class Merge(NamedTuple):
     origins: tuple = ()  # per learner, where the trajectory of its merged push began
 
 
+def replay_rounds(merges: Any, inner_steps: int) -> int:
+    """How many rounds of data (leaves [M, H, ...] each) replaying `merges` reads: every
+    learner steps to the newest push a merge takes, or a restart's step."""
+    steps = [m.step for m in merges] + [r[1] for m in merges for r in m.restarts]
+    return max(steps, default=0) // inner_steps + 1
+
+
 class RecordedTiming:
     """A real run's timing (`DecoupledDiLoCo.recorded`): its merges in place of the
     schedule's, each learner's recorded boundaries and counts."""

@@ -48,7 +48,13 @@ import numpy as np
 
 from diloco_jax import wire
 from diloco_jax.decoupled import fragments_and_rules, merge_weights, programs
-from diloco_jax.elastic_task import Elastic, ElasticTask, check_worker, end_reply
+from diloco_jax.elastic_task import (
+    Elastic,
+    ElasticTask,
+    check_worker,
+    end_reply,
+    refuse_round_options,
+)
 from diloco_jax.outer import outer_init
 
 log = logging.getLogger("diloco_jax.syncer")
@@ -407,11 +413,9 @@ def checked_for_decoupled(options: Elastic, num_workers: int) -> Elastic:
             "Elastic.min_workers does not apply to Decoupled DiLoCo: its quorum is "
             f"DecoupledDiLoCo.quorum, got {options.min_workers}"
         )
-    for name in ("round_timeout", "grace_seconds"):
-        if getattr(options, name) is not None:
-            raise ValueError(f"Elastic.{name} does not apply to Decoupled DiLoCo: its grace is "
-                             "DecoupledDiLoCo.grace_seconds, and no learner waits")  # fmt: skip
-    if options.inner_state != "checkpoint":
-        raise ValueError("Elastic.inner_state must be 'checkpoint' for Decoupled DiLoCo: a "
-                         "restarted learner takes its checkpoint's inner state")  # fmt: skip
+    refuse_round_options(
+        options, "Decoupled DiLoCo",
+        "its grace is DecoupledDiLoCo.grace_seconds, and no learner waits",
+        "a restarted learner takes its checkpoint's inner state",
+    )  # fmt: skip
     return options

@@ -196,6 +196,17 @@ def refusal(method: DiLoCo) -> str | None:
     return None
 
 
+def refuse_round_options(options: "Elastic", who: str, grace: str, inner: str) -> None:
+    """ValueError naming the round options a runtime without the syncer's rounds (`who`)
+    can't honor: round_timeout or grace_seconds (`grace`: why), inner_state "fresh"
+    (`inner`: why)."""
+    for name in ("round_timeout", "grace_seconds"):
+        if getattr(options, name) is not None:
+            raise ValueError(f"Elastic.{name} does not apply to {who}: {grace}")
+    if options.inner_state != "checkpoint":
+        raise ValueError(f"Elastic.inner_state must be 'checkpoint' for {who}: {inner}")
+
+
 def check_worker(worker: Any, num_workers: int) -> None:
     """ValueError unless `worker` (a call's worker id) is an integer in [0, num_workers)."""
     if isinstance(worker, bool) or not isinstance(worker, int):

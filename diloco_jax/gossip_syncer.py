@@ -29,7 +29,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from diloco_jax.elastic_task import Elastic, ElasticTask, check_worker, end_reply
+from diloco_jax.elastic_task import (
+    Elastic,
+    ElasticTask,
+    check_worker,
+    end_reply,
+    refuse_round_options,
+)
 
 log = logging.getLogger("diloco_jax.syncer")
 
@@ -158,11 +164,9 @@ def checked_for_gossip(options: Elastic, num_workers: int) -> Elastic:
             f"Elastic.min_workers must be {num_workers} (or left at 1) for a gossip run: every "
             f"worker takes part in every sync, got {options.min_workers}"
         )
-    for name in ("round_timeout", "grace_seconds"):
-        if getattr(options, name) is not None:
-            raise ValueError(f"Elastic.{name} does not apply to a gossip run: a sync waits "
-                             "for each partner, which the run can't go on without")  # fmt: skip
-    if options.inner_state != "checkpoint":
-        raise ValueError("Elastic.inner_state must be 'checkpoint' for a gossip run: a worker "
-                         "resumes its whole state from its own checkpoint")  # fmt: skip
+    refuse_round_options(
+        options, "a gossip run",
+        "a sync waits for each partner, which the run can't go on without",
+        "a worker resumes its whole state from its own checkpoint",
+    )  # fmt: skip
     return options

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from reference import linear_loss
 from test_elastic import Cluster, _wait
 
 import diloco_jax as dj
+from diloco_jax.decoupled import replay_rounds
 from diloco_jax.elastic import arrivals, final_params, history
 
 MERGES = 48
@@ -29,7 +31,7 @@ SLOW = ("0.08", "0.1", "0.08", "0.2")
 def _replay(merges):
     rounds = [
         jax.tree.map(lambda *x: np.stack(x), *(batch(m, r, DECOUPLED_STEPS) for m in range(4)))
-        for r in range(1 + max(b for x in merges for b in x.boundaries) // DECOUPLED_STEPS + 8)
+        for r in range(replay_rounds(merges, DECOUPLED_STEPS))
     ]
     return dj.train_async(
         linear_loss, PARAMS, rounds, num_workers=4, inner_steps=DECOUPLED_STEPS,
@@ -93,13 +95,26 @@ def test_a_killed_syncer_resumes_and_the_run_reproduces_the_replay(tmp_path):
     env = {"ELASTIC_ROUNDS": str(MERGES), "ELASTIC_PHASE_SECONDS": "0"}
     cluster = Cluster(tmp_path, task="elastic_linear:make_decoupled_task", env=env,
                       min_workers=1)  # fmt: skip
-    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    # Learner 0 the fastest: behind after its stop, it catches up and is merged again.
+    speeds = ("0.02", "0.1", "0.08", "0.2")
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(speeds)})
     syncer_dir = tmp_path / "syncer"
-    _wait(lambda: len(cluster.syncs()) >= 8, 120, "8 merges", cluster)
+    _wait(lambda: len(cluster.syncs()) >= 6, 120, "6 merges", cluster)
+    # Learner 0 stopped across two merges and the syncer's restart: it holds a version older
+    # than the restarted syncer keeps, so it takes Θ whole when it goes on.
+    stopped = cluster.processes["worker-0"]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    state = lambda: Path(f"/proc/{stopped.pid}/stat").read_text().split(") ")[1][0]  # noqa: E731
+    _wait(lambda: state() == "T", 10, "learner 0 stopped", cluster)
+    held = len(cluster.syncs())  # merges from here on are after its stop
+    _wait(lambda: len(cluster.syncs()) >= held + 2, 120, "2 merges more", cluster)
     cluster.processes["syncer"].kill()
     cluster.processes["syncer"].wait()
     killed_at = len(cluster.syncs())
     cluster.syncer()  # at the same port, from its checkpoint
+    rejoined = lambda: cluster.log("syncer").count("learner 1 joined") >= 2  # noqa: E731
+    _wait(rejoined, 120, "learner 1 joined again", cluster)
+    os.kill(stopped.pid, signal.SIGCONT)
     cluster.finish()
     assert "resumed after merge" in cluster.log("syncer")
     merges = arrivals(syncer_dir)
@@ -108,9 +123,12 @@ def test_a_killed_syncer_resumes_and_the_run_reproduces_the_replay(tmp_path):
     replay = _replay(merges)
     for name in ("w", "b"):
         np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
-    # Learners behind the restarted syncer took Θ whole where they were, their state kept.
+    # Learners behind the restarted syncer took Θ whole where they were, their state kept:
+    # learner 0 among them, merged again after.
     resyncs = [(i, r) for i, x in enumerate(merges) for r in x.restarts if i >= killed_at - 1]
-    assert resyncs and all(r[2] and r[1] > 0 for _, r in resyncs)
+    assert any(r[0] == 0 for _, r in resyncs) and all(r[2] and r[1] > 0 for _, r in resyncs)
+    first = min(i for i, r in resyncs if r[0] == 0)
+    assert any(0 in x.merged for x in merges[first:])
     # Control: the replay without those resyncs lands elsewhere.
     kept = [x._replace(restarts=(), origins=()) if i >= killed_at - 1 else x
             for i, x in enumerate(merges)]  # fmt: skip

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import diloco_jax as dj
+from diloco_jax.decoupled import replay_rounds
 from diloco_jax.elastic import arrivals, final_params, history, mean_worker_params
 from diloco_jax.lm import cli, experiment
 from diloco_jax.lm import elastic as lm_elastic
@@ -43,6 +44,16 @@ def test_a_phases_windows_are_its_shards_tokens_by_worker_and_position(sharding)
     assert not np.array_equal(other["inputs"], got["inputs"])  # a new position, new windows
 
 
+def _train(argv: list[str]) -> str:
+    """`diloco-jax` with `argv` in a process of its own (each of its workers on one device);
+    what it printed, once it exited 0."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "method_flags",
@@ -61,12 +72,9 @@ def test_train_elastic_equals_train_diloco_on_the_same_windows(tmp_path, monkeyp
     out = tmp_path / "run"
     argv = ["train", "--elastic", "--preset", "micro", "--rounds", "3", "--out", str(out),
             "--no-progress", *method_flags]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
-    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "diloco (elastic): eval loss" in done.stdout
-    assert "3 of 3 syncs with every worker" in done.stdout
+    printed = _train(argv)
+    assert "diloco (elastic): eval loss" in printed
+    assert "3 of 3 syncs with every worker" in printed
     syncs = history(out / "elastic" / "syncer")
     assert [s["included"] for s in syncs] == [[0, 1]] * 3
     # The same task in this process, and train_diloco on its windows from its θ_0.
@@ -127,11 +135,8 @@ def test_train_elastic_async_equals_its_replay_on_the_same_windows(tmp_path, mon
     argv = ["train", "--elastic", "--algo", "async", "--dynamic-steps", "--outer-optimizer",
             "delayed_nesterov", "--preset", "micro", "--rounds", "3", "--out", str(out),
             "--no-progress"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
-    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "async (elastic): eval loss" in done.stdout and "6 updates of" in done.stdout
+    printed = _train(argv)
+    assert "async (elastic): eval loss" in printed and "6 updates of" in printed
     monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
     task = lm_elastic.task()
     assert task.algo == "async" and task.dynamic_steps and task.num_rounds == 6
@@ -164,18 +169,15 @@ def test_train_elastic_decoupled_equals_its_replay_on_the_same_windows(tmp_path,
     argv = ["train", "--elastic", "--algo", "async", "--server",
             "decoupled,quorum=1,grace_seconds=0.2,fragments=2", "--preset", "micro", "--rounds",
             "2", "--out", str(out), "--no-progress"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
-    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "async (elastic): eval loss" in done.stdout and "4 merges" in done.stdout
+    printed = _train(argv)
+    assert "async (elastic): eval loss" in printed and "4 merges" in printed
     monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
     task = lm_elastic.task()
     assert task.server == dj.DecoupledDiLoCo(quorum=1, grace_seconds=0.2, fragments=2)
     merges = arrivals(out / "elastic" / "syncer")
     data = [
         jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, j) for m in range(2)))
-        for j in range(2 + max(b for x in merges for b in x.boundaries) // 4)
+        for j in range(replay_rounds(merges, 4))
     ]
     expected = dj.train_async(
         task.loss_fn, task.params, data, num_workers=2, inner_steps=4,
@@ -201,11 +203,8 @@ def test_train_elastic_with_gossip_equals_train_diloco(tmp_path, monkeypatch, go
     out = tmp_path / "run"
     argv = ["train", "--elastic", "--preset", "micro", "--rounds", "3", "--out", str(out),
             "--no-progress", *gossip_flags]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device a worker
-    done = subprocess.run([sys.executable, "-m", "diloco_jax.lm.cli", *argv], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "diloco (elastic): eval loss" in done.stdout and "3 syncs, each worker" in done.stdout
+    printed = _train(argv)
+    assert "diloco (elastic): eval loss" in printed and "3 syncs, each worker" in printed
     monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
     task = lm_elastic.task()
     kind = "GASLoC" if "--gasloc" in gossip_flags else "NoLoCo"
