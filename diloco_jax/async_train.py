@@ -345,17 +345,16 @@ def train_async(
     )
     run = AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
                    dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
-                   eval_every, callback, where)  # fmt: skip
+                   eval_every, callback, where, recorded=recorded)  # fmt: skip
     if server is not None:
         if job_start(outer_optimizer) is not None:  # no job would start at its θ̄
             raise ValueError(
                 f"outer_optimizer {type(outer_optimizer).__name__} (HeLoCo's look-ahead) runs "
                 f"with train_async's one server, not server={type(server).__name__}"
             )
-        return _other_server(server, run._replace(recorded=recorded), mesh=mesh,
-                             checkpoint_dir=checkpoint_dir,
+        return _other_server(server, run, mesh=mesh, checkpoint_dir=checkpoint_dir,
                              grace_seconds=grace_seconds, checkpoints=run_checkpoints)  # fmt: skip
-    return _one_server(run._replace(checkpoints=run_checkpoints()), grace_seconds, recorded)
+    return _one_server(run._replace(checkpoints=run_checkpoints()), grace_seconds)
 
 
 def _clock(
@@ -406,12 +405,13 @@ def _check_fits(where: Any, params: Any, inner_optimizer: Any, num_workers: int)
     limits.check_fits(f"num_workers={num_workers}", num_workers * per_worker, on)
 
 
-def _one_server(run: "AsyncRun", grace_seconds: float, recorded: Any) -> AsyncResult:
+def _one_server(run: "AsyncRun", grace_seconds: float) -> AsyncResult:
     """`train_async` with its one server (see its docstring): the schedule of `run`'s clock
-    (or the `recorded` arrivals, None without), each arrival's job and outer update in the
+    (or the arrivals `run.recorded` replays), each arrival's job and outer update in the
     loop of `diloco_jax.loop`, checkpointed with `run.checkpoints`."""
     seconds, inner_steps, num_updates = run.step_seconds, run.inner_steps, run.num_updates
     where = run.where
+    recorded = run.recorded
     if recorded is None:
         schedule = async_schedule(
             seconds, inner_steps, num_updates, grace_seconds=grace_seconds,
@@ -487,7 +487,7 @@ class AsyncRun(NamedTuple):
     callback: Callable | None
     where: Any  # where its arrays live: `async_placement.OneDevice` or `OnMesh`
     checkpoints: Any = None  # diloco_jax.loop.Checkpoints, for a part that saves them
-    recorded: Any = None  # a server part's recorded real run to replay (its `recorded`)
+    recorded: Any = None  # a recorded real run to replay (the one server's, or a part's)
 
 
 def _other_server(

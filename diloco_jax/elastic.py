@@ -360,6 +360,20 @@ def _end(processes: list[subprocess.Popen], timeout: float = 5.0) -> None:
             p.wait()
 
 
+def _checked_options(args: argparse.Namespace, task: ElasticTask) -> Elastic:
+    """The run's options, checked for the task's runtime (rounds, gossip, Decoupled DiLoCo)."""
+    options = _options(args).checked(task.num_workers)
+    if task.method.gossip is not None:
+        checked_for_gossip(options, task.num_workers)
+    if task.server is not None:
+        checked_for_decoupled(options, task.num_workers)
+    one_process = task.method.gossip is not None or task.server is not None
+    if one_process and args.processes_per_worker != 1:
+        raise ValueError("--processes-per-worker must be 1 for a gossip task (NoLoCo, GASLoC) "
+                         "or Decoupled DiLoCo: its worker is one process")  # fmt: skip
+    return options
+
+
 def launch(args: argparse.Namespace) -> int:
     if not 1 <= args.processes_per_worker <= 1024:
         raise ValueError(
@@ -367,16 +381,7 @@ def launch(args: argparse.Namespace) -> int:
         )
     _check_port(args.port, "--port")
     task = load_task(args.task)  # refused here, before any folder or process
-    options = _options(args).checked(task.num_workers)
-    if task.method.gossip is not None:
-        checked_for_gossip(options, task.num_workers)
-    if task.server is not None:
-        checked_for_decoupled(options, task.num_workers)
-    if (task.method.gossip is not None or task.server is not None) and (
-        args.processes_per_worker != 1
-    ):
-        raise ValueError("--processes-per-worker must be 1 for a gossip task (NoLoCo, GASLoC) "
-                         "or Decoupled DiLoCo: its worker is one process")  # fmt: skip
+    options = _checked_options(args, task)
     given = args.secret_file is not None or os.environ.get(auth.SECRET_ENV)
     secret = auth.load_secret(args.secret_file) if given else None
     out = _folder(args.out, "--out")
