@@ -114,7 +114,8 @@ def test_a_killed_worker_a_stopped_partner_and_a_restarted_syncer_change_nothing
     cluster.processes["worker-1"].wait()
     assert not (folders[1] / "gossip-00000004.state").exists()
     cluster.worker(1)
-    _wait(lambda: "silent" in cluster.log("syncer"), 120, "the stopped partner silent", cluster)
+    silent = f"worker {partner} silent"
+    _wait(lambda: silent in cluster.log("syncer"), 120, silent, cluster)
     os.kill(stopped.pid, signal.SIGCONT)
     cluster.finish()
     _assert_equals_train_diloco(cluster, gossip, monkeypatch)
