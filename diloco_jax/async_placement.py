@@ -48,7 +48,11 @@ class OneDevice:
     def inner_states(self, init: Callable[[Any], Any], theta: Any, num_workers: int) -> list:
         """One `init(θ)` for every worker: the same object, so a never-updated stack is one
         broadcast (`stack`)."""
-        return [jax.device_put(init(theta), self.device)] * num_workers
+        return [self.inner_state(init, theta, 0)] * num_workers
+
+    def inner_state(self, init: Callable[[Any], Any], theta: Any, worker: int) -> Any:
+        """`init(θ)` for one worker."""
+        return jax.device_put(init(theta), self.device)
 
     def batch(self, tree: Any, worker: int) -> Any:
         return jax.device_put(tree, self.device)
@@ -111,12 +115,13 @@ class OnMesh:
 
     def inner_states(self, init: Callable[[Any], Any], theta: Any, num_workers: int) -> list:
         """`init(θ)` for each worker, built in place on its devices."""
-        out = []
-        for m, placed in enumerate(self.workers):
-            start = self.to_worker(theta, m)
-            shardings = placed.tree(jax.eval_shape(init, start), per_worker=False)
-            out.append(jax.jit(init, out_shardings=shardings)(start))
-        return out
+        return [self.inner_state(init, theta, m) for m in range(num_workers)]
+
+    def inner_state(self, init: Callable[[Any], Any], theta: Any, worker: int) -> Any:
+        """`init(θ)` for one worker, built in place on its devices."""
+        start = self.to_worker(theta, worker)
+        shardings = self.workers[worker].tree(jax.eval_shape(init, start), per_worker=False)
+        return jax.jit(init, out_shardings=shardings)(start)
 
     def batch(self, tree: Any, worker: int) -> Any:
         """One job's batches, leaves [h, B, ...]: each step's batch at `batch_spec`."""

@@ -147,16 +147,29 @@ class DecoupledDiLoCo:
                 f"{inner_steps // self.fragments}, got {self.overlap_steps}"
             )
 
+    def push_step(self, fragment: int, index: int, inner_steps: int) -> int:
+        """The learner step whose end pushes fragment `fragment` for its sync `index`:
+        k H + (p + 1) H / P."""
+        return index * inner_steps + (fragment + 1) * (inner_steps // self.fragments)
+
+    def sync_of(self, step: int, inner_steps: int) -> tuple[int, int] | None:
+        """(fragment, index) of the push a learner makes after its step `step`, or None
+        where it makes none (`push_step`'s inverse)."""
+        offset = inner_steps // self.fragments
+        if step <= 0 or step % offset:
+            return None
+        slot = step // offset - 1
+        return slot % self.fragments, slot // self.fragments
+
     def schedule(self, step_seconds, inner_steps: int, num_syncs: int) -> tuple["Sync", ...]:
         """The first `num_syncs` syncs in the order the syncer merges them (by time, then
         fragment), in plain Python: each learner's push of every sync and the merge time."""
         seconds = tuple(float(s) for s in step_seconds)
-        period, offset = inner_steps, inner_steps // self.fragments
         per_fragment = []
         for p in range(self.fragments):
             last = -math.inf
             for k in range(num_syncs):
-                step = k * period + (p + 1) * offset
+                step = self.push_step(p, k, inner_steps)
                 times = [step * s for s in seconds]
                 order = sorted(range(len(seconds)), key=lambda m: (times[m], m))
                 quorum = times[order[self.quorum - 1]]
@@ -201,14 +214,13 @@ class DecoupledDiLoCo:
             ) from None
         if len(merges) < num_updates:
             raise ValueError(f"arrivals holds {len(merges)} merges; num_updates = {num_updates}")
-        offset = inner_steps // self.fragments
         for i, m in enumerate(merges[:num_updates]):
             why = None
             if m.update != i:
                 why = f"update {m.update} at index {i}"
             elif not 0 <= m.fragment < self.fragments:
                 why = f"fragment {m.fragment} of {self.fragments}"
-            elif m.step != m.index * inner_steps + (m.fragment + 1) * offset:
+            elif m.step != self.push_step(m.fragment, m.index, inner_steps):
                 why = f"step {m.step} is not sync {m.index} of fragment {m.fragment}"
             elif not set(m.merged) <= set(range(num_workers)) or len(m.boundaries) != num_workers:
                 why = f"learners outside [0, {num_workers})"
@@ -344,6 +356,16 @@ class _Places:
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+class _Pushed(NamedTuple):
+    """A learner's push as a merge takes it: the fragment's leaves where Θ is, its c_steps,
+    and the mean loss and aux of those steps."""
+
+    values: list
+    c_steps: int
+    loss: Any
+    aux: Any
+
+
 class _Broadcast(NamedTuple):
     """A merged fragment on its way to a learner: applied before the learner's inner step
     `boundary` + 1 (its first step boundary at or after the merge), from sync `update`."""
@@ -466,28 +488,20 @@ class _Job:
             self._restart(state, sync.update, *restart)
         pushed, c_steps, losses, auxes = [], [], [], []
         for m in range(m_count):
-            if (sync.update, m) in self.stash:  # made before a restart of learner m
-                values, c, loss, aux = self.stash.pop((sync.update, m))
-                pushed.append(values)
-                c_steps.append(c)
-                losses.append(loss)
-                auxes.append(aux)
-            elif m in sync.merged:
-                origin = timing.origin(sync, m)
-                if origin is not None and origin != state.learners[m].origin:
-                    raise ValueError(
-                        f"arrivals[{sync.update}] merges learner {m}'s push from the "
-                        f"trajectory begun at {origin}, which no restart of the record began"
-                    )
-                learner = self._advance(state.learners[m], m, sync.step)
-                c = learner.counts[p]
-                # Its push, put where θ is (the send).
-                pushed.append(self.places.leaves([learner.params[i] for i in self.members[p]],
-                                                 self.members[p]))  # fmt: skip
-                c_steps.append(c)
-                losses.append(jnp.mean(jnp.stack(learner.losses[-c:])))
-                auxes.append(jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)),
-                                          *learner.auxes[-c:]))  # fmt: skip
+            if m in sync.merged:
+                push = self.stash.pop((sync.update, m), None)  # made before m's restart
+                if push is None:
+                    origin = timing.origin(sync, m)
+                    if origin is not None and origin != state.learners[m].origin:
+                        raise ValueError(
+                            f"arrivals[{sync.update}] merges learner {m}'s push from the "
+                            f"trajectory begun at {origin}, which no restart of the record began"
+                        )
+                    push = self._push(state.learners[m], m, sync.step, p)
+                pushed.append(push.values)
+                c_steps.append(push.c_steps)
+                losses.append(push.loss)
+                auxes.append(push.aux)
             else:
                 pushed.append([state.theta[i] for i in self.members[p]])
                 c_steps.append(0)
@@ -535,17 +549,10 @@ class _Job:
         # The same origin is the same trajectory (a first start): nothing of it set aside.
         before = () if learner.origin == (version, step) else learner.origin
         for update, push_step in self.timing.pushes_of(m, before, version):
-            learner = self._advance(learner, m, push_step)
-            p = self.syncs[update].fragment
-            c = learner.counts[p]
-            values = self.places.leaves([learner.params[i] for i in self.members[p]],
-                                        self.members[p])  # fmt: skip
-            aux = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *learner.auxes[-c:])
-            self.stash[(update, m)] = (values, c, jnp.mean(jnp.stack(learner.losses[-c:])), aux)
+            self.stash[(update, m)] = self._push(learner, m, push_step, self.syncs[update].fragment)
         if not from_checkpoint:
             theta = jax.tree.unflatten(self.treedef, state.theta)
-            opt_state = self.run.where.inner_states(self.run.inner_optimizer.init, theta,
-                                                    self.run.num_workers)[m]  # fmt: skip
+            opt_state = self.run.where.inner_state(self.run.inner_optimizer.init, theta, m)
         elif learner.done <= step:
             opt_state = self._advance(learner, m, step).opt_state
         else:
@@ -554,6 +561,17 @@ class _Job:
         theta = self.places.leaves(state.theta, every, m)
         counts = [0] * self.spec.fragments
         state.learners[m] = _Learner(theta, opt_state, step, counts, [], [], [], (version, step))
+
+    def _push(self, learner: _Learner, m: int, step: int, fragment: int) -> "_Pushed":
+        """Learner m's push of `fragment` after its step `step` (stepped there first), put
+        where Θ is (its send)."""
+        learner = self._advance(learner, m, step)
+        c, idx = learner.counts[fragment], self.members[fragment]
+        return _Pushed(
+            self.places.leaves([learner.params[i] for i in idx], idx), c,
+            jnp.mean(jnp.stack(learner.losses[-c:])),
+            jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *learner.auxes[-c:]),
+        )  # fmt: skip
 
     def _advance(self, learner: _Learner, m: int, target: int) -> _Learner:
         """Learner m completes step `target`: every broadcast due at an earlier boundary is

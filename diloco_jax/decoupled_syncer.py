@@ -197,11 +197,10 @@ class DecoupledSyncer:
         ...]); `origin`, where the trajectory that made it began ([version, step]):
         {"status": "ok"}, "late" (its sync already merged), or "rejoin"."""
         self._check_worker(worker)
-        offset = self.task.inner_steps // self.spec.fragments
-        if serial <= 0 or serial % offset:
+        sync = self.spec.sync_of(serial, self.task.inner_steps)
+        if sync is None:
             raise ValueError(f"a push follows a step k H + (p + 1) H / P, got step {serial}")
-        slot = serial // offset - 1
-        p, k = slot % self.spec.fragments, slot // self.spec.fragments
+        p, k = sync
         like = [self.theta[i] for i in self.members_of[p]]
         values = wire.tree_like(like, leaves, f"learner {worker}'s push of fragment {p}")
         with self.cond:
@@ -281,7 +280,7 @@ class DecoupledSyncer:
             self._merge(p, k)
 
     def _merge(self, p: int, k: int) -> None:
-        m_count, idx, h = self.task.num_workers, self.members_of[p], self.task.inner_steps
+        m_count, idx = self.task.num_workers, self.members_of[p]
         pushed = self.pending.pop((p, k))
         self.quorum_at.pop((p, k))
         fragment = [self.theta[i] for i in idx]
@@ -303,7 +302,7 @@ class DecoupledSyncer:
         losses = [pushed[m].loss for m in merged]
         record = {
             "round": self.update, "update": self.update, "fragment": p, "sync": k,
-            "step": k * h + (p + 1) * (h // self.spec.fragments),
+            "step": self.spec.push_step(p, k, self.task.inner_steps),
             "time": wall - self.first_merge, "wall": wall, "merged": merged,
             "weights": [float(w) for w in weights], "c_steps": c_steps,
             "late": m_count - len(merged), "loss": float(np.mean(losses)),

@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,38 @@ from diloco_jax.rpc import SyncerClient
 
 log = logging.getLogger("diloco_jax.worker")
 STATE_FILE = "learner.state"
+
+
+class Push(NamedTuple):
+    """One push, made at the boundary after `step`: its fragment's leaves, the fragment's
+    steps since the learner last applied it (`c_steps`) and their mean `loss`, the merges
+    applied and Θ taken whole since the push before ([[update or version, boundary], ...]),
+    where the learner's trajectory began ([version, step]) and its inner state then (kept
+    once the syncer has the push)."""
+
+    step: int
+    leaves: list
+    c_steps: int
+    loss: float
+    applied: list
+    resynced: list
+    origin: list
+    opt_state: Any
+
+
+class Merged(NamedTuple):
+    """A merge received: its update index, fragment and leaves."""
+
+    update: int
+    fragment: int
+    leaves: list
+
+
+class WholeTheta(NamedTuple):
+    """Θ whole, of `version`, received behind a restarted syncer."""
+
+    version: int
+    leaves: list
 
 
 class DecoupledLearner:
@@ -66,16 +98,14 @@ class DecoupledLearner:
                                    False, task.rng_seed)  # fmt: skip
         self.members_of, _ = fragments_and_rules(self.spec, task.params)
         self.treedef = jax.tree.structure(task.params)
-        self.offset = task.inner_steps // self.spec.fragments
         self.options = Elastic()
         self.incarnation: str | None = None
         self.version = 0  # merges received
-        # (update, fragment, leaves) of each merge, or ("theta", version, Θ's leaves)
-        self.received: queue.Queue = queue.Queue()
-        self.outbox: queue.Queue = queue.Queue()  # pushes, in order
+        self.received: queue.Queue = queue.Queue()  # `Merged` or `WholeTheta`, in order
+        self.outbox: queue.Queue = queue.Queue()  # `Push`es, in order
         # step -> its push, until its sync is known merged: sent again after a rejoin (a
         # restarted syncer lost the pushes of the syncs it had not merged)
-        self.kept: dict[int, tuple] = {}
+        self.kept: dict[int, Push] = {}
         self.kept_lock = threading.Lock()
         self.resend = threading.Event()
         self.saved_step = -1  # the step of its newest checkpoint written
@@ -99,7 +129,7 @@ class DecoupledLearner:
             for t in threads:
                 t.start()
             self._train(theta, origin, opt_state)
-            raise WorkerExit(0 if self.ended["status"] == "done" else 1, self.ended["reason"])
+            raise WorkerExit.of(self.ended)
         except WorkerExit as end:
             log.info("learner %d: %s", self.worker, end.line)
             return end.code
@@ -123,27 +153,31 @@ class DecoupledLearner:
         start = done = origin[1]
         batches = functools.lru_cache(maxsize=2)(lambda job: task.batches(m, job))
         while self.ended is None:
-            if done > start and done % self.offset == 0:  # its push of this boundary first
-                p = (done // self.offset - 1) % self.spec.fragments
-                c = counts[p]
-                loss = float(jnp.mean(jnp.asarray(losses[-c:], jnp.float32)))
-                mine = [np.asarray(params[i]) for i in self.members_of[p]]
-                push = (done, c, loss, mine, applied, resynced, list(origin), opt_state)
+            sync = self.spec.sync_of(done, h_count)
+            if done > start and sync is not None:  # its push of this boundary first
+                p, c = sync[0], counts[sync[0]]
+                push = Push(done, [np.asarray(params[i]) for i in self.members_of[p]], c,
+                            float(jnp.mean(jnp.asarray(losses[-c:], jnp.float32))), applied,
+                            resynced, list(origin), opt_state)  # fmt: skip
                 with self.kept_lock:
                     self.kept[done] = push
                 self.outbox.put(push)
                 applied, resynced = [], []
             while not self.received.empty():  # then every merge received since
-                update, p, values = self.received.get()
-                if update == "theta":  # Θ whole, version p: after a syncer restart
-                    params, counts, losses = [jnp.asarray(v) for v in values], [0] * len(counts), []
-                    resynced.append([p, done])
-                    origin = (p, done)
+                got = self.received.get()
+                if isinstance(got, WholeTheta):  # after a syncer restart
+                    params, counts, losses = (
+                        [jnp.asarray(v) for v in got.leaves],
+                        [0] * len(counts),
+                        [],
+                    )
+                    resynced.append([got.version, done])
+                    origin = (got.version, done)
                     continue
-                for i, v in zip(self.members_of[p], values, strict=True):
+                for i, v in zip(self.members_of[got.fragment], got.leaves, strict=True):
                     params[i] = jnp.asarray(v)
-                counts[p] = 0
-                applied.append([update, done])
+                counts[got.fragment] = 0
+                applied.append([got.update, done])
             job, h = divmod(done, h_count)
             batch = jax.tree.map(lambda x, h=h: np.asarray(x)[h : h + 1], batches(job))
             started = time.perf_counter()
@@ -157,7 +191,7 @@ class DecoupledLearner:
             counts = [c + 1 for c in counts]
             losses = [*losses, loss][-max(counts) :]  # what a push's mean still reads
             done += 1
-            line = {"step": done, "loss": float(loss), "seconds": time.perf_counter() - started,
+            line = {"step": done, "loss": loss, "seconds": time.perf_counter() - started,
                     "time": time.time()}  # fmt: skip
             with open(self.directory / METRICS_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -181,21 +215,22 @@ class DecoupledLearner:
                 continue
             self._send(push)
 
-    def _send(self, push: tuple) -> None:
-        step, c, loss, leaves, applied, resynced, origin, opt_state = push
+    def _send(self, push: Push) -> None:
         for _ in range(2):  # once more after joining again: it may still be in time
             seen = self.incarnation
-            header = self._me(serial=step, loss=loss, c_steps=c, applied=applied,
-                              resynced=resynced, origin=origin)  # fmt: skip
-            reply = self.client.push(header, leaves, lambda leaf: None)
+            header = self._me(serial=push.step, loss=push.loss, c_steps=push.c_steps,
+                              applied=push.applied, resynced=push.resynced,
+                              origin=push.origin)  # fmt: skip
+            reply = self.client.push(header, push.leaves, lambda leaf: None)
             if reply["status"] != "rejoin":
                 break
             self._rejoin(seen)
         if reply["status"] in ("done", "abort"):
             self.ended = reply
-        elif reply["status"] in ("ok", "late") and step > self.saved_step:
-            wire.write_file(self.state_path, {"step": step, "inner": wire.leaves(opt_state)})
-            self.saved_step = step
+        elif reply["status"] in ("ok", "late") and push.step > self.saved_step:
+            message = {"step": push.step, "inner": wire.leaves(push.opt_state)}
+            wire.write_file(self.state_path, message)
+            self.saved_step = push.step
 
     def listen(self) -> None:
         """Long-polls the syncer for the merges after the newest it has received."""
@@ -209,7 +244,7 @@ class DecoupledLearner:
                 self._rejoin(seen)
             elif status == "round" and "theta" in reply:  # behind a restarted syncer
                 theta = wire.tree_like(self.like, reply["theta"], "the syncer's Θ")
-                self.received.put(("theta", int(reply["round"]), theta))
+                self.received.put(WholeTheta(int(reply["round"]), theta))
                 self.version = int(reply["round"])
             elif status == "round":
                 at = 0
@@ -217,7 +252,7 @@ class DecoupledLearner:
                     count = len(self.members_of[p])
                     like = [self.like[i] for i in self.members_of[p]]
                     values = wire.tree_like(like, reply["reply"][at : at + count], "a merge")
-                    self.received.put((update, p, values))
+                    self.received.put(Merged(update, p, values))
                     self._forget(p, k)
                     at += count
                 self.version = int(reply["round"])
@@ -226,8 +261,8 @@ class DecoupledLearner:
         """Drops the kept pushes of fragment's syncs up to `index`: merged."""
         with self.kept_lock:
             for step in list(self.kept):
-                slot = step // self.offset - 1
-                if slot % self.spec.fragments == fragment and slot // self.spec.fragments <= index:
+                p, k = self.spec.sync_of(step, self.task.inner_steps)
+                if p == fragment and k <= index:
                     del self.kept[step]
 
     def heartbeats(self) -> None:
@@ -263,7 +298,7 @@ class DecoupledLearner:
         """Joins; a new process says where it starts (`start`, `from_checkpoint`)."""
         reply = self.client.call("Join", {"worker": self.worker, "incarnation": None, **start})
         if reply.get("status") in ("done", "abort"):
-            raise WorkerExit(0 if reply["status"] == "done" else 1, reply["reason"])
+            raise WorkerExit.of(reply)
         self.incarnation = reply["incarnation"]
         self.options = Elastic.from_message(reply["options"])
         if self.syncer_timeout is None:
@@ -279,13 +314,11 @@ class DecoupledLearner:
                 self.resend.set()
 
     def _theta(self) -> list:
-        """Θ whole as the syncer holds it now; the merges in it are received."""
+        """Θ whole as the syncer holds it now (its version becomes this learner's)."""
         reply = self.client.call("Next", self._me(after=-1, timeout=5.0), 15.0)
         if reply["status"] in ("done", "abort"):
-            raise WorkerExit(0 if reply["status"] == "done" else 1, reply["reason"])
+            raise WorkerExit.of(reply)
         theta = wire.tree_like(self.task.params, reply["theta"], "the syncer's Θ")
-        while not self.received.empty():  # merges already in Θ
-            self.received.get()
         self.version = int(reply["round"])
         return jax.tree.leaves(theta)
 

@@ -101,6 +101,11 @@ class WorkerExit(Exception):
         super().__init__(line)
         self.code, self.line = code, line
 
+    @classmethod
+    def of(cls, reply: dict) -> "WorkerExit":
+        """The end a syncer's "done" or "abort" reply says."""
+        return cls(0 if reply["status"] == "done" else 1, reply.get("reason", "the run ended"))
+
 
 def inner_phase(loss_fn, optimizer, theta, opt_state, batches, key):
     """One worker's inner phase from `theta`: (Δ = theta - its params after the steps, the
@@ -155,7 +160,7 @@ class Worker:
     def join(self) -> None:
         reply = self.client.call("Join", {"worker": self.worker, "incarnation": None})
         if reply.get("status") in ("done", "abort"):  # it ended while this worker was out
-            raise WorkerExit(0 if reply["status"] == "done" else 1, reply["reason"])
+            raise WorkerExit.of(reply)
         self.incarnation = reply["incarnation"]
         self.options = Elastic.from_message(reply["options"])
         if self.syncer_timeout is None:
@@ -184,7 +189,7 @@ class Worker:
             while True:
                 status = command["status"]
                 if status in ("done", "abort"):
-                    raise WorkerExit(0 if status == "done" else 1, command["reason"])
+                    raise WorkerExit.of(command)
                 if status == "rejoin":
                     after, pending = -1, None
                     self.rejoined = True

@@ -176,8 +176,7 @@ class GossipWorker:
 
     def _check_ended(self) -> None:
         if self.ended is not None:
-            done = self.ended["status"] == "done"
-            raise WorkerExit(0 if done else 1, self.ended.get("reason", "the run ended"))
+            raise WorkerExit.of(self.ended)
 
     def _sync(self, state: Saved) -> Saved:
         """One sync: the inner phase from θ_m, the group's mean, the part's step."""
