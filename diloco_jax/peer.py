@@ -19,7 +19,6 @@ a worker trusts the addresses the syncer gave it.
 past sync `floor - 1` (the syncer's heartbeat replies carry the floor).
 """
 
-import logging
 import re
 import threading
 from concurrent import futures
@@ -28,9 +27,8 @@ from pathlib import Path
 import grpc
 
 from diloco_jax import auth, wire
-from diloco_jax.rpc import CHANNEL_OPTIONS, CLIENT_OPTIONS, RETRIED, stream
+from diloco_jax.rpc import CHANNEL_OPTIONS, CLIENT_OPTIONS, RETRIED, refuse, stream
 
-log = logging.getLogger("diloco_jax.peer")
 SERVICE = "diloco_jax.Peer"
 _FILE = re.compile(r"values-(\d{8})-(\d+)\.msgpack")
 LONG_POLL_S = 5.0  # the longest a Values call waits for what it asks
@@ -97,8 +95,7 @@ def serve(offered: Offered, host: str, secret: bytes) -> tuple[grpc.Server, int]
             sync, stage = int(m["sync"]), int(m["stage"])
             timeout = min(max(float(m["timeout"]), 0.0), LONG_POLL_S)
         except auth.Refused as error:
-            log.warning("refused %s: %s", context.peer(), error)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+            refuse(context, error)
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
         leaves = offered.get(sync, stage, timeout)

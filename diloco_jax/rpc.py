@@ -1,16 +1,17 @@
 """The syncer's gRPC service and its client: five calls, each message a packed dict
 (`diloco_jax.wire`), no generated code.
 
-- Join {worker, incarnation?, address?} -> {incarnation, options}
+- Join {worker, incarnation?, address?, start?, from_checkpoint?} -> {incarnation, options}
 - Heartbeat {worker, incarnation, saved?} -> {status}
-  (address and saved: a gossip run's, `diloco_jax.gossip_syncer`)
+  (address and saved: a gossip run's, `diloco_jax.gossip_syncer`; start and
+  from_checkpoint: a Decoupled DiLoCo learner's, `diloco_jax.decoupled_syncer`)
 - Next {worker, incarnation, after, timeout} -> a stream: the worker's next round
   (`Syncer.next_round`) with {leaves: n}, then n messages, θ's leaves (their raw bytes)
 - Epoch -> the syncer's epoch (16 bytes, drawn at its start; every call's MAC covers it)
 - Push: a stream of {worker, incarnation, serial, loss, compute_s, steps_s, leaves: n} then n
   messages, one per delta leaf (its raw bytes) -> {status}. A stream that ends before its n
   leaves (its sender died inside the push) is dropped whole. A Decoupled DiLoCo learner's
-  push also carries c_steps and applied (`diloco_jax.decoupled_syncer`).
+  push also carries PUSH_EXTRA (`diloco_jax.decoupled_syncer`).
 
 θ's leaf bytes are made once per θ for every worker; the receiver reads raw leaves as the
 leaves of the tree it already has (`wire.tree_like`).
@@ -116,15 +117,23 @@ def serve(
     return server, bound
 
 
-# A Join's optional fields: a gossip worker's peer address; a Decoupled DiLoCo learner
-# process's first step and whether its inner state is its checkpoint's.
+# The optional fields of a Join (a gossip worker's peer address; a Decoupled DiLoCo learner
+# process's first step and whether its inner state is its checkpoint's) and of a push (a
+# Decoupled DiLoCo learner's c_steps, the merges it applied, where it took Θ whole, where its
+# trajectory began).
 JOIN_EXTRA = ("address", "start", "from_checkpoint")
+PUSH_EXTRA = ("c_steps", "applied", "resynced", "origin")
 
 
 def _given(message: dict, *names: str) -> dict:
-    """The optional fields a call carries (a gossip worker's peer address and saved syncs; a
-    Decoupled DiLoCo learner's c_steps and the merges it applied)."""
+    """The optional fields among `names` that a call's message carries."""
     return {name: message[name] for name in names if name in message}
+
+
+def refuse(context: grpc.ServicerContext, error: auth.Refused) -> None:
+    """Ends a call that does not prove the run's secret, logging the caller's address."""
+    log.warning("refused %s: %s", context.peer(), error)
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
 
 
 class _Service:
@@ -136,17 +145,12 @@ class _Service:
         # part -> the ids of its leaves last sent, them (held: their ids stay theirs), raw bytes
         self.sent: dict[str, tuple] = {}
 
-    @staticmethod
-    def refuse(context: grpc.ServicerContext, error: auth.Refused) -> None:
-        log.warning("refused %s: %s", context.peer(), error)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
-
     def unary(self, name: str, call: Callable[[dict], dict]) -> grpc.RpcMethodHandler:
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             try:
                 message = wire.unpack(self.verifier.call(name, request))
             except auth.Refused as error:
-                self.refuse(context, error)
+                refuse(context, error)
             try:
                 return wire.pack(call(message))
             except (ValueError, KeyError, TypeError) as error:
@@ -164,7 +168,7 @@ class _Service:
                 for i, chunk in enumerate(itertools.islice(requests, count))
             ]
         except auth.Refused as error:
-            self.refuse(context, error)
+            refuse(context, error)
         except (StopIteration, ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed push: {error}")
         if len(leaves) != count:  # the sender went away inside its push
@@ -174,7 +178,7 @@ class _Service:
                 header["worker"], header["incarnation"], int(header["serial"]), leaves,
                 float(header["loss"]), float(header.get("compute_s", 0.0)),
                 float(header.get("steps_s", 0.0)), bool(header.get("finite", True)),
-                **_given(header, "c_steps", "applied", "resynced", "origin"),
+                **_given(header, *PUSH_EXTRA),
             )  # fmt: skip
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
@@ -197,7 +201,7 @@ class _Service:
         try:
             m = wire.unpack(self.verifier.call("Next", request))
         except auth.Refused as error:
-            self.refuse(context, error)
+            refuse(context, error)
         try:
             timeout = min(float(m["timeout"]), 10.0)
             reply = self.syncer.next_round(m["worker"], m["incarnation"], int(m["after"]),
