@@ -148,3 +148,21 @@ def test_a_decoupled_task_refuses_what_its_learners_cannot_run():
     for words, changes in refusals.items():
         with pytest.raises(ValueError, match=words):
             dataclasses.replace(task, **changes)
+
+
+def test_the_decoupled_syncer_refuses_a_bad_call(tmp_path):
+    from diloco_jax.decoupled_syncer import DecoupledSyncer
+    from diloco_jax.elastic_task import Elastic
+
+    syncer = DecoupledSyncer(make_decoupled_task(), Elastic(), tmp_path)
+    with pytest.raises(ValueError, match=r"start must be an integer step >= 0, got -1"):
+        syncer.join(0, None, start=-1)
+    with pytest.raises(ValueError, match=r"worker must be in \[0, 4\), got 4"):
+        syncer.join(4, None)
+    me = syncer.join(0, None)["incarnation"]
+    leaves = [np.float32(0.0)]  # fragment 0's one leaf, "b" (leaf i of b, w: fragment i % 2)
+    # H = 4, P = 2: a learner pushes after its steps 2, 4, 6, ...; step 3 is none of them.
+    with pytest.raises(ValueError, match="a push follows a step k H \\+ \\(p \\+ 1\\) H / P"):
+        syncer.push(0, me, 3, leaves, 1.0)
+    with pytest.raises(ValueError, match="Elastic.min_workers does not apply"):
+        DecoupledSyncer(make_decoupled_task(), Elastic(min_workers=2), tmp_path)
