@@ -717,6 +717,10 @@ def test_decoupled_diloco_on_a_mesh_equals_one_device(mesh_name):
     for name, spec in specs.items():
         assert got.params[name].sharding.spec == spec
         assert got.state.inner_opt_state[0].mu[name].sharding.spec == P("workers", *spec)
+    # Each fragment's outer state (its leaves' momentum) at those leaves' specs.
+    for p, names in enumerate((("b1", "w2"), ("w1",))):
+        leaves = jax.tree.leaves(got.state.outer_opt_state[p])
+        assert [x.sharding.spec for x in leaves] == [specs[n] for n in names]
 
 
 def test_decoupled_diloco_on_a_mesh_resumes_bit_for_bit(tmp_path):
