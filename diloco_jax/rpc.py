@@ -221,8 +221,9 @@ class SyncerClient:
         self.address, self.syncer_timeout = address, syncer_timeout
         self.signer = auth.Signer(secret)
         self.epoch: bytes | None = None  # the syncer's, asked before the first call
-        # The run's end ("done" / "abort" reply) once any call heard it: a call the syncer
-        # cannot answer then returns it, as the syncer exits once its members heard the end.
+        # The run's end ("done" / "abort" reply) once any call heard it: every later call
+        # returns it at once, without reaching for a syncer that exits once its members heard
+        # the end (a call to a stopped server of this very process once hung in grpc).
         self.ended: dict[str, Any] | None = None
         self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._unary = {
@@ -238,7 +239,10 @@ class SyncerClient:
         return self._retried(name, lambda: self._send(name, message, deadline))
 
     def once(self, name: str, message: dict[str, Any], deadline: float) -> dict | None:
-        """One call, not retried: its reply, or None if the syncer did not answer."""
+        """One call, not retried: its reply (the run's end, once heard), or None if the
+        syncer did not answer."""
+        if self.ended is not None:
+            return self.ended
         try:
             return self._heard(self._send(name, message, deadline))
         except grpc.RpcError:
@@ -282,6 +286,8 @@ class SyncerClient:
         return reply
 
     def _retried(self, name: str, send: Callable[[], dict]) -> dict:
+        if self.ended is not None:
+            return self.ended
         start, wait, refused = time.monotonic(), 0.05, False
         while True:
             try:
