@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from diloco_jax import auth, wire
-from diloco_jax.rpc import CHANNEL_OPTIONS, CLIENT_OPTIONS, RETRIED, refuse, stream
+from diloco_jax.rpc import CHANNEL_OPTIONS, CLIENT_OPTIONS, RETRIED, refuse
 
 SERVICE = "diloco_jax.Peer"
 _FILE = re.compile(r"values-(\d{8})-(\d+)\.msgpack")
@@ -138,7 +138,7 @@ class PeerClient:
                 self.epoch = self._epoch(b"", timeout=5.0)
             message = wire.pack({"sync": sync, "stage": stage, "timeout": timeout})
             request = self.signer.call("Values", message, self.epoch)
-            head, *leaves = stream(self._values(request, timeout=timeout + 30.0), timeout + 30.0)
+            head, *leaves = self._values(request, timeout=timeout + 30.0)
         except grpc.RpcError as error:
             self.epoch = None  # a restarted partner has a new one
             refused = error.code() == grpc.StatusCode.UNAUTHENTICATED

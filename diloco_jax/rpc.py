@@ -26,7 +26,6 @@ The client retries a call the syncer could not answer (it is down or restarting)
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -60,24 +59,6 @@ RETRIED = (
 # What a Next reply streams after its header, in this order: θ, the outer state, a sync's
 # reply (`diloco_jax.elastic_merge`), each a list of raw leaves where present.
 PARTS = ("theta", "outer", "reply")
-
-
-# A stream call still waiting this long past its deadline is cancelled from here: once, under
-# load, a Next whose syncer had stopped waited on past its deadline (grpcio 1.85), and a
-# worker must not hang. The cancelled call raises CANCELLED, which callers retry.
-GUARD_S = 5.0
-
-
-def stream(call: Any, deadline: float) -> list:
-    """The messages of a unary-stream `call` (made with `timeout=deadline`), cancelling it
-    should it outlive its deadline by GUARD_S."""
-    guard = threading.Timer(deadline + GUARD_S, call.cancel)
-    guard.daemon = True
-    guard.start()
-    try:
-        return list(call)
-    finally:
-        guard.cancel()
 
 
 class SyncerLost(ConnectionError):
@@ -274,7 +255,7 @@ class SyncerClient:
         request = self.signer.call(name, wire.pack(message), self._epoch(deadline))
         if name != "Next":
             return wire.unpack(self._unary[name](request, timeout=deadline))
-        head, *leaves = stream(self._next(request, timeout=deadline), deadline)
+        head, *leaves = self._next(request, timeout=deadline)  # the reply, then its parts
         reply = wire.unpack(head)
         counts = reply.pop("parts")
         if sum(counts.values()) != len(leaves):
