@@ -133,6 +133,18 @@ class HALoS:
         ]
         return tuple(sorted(ends)[:count])
 
+    def recorded(
+        self, arrivals: Any, num_workers: int, inner_steps: int, num_updates: int
+    ) -> Any:
+        """A real run's `halos_replay.Record` (`elastic.arrivals` of its global syncer's
+        folder), checked against this spec and the run: what `train_async(server=self,
+        arrivals=...)` replays in place of the simulated clock (num_updates: its LPS
+        updates, all of them). ValueError naming the event that can't be this run's."""
+        from diloco_jax import halos_replay
+
+        self.checked(num_workers)
+        return halos_replay.checked(arrivals, self.regions, inner_steps, num_updates)
+
     def train(self, run: Any) -> Any:
         return _train(self, run)
 
@@ -153,21 +165,32 @@ def _train(spec: HALoS, run: Any) -> Any:
 
     spec.checked(run.num_workers)
     job = _Job.of(spec, run)
+    if run.recorded is not None:  # a real run's record in place of the clock
+        from diloco_jax.halos_replay import Replay
+
+        if run.checkpoints is not None:
+            raise ValueError("checkpoint_dir can't be given replaying a real HALoS run")
+        job = Replay(job, run.recorded)
     loop = Loop(run.num_updates, run.checkpoints, run.callback, unit="updates",
                 total_name="num_updates")  # fmt: skip
     state, history = loop.run(job, job.initial())
     elapsed = state.time if history else 0.0
-    busy = state.busy + sum(
-        max(0.0, min(w.at + w.steps * s, elapsed) - w.at)
-        for w, s in zip(state.workers, run.step_seconds, strict=True)
-        if not w.pending
-    )
-    utilization = busy / (run.num_workers * elapsed) if elapsed else 0.0
+    utilization = _utilization(state, run, elapsed) if run.recorded is None else 0.0
     outer = {"global": state.gps.state, "local": tuple(s.state for s in state.lps)}
     stacked = job.where.stack(state.inner_states)
     result_state = async_train.AsyncState(state.gps.theta, outer, stacked, run.num_updates)
     theta, result_state = job.where.results((state.gps.theta, result_state))
     return async_train.AsyncResult(theta, result_state, history, elapsed, utilization)
+
+
+def _utilization(state: "_State", run: Any, elapsed: float) -> float:
+    """The workers' busy share of the simulated time (jobs still running count so far)."""
+    busy = state.busy + sum(
+        max(0.0, min(w.at + w.steps * s, elapsed) - w.at)
+        for w, s in zip(state.workers, run.step_seconds, strict=True)
+        if not w.pending
+    )
+    return busy / (run.num_workers * elapsed) if elapsed else 0.0
 
 
 @dataclasses.dataclass

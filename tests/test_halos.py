@@ -14,22 +14,27 @@ import pytest
 from reference import linear_loss, make_data, np_adam, precision
 
 import diloco_jax as dj
+from diloco_jax import halos_replay
 
 INNER_LR, LOCAL_LR, LOCAL_MOMENTUM, GLOBAL_LR, GLOBAL_MOMENTUM = 0.05, 0.6, 0.5, 0.8, 0.4
 W0, B0 = [0.3, -0.2, 0.1], 0.5
 
 
-def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop, updates):
+def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop, updates,
+              record=None):
     """float64 HALoS on the linear model [w0, w1, w2, b] in the authors' simulator's order:
     events in time order (server messages, then worker arrivals at one instant; ties by worker
     or region); an arriving worker's next job starts at once from the LPS's θ, and a message
     between the servers with no latency is handled as it is sent, after that.
-    Returns (θ_G, [(time, worker, staleness, global updates, loss)])."""
+    Returns (θ_G, [(time, worker, staleness, global updates, loss)]); `record`, a dict of
+    lists, gets what a real run's servers write (`halos_replay`'s fields, as tuples)."""
+    record = {"arrivals": [], "merges": [], "pushes": []} if record is None else record
     start_theta = np.array([*W0, B0], np.float64)
     glob = {"theta": start_theta.copy(), "v": np.zeros(4), "version": 0}
     local = [
         {"theta": start_theta.copy(), "v": np.zeros(4), "version": 0,
-         "snap": start_theta.copy(), "merged": 0, "flight": False}
+         "snap": start_theta.copy(), "merged": 0, "flight": False, "merges": 0, "seen": 0,
+         "pushes": 0}
         for _ in range(max(regions) + 1)
     ]  # fmt: skip
     adam = [(np.zeros(4), np.zeros(4), 0) for _ in seconds]
@@ -57,7 +62,8 @@ def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop
         adam[m] = (mo, ve, t)
         jobs[m] += 1
         post(at + h * seconds[m] + worker_hop, 1, m,
-             (lps["theta"] - p, lps["version"], np.mean(losses)))  # fmt: skip
+             (lps["theta"] - p, lps["version"], np.mean(losses), jobs[m] - 1,
+              lps["merges"]))  # fmt: skip
 
     def send(time, r, payload):
         if region_hop[r] > 0:
@@ -66,14 +72,18 @@ def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop
             serve(time, payload)
 
     def serve(time, payload):
-        what, r, value = payload
+        what, r, value = payload[:3]
         if what == "push":
+            record["pushes"].append((r, local[r]["pushes"] - 1, glob["version"] - local[r]["seen"]))
             glob["v"] = value + GLOBAL_MOMENTUM * glob["v"]
             glob["theta"] = glob["theta"] - GLOBAL_LR * glob["v"]
             glob["version"] += 1
-            send(time, r, ("reply", r, glob["theta"].copy()))
+            send(time, r, ("reply", r, glob["theta"].copy(), glob["version"]))
         else:
             lps = local[r]
+            record["merges"].append((r, lps["version"], payload[3]))
+            lps["merges"] += 1
+            lps["seen"] = payload[3]
             lps["theta"] = (1 - alpha) * lps["theta"] + alpha * value
             lps["snap"], lps["merged"], lps["flight"] = lps["theta"].copy(), lps["version"], False
 
@@ -85,16 +95,18 @@ def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop
         if kind == 0:
             serve(time, payload)
         else:
-            delta, started, loss = payload
+            delta, started, loss, job, merges = payload
             r = regions[who]
             lps = local[r]
             lps["v"] = delta + LOCAL_MOMENTUM * lps["v"]
             lps["theta"] = lps["theta"] - LOCAL_LR * (delta + LOCAL_MOMENTUM * lps["v"])
             staleness = lps["version"] - started
+            record["arrivals"].append((r, who, job, h, started, merges, staleness, time))
             lps["version"] += 1
             push = None
             if not lps["flight"] and lps["version"] == lps["merged"] + k_push:
                 lps["flight"] = True
+                lps["pushes"] += 1
                 push = ("push", r, lps["snap"] - lps["theta"])
             if len(out) + 1 < updates:
                 start(who, time + worker_hop)
@@ -152,6 +164,71 @@ def test_matches_the_numpy_reference(case, dtype, tol):
         [x["loss"] for x in hist], [e[4] for e in events], rtol=max(tol, 3e-6)
     )
     assert [x["region"] for x in hist] == [regions[e[1]] for e in events]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_record_of_the_servers_events_replays_to_the_reference(case):
+    # What a real run's servers write (each LPS's arrivals with where their jobs started, its
+    # merges, the GPS's pushes), taken from the NumPy run, replayed in place of the clock.
+    seconds, regions, k_push, alpha, worker_hop, region_hops = case
+    updates, h = 14, 2
+    rounds = make_data(np.random.default_rng(7), 20, len(seconds), h)
+    events = {"arrivals": [], "merges": [], "pushes": []}
+    want, _ = _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hops,
+                        updates, record=events)  # fmt: skip
+    assert events["merges"] and events["pushes"]
+    record = halos_replay.Record(events["arrivals"], events["merges"], events["pushes"])
+    spec = {"regions": regions, "local_updates": k_push, "merge_weight": alpha}
+    with precision("float64"):
+        result = _replay(rounds, h, record, spec)
+        got = np.append(np.asarray(result.params["w"]), result.params["b"])
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        assert [x["worker"] for x in result.history] == [a[1] for a in events["arrivals"]]
+        # Control: the GPS's first two pushes of different regions applied the other way
+        # round (every merge still finds its version) land elsewhere.
+        pushes = list(record.pushes)
+        i = next(i for i in range(len(pushes) - 1) if pushes[i][0] != pushes[i + 1][0])
+        pushes[i], pushes[i + 1] = pushes[i + 1], pushes[i]
+        moved = _replay(rounds, h, record._replace(pushes=tuple(pushes)), spec)
+        assert not np.allclose(np.asarray(moved.params["w"]), want[:3], rtol=1e-6)
+
+
+def _replay(rounds, h, record, spec):
+    return dj.train_async(
+        linear_loss, _params(np.float64), rounds, num_workers=len(spec["regions"]),
+        inner_steps=h, num_updates=len(record.arrivals), arrivals=record,
+        inner_optimizer=optax.adam(INNER_LR),
+        outer_optimizer=optax.sgd(LOCAL_LR, momentum=LOCAL_MOMENTUM, nesterov=True),
+        server=dj.HALoS(global_optimizer=optax.sgd(GLOBAL_LR, momentum=GLOBAL_MOMENTUM), **spec),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r._replace(arrivals=r.arrivals[:-1]), "num_updates = 14"),
+        (lambda r: r._replace(arrivals=((1, *r.arrivals[0][1:]),) + r.arrivals[1:]),
+         r"arrivals\[0\] can't be replayed: worker 0 is not in region 1"),
+        (lambda r: r._replace(arrivals=(r.arrivals[0]._replace(start=3),) + r.arrivals[1:]),
+         r"arrivals\[0\] can't be replayed: a job from update 3"),
+        (lambda r: r._replace(pushes=((0, -1, 0),)), r"pushes\[0\] can't be replayed"),
+        (lambda r: ("not", "a record"), "must be a halos.Record"),
+    ],
+)
+def test_a_record_that_cant_be_the_run_is_refused(edit, message):
+    seconds, regions, k_push, alpha, worker_hop, region_hops = CASES[0]
+    rounds = make_data(np.random.default_rng(7), 20, len(seconds), 2)
+    events = {"arrivals": [], "merges": [], "pushes": []}
+    _np_halos(rounds, seconds, 2, regions, k_push, alpha, worker_hop, region_hops, 14,
+              record=events)  # fmt: skip
+    record = halos_replay.checked(
+        (events["arrivals"], events["merges"], events["pushes"]), regions, 2, 14
+    )
+    with pytest.raises(ValueError, match=message):
+        dj.train_async(
+            linear_loss, _params(np.float32), rounds, num_workers=4, inner_steps=2,
+            num_updates=14, arrivals=edit(record), server=dj.HALoS(regions=regions),
+        )  # fmt: skip
 
 
 def test_one_region_is_asynchronous_diloco_with_the_local_rule():
