@@ -38,6 +38,7 @@ from diloco_jax.async_train import dynamic_local_steps
 from diloco_jax.decoupled_syncer import DecoupledSyncer
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.gossip_syncer import GossipSyncer
+from diloco_jax.halos import HALoS
 from diloco_jax.heloco_outer import job_start
 from diloco_jax.outer import outer_update
 from diloco_jax.syncer import Pushed, Syncer
@@ -82,7 +83,8 @@ class ArrivalSyncer(Syncer):
         self, worker: int, incarnation: str, after: int, timeout: float, held: int = -1
     ) -> dict:
         """A new job for the worker at once: {"status": "round", serial, round (= its
-        position: the job's key), position, steps, theta}; or "rejoin", "done", "abort".
+        position: the job's key), position, steps, update (the updates applied before it),
+        theta}; or "rejoin", "done", "abort".
         `held` is unused: θ travels whole (no compression here)."""
         self._check_worker(worker)
         with self.cond:
@@ -95,7 +97,7 @@ class ArrivalSyncer(Syncer):
                       handed_at=time.monotonic(), started=time.time())  # fmt: skip
             self.jobs[worker] = job
             return {"status": "round", "serial": job.serial, "round": job.position,
-                    "position": job.position, "steps": job.steps,
+                    "position": job.position, "steps": job.steps, "update": job.start_update,
                     "theta": wire.leaves(self._theta_for_jobs())}  # fmt: skip
 
     def _theta_for_jobs(self) -> Any:
@@ -148,12 +150,17 @@ class ArrivalSyncer(Syncer):
             "started": job.started,
             "time": time.time(),
             "positions": list(self.positions),
+            **self._job_fields(job),
         }
         self._record(record, busy_since)
         log.info("update %d: worker %d's delta of position %d, age %d",
                  record["round"], worker, job.position, age)  # fmt: skip
         self._end_if_done()
         self.cond.notify_all()
+
+    def _job_fields(self, job: Job) -> dict:
+        """What a subclass's rule adds to an update's history line (none here)."""
+        return {}
 
     def _steps(self, worker: int) -> int:
         """The inner steps of the worker's next job: H, or DyLU's count from the measured
@@ -208,9 +215,14 @@ def make_syncer(
     task: ElasticTask, options: Elastic, directory: Path
 ) -> "Syncer | ArrivalSyncer | GossipSyncer | DecoupledSyncer":
     """The syncer of the task's algo: `Syncer` (rounds) or `ArrivalSyncer` (async); a gossip
-    method's membership alone (`GossipSyncer`); Decoupled DiLoCo's (`DecoupledSyncer`)."""
+    method's membership alone (`GossipSyncer`); Decoupled DiLoCo's (`DecoupledSyncer`);
+    HALoS's global one (`halos_syncer.GlobalSyncer`; its regions' are started apart)."""
     if task.method.gossip is not None:
         return GossipSyncer(task, options, directory)
+    if isinstance(task.server, HALoS):
+        from diloco_jax.halos_syncer import GlobalSyncer
+
+        return GlobalSyncer(task, options, directory)
     if task.server is not None:
         return DecoupledSyncer(task, options, directory)
     kind = ArrivalSyncer if task.algo == "async" else Syncer

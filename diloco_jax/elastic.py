@@ -51,9 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax import auth, run_lock, wire
+from diloco_jax.decoupled import DecoupledDiLoCo
 from diloco_jax.decoupled_syncer import checked_for_decoupled
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
 from diloco_jax.gossip_syncer import checked_for_gossip
+from diloco_jax.halos import HALoS
+from diloco_jax.halos_syncer import checked_for_halos
 from diloco_jax.outer import widen
 
 __all__ = [
@@ -112,14 +115,43 @@ def arrivals(directory: str | os.PathLike) -> tuple:
     update order: update, worker, job (the worker's data position), steps, start and time
     (seconds since the first job started), start_update, staleness; for
     `train_async(..., arrivals=...)`. A Decoupled DiLoCo run's: its merges as
-    `decoupled.Merge`s, with where each learner applied each (applied.jsonl), for
-    `train_async(server=..., arrivals=...)`."""
+    `decoupled.Merge`s, with where each learner applied each (applied.jsonl); a HALoS run's
+    (the global syncer's folder, its regions' folders inside): a `halos_replay.Record`; both
+    for `train_async(server=..., arrivals=...)`."""
     from diloco_jax.arrival_syncer import arrival_events
 
     lines = history(directory)
     if lines and "fragment" in lines[0]:
         return _merges(Path(directory), lines)
+    if any(Path(directory).glob("region-*")):
+        return _halos_record(Path(directory), lines)
     return arrival_events(lines)
+
+
+def _halos_record(directory: Path, pushes: list[dict]) -> Any:
+    """A HALoS run's `halos_replay.Record`: the regions' arrivals by time, their merges, the
+    global syncer's pushes (times in seconds since the first job started)."""
+    from diloco_jax import halos_replay
+    from diloco_jax.halos_syncer import MERGES_FILE
+
+    lines, merges = [], []
+    for folder in sorted(directory.glob("region-*"), key=lambda f: int(f.name.split("-")[1])):
+        region = int(folder.name.split("-")[1])
+        lines += history(folder) if (folder / "history.jsonl").exists() else []
+        if (folder / MERGES_FILE).exists():
+            merges += [halos_replay.RegionMerge(region, x["after"], x["version"])
+                       for x in _jsonl(folder / MERGES_FILE)]  # fmt: skip
+    origin = min((x["started"] for x in lines), default=0.0)
+    arrivals = tuple(
+        halos_replay.Arrival(x["region"], x["worker"], x["position"], x["steps"],
+                             x["start_update"], x["start_merges"], x["staleness"],
+                             x["time"] - origin)
+        for x in sorted(lines, key=lambda x: x["time"])
+    )  # fmt: skip
+    return halos_replay.Record(
+        arrivals, tuple(merges),
+        tuple(halos_replay.GlobalPush(x["worker"], x["position"], x["staleness"]) for x in pushes),
+    )  # fmt: skip
 
 
 def _merges(directory: Path, lines: list[dict]) -> tuple:
@@ -222,11 +254,11 @@ def _check_port(port: int, flag: str) -> None:
         raise ValueError(f"{flag} must be in [0, 65535], got {port}")
 
 
-def _check_address(address: str) -> None:
+def _check_address(address: str, flag: str = "--syncer") -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"--syncer must be HOST:PORT, got {address!r}")
-    _check_port(int(port), "--syncer's port")
+        raise ValueError(f"{flag} must be HOST:PORT, got {address!r}")
+    _check_port(int(port), f"{flag}'s port")
 
 
 def run_syncer(args: argparse.Namespace) -> int:
@@ -237,9 +269,22 @@ def run_syncer(args: argparse.Namespace) -> int:
     secret = auth.load_secret(args.secret_file)
     task = load_task(args.task)
     options = _options(args).checked(task.num_workers)
+    halos = isinstance(task.server, HALoS)
+    if (args.region is not None or args.global_syncer is not None) and not halos:
+        raise ValueError("--region and --global-syncer are a HALoS task's (server=dj.HALoS)")
+    if (args.region is None) != (args.global_syncer is None):
+        raise ValueError("--region and --global-syncer go together: a HALoS region's syncer")
+    if args.global_syncer is not None:
+        _check_address(args.global_syncer, "--global-syncer")
     directory = _folder(args.dir, "--dir")
     lock = run_lock.acquire(directory, what="--dir")
-    syncer = make_syncer(task, options, directory)
+    if args.region is not None:
+        from diloco_jax.halos_syncer import RegionSyncer
+
+        syncer = RegionSyncer(task, options, directory, args.region, args.global_syncer, secret)
+        syncer.start_link()
+    else:
+        syncer = make_syncer(task, options, directory)
     server, port = serve(syncer, args.port, secret, args.host)
     (directory / ADDRESS_FILE).write_text(f"{args.host}:{port}\n")
     logging.getLogger("diloco_jax.syncer").info("serving on %s:%d", args.host, port)
@@ -298,7 +343,8 @@ def run_worker(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     if not 0 <= args.worker < task.num_workers:  # before its folder is made
         raise ValueError(f"--worker must be in [0, {task.num_workers}), got {args.worker}")
-    if (task.method.gossip is not None or task.server is not None) and args.num_processes > 1:
+    one_process = task.method.gossip is not None or isinstance(task.server, DecoupledDiLoCo)
+    if one_process and args.num_processes > 1:
         raise ValueError("--num-processes must be 1 for a gossip or Decoupled DiLoCo task: "
                          "its worker is one process")  # fmt: skip
     folder = _folder(worker_folder(args.dir, args.worker), "--dir")
@@ -308,7 +354,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         worker = GossipWorker(task, args.worker, args.syncer, Path(args.dir), secret,
                               args.syncer_timeout, args.peer_host)  # fmt: skip
-    elif task.server is not None:
+    elif isinstance(task.server, DecoupledDiLoCo):
         from diloco_jax.decoupled_worker import DecoupledLearner
 
         worker = DecoupledLearner(task, args.worker, args.syncer, Path(args.dir), secret,
@@ -365,9 +411,11 @@ def _checked_options(args: argparse.Namespace, task: ElasticTask) -> Elastic:
     options = _options(args).checked(task.num_workers)
     if task.method.gossip is not None:
         checked_for_gossip(options, task.num_workers)
-    if task.server is not None:
+    if isinstance(task.server, DecoupledDiLoCo):
         checked_for_decoupled(options, task.num_workers)
-    one_process = task.method.gossip is not None or task.server is not None
+    if isinstance(task.server, HALoS):
+        checked_for_halos(options, task)
+    one_process = task.method.gossip is not None or isinstance(task.server, DecoupledDiLoCo)
     if one_process and args.processes_per_worker != 1:
         raise ValueError("--processes-per-worker must be 1 for a gossip task (NoLoCo, GASLoC) "
                          "or Decoupled DiLoCo: its worker is one process")  # fmt: skip
@@ -400,16 +448,26 @@ def launch(args: argparse.Namespace) -> int:
          *flags], logs / "syncer.log", secret,
     )  # fmt: skip
     processes = [syncer]
+    syncers = {"syncer": syncer}  # name -> process: the run ends with them
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
         address = _address(syncer_dir, syncer, stop)
         if address is None:
             return 130 if stop.is_set() else (syncer.poll() or 1)
+        addresses = [address] * task.num_workers  # each worker's syncer
+        if isinstance(task.server, HALoS):  # a syncer per region under the global one
+            regions = _start_regions(args.task, task.server, syncer_dir, address, flags, logs,
+                                     secret, stop)  # fmt: skip
+            processes += [p for p, _ in regions.values()]
+            syncers.update({name: p for name, (p, _) in regions.items()})
+            if any(a is None for _, a in regions.values()):
+                return 130 if stop.is_set() else 1
+            addresses = [regions[f"region-{r}"][1] for r in task.server.regions]
         groups: dict[int, list[subprocess.Popen]] = {}  # worker -> its processes
 
         def start(m: int) -> None:
-            argv = ["worker", "--task", args.task, "--worker", str(m), "--syncer", address,
+            argv = ["worker", "--task", args.task, "--worker", str(m), "--syncer", addresses[m],
                     "--dir", str(out / "workers")]  # fmt: skip
             size = args.processes_per_worker
             if size == 1:
@@ -432,11 +490,13 @@ def launch(args: argparse.Namespace) -> int:
         print(f"diloco-jax elastic: syncer at {address}, {task.num_workers} workers, logs in "
               f"{logs}", flush=True)  # fmt: skip
         while not stop.wait(0.2):
-            code = syncer.poll()
-            if code is not None:
-                if code:  # its one line (quorum lost, a bad task), on the launcher's console
-                    print(_last_word(logs / "syncer.log", code), file=sys.stderr, flush=True)
-                return code
+            for name, p in syncers.items():
+                if p.poll():  # its one line (quorum lost, a bad task), on the launcher's console
+                    print(_last_word(logs / f"{name}.log", p.returncode), file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    return p.returncode
+            if all(p.poll() == 0 for p in syncers.values()):
+                return 0
             for m, group in list(groups.items()):
                 failed = [p.returncode for p in group if p.poll() not in (None, 0)]
                 if failed:  # one process down ends its group: they share one fate
@@ -455,6 +515,25 @@ def launch(args: argparse.Namespace) -> int:
     finally:
         _end(processes)
         lock.release()
+
+
+def _start_regions(
+    task_spec: str, spec: HALoS, gps_dir: Path, gps: str, flags: list[str], logs: Path,
+    secret: bytes, stop: threading.Event,
+) -> dict[str, tuple[subprocess.Popen, str | None]]:  # fmt: skip
+    """A HALoS run's region syncers, each its own process: "region-r" -> (process, its
+    address, None if it exited or a signal came first)."""
+    from diloco_jax.halos_syncer import region_folder
+
+    started = {}
+    for r in range(spec.num_regions):
+        folder = region_folder(gps_dir, r)
+        (folder / ADDRESS_FILE).unlink(missing_ok=True)
+        started[f"region-{r}"] = (_spawn(
+            ["syncer", "--task", task_spec, "--dir", str(folder), "--region", str(r),
+             "--global-syncer", gps, *flags], logs / f"region-{r}.log", secret,
+        ), folder)  # fmt: skip
+    return {name: (p, _address(folder, p, stop)) for name, (p, folder) in started.items()}
 
 
 def _last_word(log_path: Path, code: int) -> str:
@@ -534,6 +613,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a file holding the run's secret (default: $DILOCO_JAX_SECRET)",
     )
+    syncer.add_argument("--region", type=int, default=None,
+                        help="a HALoS task's: this process is region R's syncer (without it, "
+                        "the global one)")  # fmt: skip
+    syncer.add_argument("--global-syncer", default=None,
+                        help="with --region: the global syncer's HOST:PORT")  # fmt: skip
     _add_options(syncer)
     worker = sub.add_parser("worker", help="one worker")
     worker.add_argument("--task", required=True)

@@ -12,6 +12,8 @@ import jax
 
 from diloco_jax import limits
 from diloco_jax.decoupled import DecoupledDiLoCo
+from diloco_jax.halos import HALoS
+from diloco_jax.halos import default_global_optimizer as halos_default_global
 from diloco_jax.heloco_outer import job_start
 from diloco_jax.method import DiLoCo, only_optimizers
 
@@ -37,10 +39,13 @@ class ElasticTask:
     dynamic_steps: with algo "async", DyLU: each job's inner steps floor(H v_m / max v), v
       the workers' measured inner steps per second (H for a worker not timed yet; a step
       count's first phase in a worker process compiles its program and is not timed).
-    server: with algo "async", None (one server applying each delta as it arrives) or
+    server: with algo "async", None (one server applying each delta as it arrives),
       `dj.DecoupledDiLoCo(...)`: learners that never wait and a syncer merging a quorum of
-      their fragment pushes (`diloco_jax.decoupled_syncer`; num_rounds counts its merges).
-      Its replay: `train_async(server=..., arrivals=elastic.arrivals(syncer_dir))`.
+      their fragment pushes (`diloco_jax.decoupled_syncer`; num_rounds counts its merges),
+      or `dj.HALoS(...)` with no simulated latencies: a syncer per region under a global one,
+      each its own process (`diloco_jax.halos_syncer`; num_rounds counts the global
+      syncer's updates). Its replay: `train_async(server=...,
+      arrivals=elastic.arrivals(syncer_dir))`.
     method: a `DiLoCo` (its inner and outer optimizers and outer_state_dtype; the parts that
       can't run elastically are refused, `refusal`); None: the paper's DiLoCo.
     rng_seed: None, or the seed of each step's key (`inner.worker_key(seed, round, m)`), as
@@ -116,15 +121,19 @@ class ElasticTask:
 
 
 def _check_server(task: "ElasticTask") -> None:
-    """ValueError naming ElasticTask.server unless it is a Decoupled DiLoCo this task runs."""
+    """ValueError naming ElasticTask.server unless it is a Decoupled DiLoCo or HALoS this task
+    runs."""
     server = task.server
+    if task.algo != "async":
+        raise ValueError("ElasticTask.server needs algo='async': its workers never wait")
+    if isinstance(server, HALoS):
+        _check_halos(task, server)
+        return
     if not isinstance(server, DecoupledDiLoCo):
         raise ValueError(
-            f"ElasticTask.server must be None or dj.DecoupledDiLoCo(...) (HALoS runs on the "
-            f"simulated clock only), got {server!r}"
+            f"ElasticTask.server must be None, dj.DecoupledDiLoCo(...) or dj.HALoS(...), got "
+            f"{server!r}"
         )
-    if task.algo != "async":
-        raise ValueError("ElasticTask.server needs algo='async': its learners never wait")
     if task.dynamic_steps:
         raise ValueError("ElasticTask.dynamic_steps is for jobs of H steps; DecoupledDiLoCo's "
                          "learners never stop")  # fmt: skip
@@ -132,6 +141,19 @@ def _check_server(task: "ElasticTask") -> None:
         raise ValueError("ElasticTask.server's adaptive_grace budgets on step times the real "
                          "clock does not give: use grace_seconds")  # fmt: skip
     server.checked(task.num_workers, task.inner_steps, task.params)
+
+
+def _check_halos(task: "ElasticTask", server: HALoS) -> None:
+    """ValueError naming what a HALoS run on processes can't take: simulated latencies (its
+    hops are the network's), or regions that don't fit the task."""
+    hops = server.region_seconds
+    if server.worker_seconds or any(hops if isinstance(hops, tuple) else (hops,)):
+        raise ValueError("ElasticTask.server's worker_seconds and region_seconds simulate "
+                         "latencies: on processes the hops are the network's (leave them 0)")  # fmt: skip
+    server.checked(task.num_workers)
+    if job_start(server.global_optimizer or halos_default_global()) is not None:
+        raise ValueError("ElasticTask.server's global_optimizer starts from a look-ahead θ̄ "
+                         "(HeLoCo): an LPS merges θ_G itself")  # fmt: skip
 
 
 def _check_gossip_task(task: ElasticTask, method: DiLoCo) -> None:

@@ -293,7 +293,7 @@ class _Job:
         return cls(
             spec, run, where, steps, run_job, apply_local,
             jax.jit(lambda p, st, d, age: outer_update(global_rule, p, st, d, age)),
-            jax.jit(_merge), job_data,
+            jax.jit(merge), job_data,
             jax.jit(run.eval_fn) if run.eval_fn is not None else None, per_model, means_like,
             None if shards is None else round_bytes(shards),
         )  # fmt: skip
@@ -512,7 +512,7 @@ class _Server:
         self.snapshot = self.theta
 
 
-def _merge(local: Any, global_: Any, alpha: Any) -> Any:
+def merge(local: Any, global_: Any, alpha: Any) -> Any:
     """(1 - α) θ_L + α θ_G, in the delta dtype, cast back to each param's dtype."""
     return jax.tree.map(
         lambda lo, gl: ((1 - alpha) * widen(lo) + alpha * widen(gl)).astype(jnp.result_type(lo)),

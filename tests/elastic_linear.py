@@ -101,6 +101,19 @@ def make_async_task():
                                algo="async", dynamic_steps=True)  # fmt: skip
 
 
+HALOS = dj.HALoS(regions=(0, 0, 1, 1), local_updates=2, merge_weight=0.5,
+                 global_optimizer=optax.sgd(0.8, momentum=0.4))  # fmt: skip
+
+
+def make_halos_task():
+    """make_async_task's task ("dn": Delayed Nesterov at each region's syncer, DyLU) as HALoS
+    (`HALOS`): workers 0, 1 in region 0 and 2, 3 in region 1, a push every 2 local updates,
+    merges of weight 0.5, a global heavy-ball step; ELASTIC_ROUNDS global updates."""
+    local = dj.delayed_nesterov(0.6, 0.5, buffer_size=2)
+    return dataclasses.replace(make_task(), method=dj.DiLoCo(inner=METHOD.inner, outer=local),
+                               algo="async", dynamic_steps=True, server=HALOS)  # fmt: skip
+
+
 def make_gossip_task():
     """make_task's task with no global θ: ELASTIC_GOSSIP names the gossip part, "noloco"
     (NoLoCo, pairs, its default heavy-ball outer step) or "gasloc" (GASLoC, pairs, α 0.8,

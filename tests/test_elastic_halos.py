@@ -1,0 +1,121 @@
+"""HALoS on real processes (`ElasticTask(algo="async", server=dj.HALoS(...))`): a global
+syncer, a syncer per region (each its own process) and four workers of unequal speeds in two
+regions, one worker SIGKILLed and restarted and one SIGSTOPped past the heartbeat timeout.
+θ_G must equal `train_async(server=...)` replaying the run's record (each region's arrivals
+and merges, the global syncer's pushes) within 1e-6 relative."""
+
+import signal
+
+import jax
+import numpy as np
+import pytest
+from elastic_linear import HALOS, INNER_STEPS, METHOD, PARAMS, batch, make_halos_task
+from reference import linear_loss
+from test_elastic import HEARTBEAT_TIMEOUT, Cluster, _wait
+
+import diloco_jax as dj
+from diloco_jax.elastic import arrivals, final_params, history
+
+pytestmark = pytest.mark.slow
+
+GLOBAL_UPDATES = 12
+# Seconds per inner step added to each worker: DyLU gives region 0's workers H steps and
+# region 1's slower ones fewer (each region times its own).
+SLOW = ("0.05", "0.1", "0.05", "0.15")
+
+
+class HALoSCluster(Cluster):
+    """The global syncer at `port`, region r's at port + 1 + r, workers at their region's."""
+
+    def __init__(self, out, **kwargs):
+        super().__init__(out, task="elastic_linear:make_halos_task", min_workers=1, **kwargs)
+        self.region_ports = [_port() for _ in range(2)]
+
+    def region(self, r):
+        argv = ["syncer", "--task", self.task, "--dir", str(self.out / "syncer" / f"region-{r}"),
+                "--port", str(self.region_ports[r]), "--region", str(r), "--global-syncer",
+                f"127.0.0.1:{self.port}", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
+                *self.options]  # fmt: skip
+        return self._start(f"region-{r}", argv)
+
+    def worker(self, m, **env):
+        r = HALOS.regions[m]
+        argv = ["worker", "--task", self.task, "--worker", str(m), "--syncer",
+                f"127.0.0.1:{self.region_ports[r]}", "--dir", str(self.out / "workers")]  # fmt: skip
+        return self._start(f"worker-{m}", argv, **env)
+
+    def start(self, **worker_env):
+        self.syncer()
+        for r in range(2):
+            self.region(r)
+        for m in range(4):
+            self.worker(m, **worker_env.get(str(m), {}))
+
+    def updates(self, r):
+        folder = self.out / "syncer" / f"region-{r}"
+        return history(folder) if (folder / "history.jsonl").exists() else []
+
+
+def _port():
+    from test_elastic import _free_port
+
+    return _free_port()
+
+
+def _replay(record):
+    jobs = 1 + max(a.job for a in record.arrivals)
+    rounds = [
+        jax.tree.map(lambda *x: np.stack(x), *(batch(m, j) for m in range(4))) for j in range(jobs)
+    ]
+    task = make_halos_task()
+    return dj.train_async(
+        linear_loss, PARAMS, rounds, num_workers=4, inner_steps=INNER_STEPS,
+        num_updates=len(record.arrivals), arrivals=record, inner_optimizer=METHOD.inner,
+        outer_optimizer=task.method.outer, server=HALOS,
+    )  # fmt: skip
+
+
+def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path):
+    env = {"ELASTIC_ROUNDS": str(GLOBAL_UPDATES), "ELASTIC_PHASE_SECONDS": "0"}
+    cluster = HALoSCluster(tmp_path, env=env)
+    cluster.hold(2)  # every worker waits at its position 2
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    _wait(lambda: len(cluster.updates(0)) >= 4 and len(cluster.updates(1)) >= 4, 120,
+          "4 updates in each region", cluster)  # fmt: skip
+    cluster.processes["worker-1"].kill()
+    stopped = cluster.processes["worker-3"]
+    stopped.send_signal(signal.SIGSTOP)
+    cluster.hold(4)  # workers 0 and 2 run on
+    _wait(lambda: "worker 1 removed: silent" in cluster.log("region-0")
+          and "worker 3 removed: silent" in cluster.log("region-1"), 60, "removals", cluster)  # fmt: skip
+    _wait(lambda: len(cluster.updates(0)) >= 6 and len(cluster.updates(1)) >= 6, 120,
+          "6 updates in each region", cluster)  # fmt: skip
+    cluster.worker(1)
+    stopped.send_signal(signal.SIGCONT)
+    for m, r in ((1, 0), (3, 1)):  # both back in their regions before the run goes on
+        _wait(lambda m=m, r=r: cluster.log(f"region-{r}").count(f"worker {m} joined") >= 2, 120,
+              f"worker {m} joining again", cluster)  # fmt: skip
+    cluster.hold(None)
+    cluster.finish()
+    record = arrivals(tmp_path / "syncer")
+    assert len(record.pushes) == GLOBAL_UPDATES and record.merges
+    task = make_halos_task()
+    real = final_params(tmp_path / "syncer", task)
+    replay = _replay(record)
+    for name in ("w", "b"):
+        assert np.all(np.isfinite(real[name]))
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    # The faults are in the record: worker 1's jobs 2.. ran after its restart, worker 3 was
+    # heard again after its stall.
+    assert "joining again" in cluster.log("worker-3")
+    assert [a.job for a in record.arrivals if a.worker == 1][:3] == [0, 1, 2]
+    # Control: the fault-free simulated clock at the workers' step times lands elsewhere.
+    count = len(record.arrivals)
+    rounds = [jax.tree.map(lambda *x: np.stack(x), *(batch(m, j) for m in range(4)))
+              for j in range(count)]  # fmt: skip
+    clean = dj.train_async(
+        linear_loss, PARAMS, rounds, num_workers=4, inner_steps=INNER_STEPS, num_updates=count,
+        step_seconds=[float(s) for s in SLOW], dynamic_steps=True, inner_optimizer=METHOD.inner,
+        outer_optimizer=task.method.outer, server=HALOS,
+    )  # fmt: skip
+    assert not np.allclose(real["w"], clean.params["w"], rtol=1e-4)
