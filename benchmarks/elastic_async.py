@@ -47,6 +47,14 @@ def _spawn(out: Path, name: str, argv: list[str], env: dict) -> subprocess.Popen
                             stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
 
+def _address(folder: Path) -> str:
+    """A syncer's "host:port" once it serves."""
+    path = folder / "syncer.address"
+    while not (path.exists() and path.read_text().endswith("\n")):
+        time.sleep(0.02)
+    return path.read_text().strip()
+
+
 def real_run(args: argparse.Namespace, dylu: bool, workdir: Path) -> Path:
     """One run to its end; returns its syncer folder."""
     env = dict(ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.updates),
@@ -55,23 +63,32 @@ def real_run(args: argparse.Namespace, dylu: bool, workdir: Path) -> Path:
     return run_processes(workdir, env, args.workers, args.slow)
 
 
-def run_processes(workdir: Path, task_env: dict, workers: int, slow: float, *flags: str) -> Path:
+def run_processes(
+    workdir: Path, task_env: dict, workers: int, slow: float, *flags: str,
+    regions: tuple[int, ...] | None = None,
+) -> Path:  # fmt: skip
     """The syncer and each worker a process of this host (`TASK`, sized by `task_env`),
-    worker M-1 `slow` seconds slower per inner step, all run to their end; returns the
-    syncer's folder (the workers' is beside it)."""
+    worker M-1 `slow` seconds slower per inner step, all run to their end; with `regions`
+    (HALoS: each worker's region), a syncer per region under the global one, each worker at
+    its region's. Returns the (global) syncer's folder (the workers' is beside it)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
                XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
                DILOCO_JAX_SECRET=new_secret().decode(), **task_env)  # fmt: skip
     syncer_dir = workdir / "syncer"
     argv = ["syncer", "--task", TASK, "--dir", str(syncer_dir), "--port", "0", *flags]
     procs = {"syncer": _spawn(workdir, "syncer", argv, env)}
-    address = syncer_dir / "syncer.address"
-    while not (address.exists() and address.read_text().endswith("\n")):
-        time.sleep(0.02)
+    addresses = [_address(syncer_dir)] * workers
+    if regions is not None:
+        for r in sorted(set(regions)):
+            folder = syncer_dir / f"region-{r}"
+            argv = ["syncer", "--task", TASK, "--dir", str(folder), "--port", "0", "--region",
+                    str(r), "--global-syncer", addresses[0], *flags]  # fmt: skip
+            procs[f"region-{r}"] = _spawn(workdir, f"region-{r}", argv, env)
+        addresses = [_address(syncer_dir / f"region-{r}") for r in regions]
     for m in range(workers):
         extra = str(slow if m == workers - 1 else 0.0)
-        argv = ["worker", "--task", TASK, "--worker", str(m), "--syncer",
-                address.read_text().strip(), "--dir", str(workdir / "workers")]  # fmt: skip
+        argv = ["worker", "--task", TASK, "--worker", str(m), "--syncer", addresses[m],
+                "--dir", str(workdir / "workers")]  # fmt: skip
         procs[f"worker-{m}"] = _spawn(workdir, f"worker-{m}", argv,
                                       {**env, "DILOCO_JAX_SLOW_STEP": extra})  # fmt: skip
     try:

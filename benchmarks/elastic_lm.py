@@ -8,7 +8,10 @@ so the loss curve means something: each worker reads its own contiguous shard.
 ELASTIC_ALGO=async makes it asynchronous DiLoCo with Delayed Nesterov (lr 0.7, momentum 0.9,
 buffer M) at the syncer, and DyLU unless ELASTIC_DYLU=0. ELASTIC_ALGO=decoupled makes it
 Decoupled DiLoCo's learners and syncer: a quorum of M - 1, ELASTIC_GRACE seconds of grace
-(default 0.5), 2 fragments, R merges."""
+(default 0.5), 2 fragments, R merges. ELASTIC_ALGO=halos makes it HALoS: the first half of
+the workers in region 0, the rest in region 1, Delayed Nesterov (0.7, 0.9, buffer 2) at each
+region's syncer, a push every 2 region updates, merges of weight 0.5, the authors' global rule;
+R global updates."""
 
 import os
 import sys
@@ -50,6 +53,11 @@ def task() -> ElasticTask:
         grace = float(os.environ.get("ELASTIC_GRACE", "0.5"))
         server = dj.DecoupledDiLoCo(quorum=workers - 1, grace_seconds=grace, fragments=2)
         asynchronous = dict(algo="async", server=server)
+    if algo == "halos":
+        regions = tuple(m * 2 // workers for m in range(workers))
+        server = dj.HALoS(regions=regions, local_updates=2, merge_weight=0.5)
+        outer = dj.delayed_nesterov(0.7, 0.9, buffer_size=2)
+        asynchronous = dict(algo="async", method=dj.DiLoCo(outer=outer), server=server)
     if algo == "async":
         outer = dj.delayed_nesterov(0.7, 0.9, buffer_size=workers)
         asynchronous = dict(algo="async", method=dj.DiLoCo(outer=outer),

@@ -276,6 +276,10 @@ def run_syncer(args: argparse.Namespace) -> int:
         raise ValueError("--region and --global-syncer go together: a HALoS region's syncer")
     if args.global_syncer is not None:
         _check_address(args.global_syncer, "--global-syncer")
+        if not 0 <= args.region < task.server.num_regions:
+            raise ValueError(
+                f"--region must be in [0, {task.server.num_regions}), got {args.region}"
+            )
     directory = _folder(args.dir, "--dir")
     lock = run_lock.acquire(directory, what="--dir")
     if args.region is not None:

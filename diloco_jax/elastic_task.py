@@ -148,8 +148,10 @@ def _check_halos(task: "ElasticTask", server: HALoS) -> None:
     hops are the network's), or regions that don't fit the task."""
     hops = server.region_seconds
     if server.worker_seconds or any(hops if isinstance(hops, tuple) else (hops,)):
-        raise ValueError("ElasticTask.server's worker_seconds and region_seconds simulate "
-                         "latencies: on processes the hops are the network's (leave them 0)")  # fmt: skip
+        raise ValueError(
+            "ElasticTask.server's worker_seconds and region_seconds simulate latencies: on "
+            "processes the hops are the network's (leave them 0)"
+        )
     server.checked(task.num_workers)
     if job_start(server.global_optimizer or halos_default_global()) is not None:
         raise ValueError("ElasticTask.server's global_optimizer starts from a look-ahead θ̄ "

@@ -133,9 +133,7 @@ class HALoS:
         ]
         return tuple(sorted(ends)[:count])
 
-    def recorded(
-        self, arrivals: Any, num_workers: int, inner_steps: int, num_updates: int
-    ) -> Any:
+    def recorded(self, arrivals: Any, num_workers: int, inner_steps: int, num_updates: int) -> Any:
         """A real run's `halos_replay.Record` (`elastic.arrivals` of its global syncer's
         folder), checked against this spec and the run: what `train_async(server=self,
         arrivals=...)` replays in place of the simulated clock (num_updates: its LPS

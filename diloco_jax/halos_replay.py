@@ -195,7 +195,7 @@ class Replay:
         return bool(region.merges) and region.merges[0].after == region.server.version
 
     def _arrive(self, state: Any, update: int, region: _Region, a: Arrival) -> Any:
-        job, run = self.job, self.job.run
+        job = self.job
         r, m = a.region, a.worker
         start = state.kept.get((r, a.start, a.start_merges))
         if start is None:  # its region was never there: merges out of the run's order

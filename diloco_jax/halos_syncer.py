@@ -154,7 +154,9 @@ class RegionSyncer(ArrivalSyncer):
                 return
             finished = reply["status"] == "done"
             if finished:
-                wire.write_file(self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)})
+                wire.write_file(
+                    self.directory / "final.msgpack", {"theta": wire.leaves(self.theta)}
+                )
             self.done = "finished" if finished else f"the global syncer: {reply.get('reason')}"
             self.cond.notify_all()
 

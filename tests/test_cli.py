@@ -342,8 +342,28 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             "--elastic runs without --step-seconds: its workers run at their own speeds",
         ),
         (
-            ["train", "--elastic", "--algo", "async", "--server", "halos,regions=0/0/1/1"],
-            "HALoS runs on the simulated clock only",
+            [
+                "train",
+                "--elastic",
+                "--algo",
+                "async",
+                "--server",
+                "halos,regions=0/0/1/1,region_seconds=0.5",
+            ],
+            "runs without worker_seconds and region_seconds: on processes the hops are the",
+        ),
+        (
+            [
+                "train",
+                "--elastic",
+                "--algo",
+                "async",
+                "--server",
+                "halos,regions=0/0/0/1",
+                "--min-workers",
+                "2",
+            ],
+            "--min-workers must be at most the smallest region's workers (1)",
         ),
         (
             [

@@ -136,7 +136,13 @@ def test_a_decoupled_task_refuses_what_its_learners_cannot_run():
     task = make_decoupled_task()
     refusals = {
         "needs algo='async'": {"algo": "diloco"},
-        "HALoS runs on the simulated clock only": {"server": dj.HALoS(regions=(0, 0, 1, 1))},
+        "simulate latencies: on processes the hops are the network's": {
+            "server": dj.HALoS(regions=(0, 0, 1, 1), worker_seconds=0.1)
+        },
+        "an LPS merges θ_G itself": {
+            "server": dj.HALoS(regions=(0, 0, 1, 1), global_optimizer=dj.heloco(0.6, 0.5))
+        },
+        "must be None, dj.DecoupledDiLoCo": {"server": "decoupled"},
         "use grace_seconds": {
             "server": dj.DecoupledDiLoCo(quorum=2, adaptive_grace=0.5, overlap_steps=1)
         },

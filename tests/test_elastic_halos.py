@@ -16,8 +16,6 @@ from test_elastic import HEARTBEAT_TIMEOUT, Cluster, _wait
 import diloco_jax as dj
 from diloco_jax.elastic import arrivals, final_params, history
 
-pytestmark = pytest.mark.slow
-
 GLOBAL_UPDATES = 12
 # Seconds per inner step added to each worker: DyLU gives region 0's workers H steps and
 # region 1's slower ones fewer (each region times its own).
@@ -40,8 +38,9 @@ class HALoSCluster(Cluster):
 
     def worker(self, m, **env):
         r = HALOS.regions[m]
-        argv = ["worker", "--task", self.task, "--worker", str(m), "--syncer",
-                f"127.0.0.1:{self.region_ports[r]}", "--dir", str(self.out / "workers")]  # fmt: skip
+        address = f"127.0.0.1:{self.region_ports[r]}"
+        argv = ["worker", "--task", self.task, "--worker", str(m), "--syncer", address,
+                "--dir", str(self.out / "workers")]  # fmt: skip
         return self._start(f"worker-{m}", argv, **env)
 
     def start(self, **worker_env):
@@ -75,6 +74,7 @@ def _replay(record):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path):
     env = {"ELASTIC_ROUNDS": str(GLOBAL_UPDATES), "ELASTIC_PHASE_SECONDS": "0"}
     cluster = HALoSCluster(tmp_path, env=env)
@@ -86,8 +86,8 @@ def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path):
     stopped = cluster.processes["worker-3"]
     stopped.send_signal(signal.SIGSTOP)
     cluster.hold(4)  # workers 0 and 2 run on
-    _wait(lambda: "worker 1 removed: silent" in cluster.log("region-0")
-          and "worker 3 removed: silent" in cluster.log("region-1"), 60, "removals", cluster)  # fmt: skip
+    removed = (("region-0", "worker 1 removed: silent"), ("region-1", "worker 3 removed: silent"))
+    _wait(lambda: all(x in cluster.log(r) for r, x in removed), 60, "removals", cluster)
     _wait(lambda: len(cluster.updates(0)) >= 6 and len(cluster.updates(1)) >= 6, 120,
           "6 updates in each region", cluster)  # fmt: skip
     cluster.worker(1)
@@ -119,3 +119,44 @@ def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path):
         outer_optimizer=task.method.outer, server=HALOS,
     )  # fmt: skip
     assert not np.allclose(real["w"], clean.params["w"], rtol=1e-4)
+
+
+def test_a_region_syncer_refuses_another_regions_worker_and_an_earlier_runs_folder(tmp_path):
+    from diloco_jax.elastic_task import Elastic
+    from diloco_jax.halos_syncer import RegionSyncer
+
+    task = make_halos_task()
+    syncer = RegionSyncer(task, Elastic(), tmp_path / "r0", 0, "127.0.0.1:1", b"secret")
+    syncer.join(1, None)  # worker 1 is region 0's
+    with pytest.raises(ValueError, match="worker 2 is in region 1, not this syncer's region 0"):
+        syncer.join(2, None)
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "history.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="a HALoS region's syncer does not resume"):
+        RegionSyncer(task, Elastic(), tmp_path / "r1", 1, "127.0.0.1:1", b"secret")
+
+
+@pytest.mark.parametrize(
+    ("task", "flags", "message"),
+    [
+        ("make_task", ["--region", "0", "--global-syncer", "127.0.0.1:1"],
+         "--region and --global-syncer are a HALoS task's"),
+        ("make_halos_task", ["--region", "0"], "--region and --global-syncer go together"),
+        ("make_halos_task", ["--region", "2", "--global-syncer", "127.0.0.1:1"],
+         r"--region must be in [0, 2), got 2"),
+        ("make_halos_task", ["--region", "0", "--global-syncer", "127.0.0.1:70000"],
+         "--global-syncer's port must be in [0, 65535]"),
+    ],
+)  # fmt: skip
+def test_a_bad_region_syncer_command_is_one_line_exit_2_and_makes_no_folder(
+    tmp_path, capsys, monkeypatch, task, flags, message
+):
+    from diloco_jax.elastic import main
+
+    monkeypatch.setenv("DILOCO_JAX_SECRET", "a secret of the run")
+    folder = tmp_path / "region"
+    argv = ["syncer", "--task", f"elastic_linear:{task}", "--dir", str(folder), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diloco-jax elastic:") and message in err, err
+    assert not folder.exists()

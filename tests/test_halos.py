@@ -20,8 +20,9 @@ INNER_LR, LOCAL_LR, LOCAL_MOMENTUM, GLOBAL_LR, GLOBAL_MOMENTUM = 0.05, 0.6, 0.5,
 W0, B0 = [0.3, -0.2, 0.1], 0.5
 
 
-def _np_halos(rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop, updates,
-              record=None):
+def _np_halos(
+    rounds, seconds, h, regions, k_push, alpha, worker_hop, region_hop, updates, record=None
+):
     """float64 HALoS on the linear model [w0, w1, w2, b] in the authors' simulator's order:
     events in time order (server messages, then worker arrivals at one instant; ties by worker
     or region); an arriving worker's next job starts at once from the LPS's θ, and a message
@@ -207,10 +208,14 @@ def _replay(rounds, h, record, spec):
     ("edit", "message"),
     [
         (lambda r: r._replace(arrivals=r.arrivals[:-1]), "num_updates = 14"),
-        (lambda r: r._replace(arrivals=((1, *r.arrivals[0][1:]),) + r.arrivals[1:]),
-         r"arrivals\[0\] can't be replayed: worker 0 is not in region 1"),
-        (lambda r: r._replace(arrivals=(r.arrivals[0]._replace(start=3),) + r.arrivals[1:]),
-         r"arrivals\[0\] can't be replayed: a job from update 3"),
+        (
+            lambda r: r._replace(arrivals=((1, *r.arrivals[0][1:]),) + r.arrivals[1:]),
+            r"arrivals\[0\] can't be replayed: worker 0 is not in region 1",
+        ),
+        (
+            lambda r: r._replace(arrivals=(r.arrivals[0]._replace(start=3),) + r.arrivals[1:]),
+            r"arrivals\[0\] can't be replayed: a job from update 3",
+        ),
         (lambda r: r._replace(pushes=((0, -1, 0),)), r"pushes\[0\] can't be replayed"),
         (lambda r: ("not", "a record"), "must be a halos.Record"),
     ],

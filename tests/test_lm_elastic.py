@@ -191,6 +191,38 @@ def test_train_elastic_decoupled_equals_its_replay_on_the_same_windows(tmp_path,
 
 
 @pytest.mark.slow
+def test_train_elastic_halos_equals_its_replay_on_the_same_windows(tmp_path, monkeypatch):
+    """--algo async --server halos,...: a syncer per region and a global one, M x R / K global
+    updates on the real clock, and train_async with the same server replaying the run's record
+    on the same windows gives its θ_G."""
+    out = tmp_path / "run"
+    argv = ["train", "--elastic", "--algo", "async", "--server",
+            "halos,regions=0/1,local_updates=1,merge_weight=0.5", "--preset", "micro",
+            "--rounds", "2", "--out", str(out), "--no-progress"]  # fmt: skip
+    printed = _train(argv)
+    assert "async (elastic): eval loss" in printed and "4 global updates" in printed
+    monkeypatch.setenv(lm_elastic.ENV, str(out / "elastic" / lm_elastic.SPEC_FILE))
+    task = lm_elastic.task()
+    assert task.server == dj.HALoS(regions=(0, 1), local_updates=1, merge_weight=0.5)
+    record = arrivals(out / "elastic" / "syncer")
+    assert len(record.pushes) == 4 and record.merges
+    data = [
+        jax.tree.map(lambda *x: np.stack(x), *(task.batches(m, j) for m in range(2)))
+        for j in range(1 + max(a.job for a in record.arrivals))
+    ]
+    expected = dj.train_async(
+        task.loss_fn, task.params, data, num_workers=2, inner_steps=4,
+        num_updates=len(record.arrivals), server=task.server, arrivals=record,
+        method=task.method,
+    ).params  # fmt: skip
+    real = final_params(out / "elastic" / "syncer", task)
+    for got, want in zip(jax.tree.leaves(real), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_updates"] == 4 and summary["updates"] == len(record.arrivals)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "gossip_flags",
     [["--gossip-group-size", "2"], ["--gasloc", "alpha=0.8,gamma=0.5"]],

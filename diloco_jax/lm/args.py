@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from diloco_jax import limits
+from diloco_jax.halos import HALoS
 from diloco_jax.lm import config
 from diloco_jax.lm.config import (
     AGE_GATED_OPTIMIZERS,
@@ -421,12 +422,6 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
             "--elastic runs without --step-seconds: its workers run at their own speeds "
             "(--step-seconds is the simulated clock's)"
         )
-    server = getattr(args, "server", None)
-    if server is not None and not server.strip().startswith("decoupled"):
-        raise ConfigError(
-            "--elastic runs --server decoupled,... or the one server: HALoS runs on the "
-            "simulated clock only"
-        )
     given = [f for f, k in (("--mesh", "mesh"), ("--checkpoint-every", "checkpoint_every"),
              ("--tensorboard", "tensorboard"), ("--coordinator", "coordinator"))
              if getattr(args, k, None) not in (None, False)]  # fmt: skip
@@ -453,7 +448,9 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
             f"--min-workers must be in [1, --workers={cfg.workers}], got {min_workers}"
         )
     server = config.server_of(cfg)
-    if server is not None and (min_workers != 1 or server.adaptive_grace is not None):
+    if isinstance(server, HALoS):
+        _check_elastic_halos(server, min_workers)
+    elif server is not None and (min_workers != 1 or server.adaptive_grace is not None):
         raise ConfigError(
             "--elastic --server decoupled,... takes its quorum and grace from the server "
             "(quorum=, grace_seconds=): no --min-workers, and no adaptive_grace (it budgets on "
@@ -466,6 +463,19 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
             f"{min_workers}"
         )
     return min_workers, args.restart_workers
+
+
+def _check_elastic_halos(server: HALoS, min_workers: int) -> None:
+    """ConfigError naming what --elastic --server halos,... can't take: simulated latencies
+    (its hops are the network's), a quorum larger than a region."""
+    hops = server.region_seconds
+    if server.worker_seconds or any(hops if isinstance(hops, tuple) else (hops,)):
+        raise ConfigError("--elastic --server halos,... runs without worker_seconds and "
+                          "region_seconds: on processes the hops are the network's")  # fmt: skip
+    smallest = min(server.regions.count(r) for r in range(server.num_regions))
+    if min_workers > smallest:
+        raise ConfigError(f"--min-workers must be at most the smallest region's workers "
+                          f"({smallest}) with --server halos,..., got {min_workers}")  # fmt: skip
 
 
 def _connect_timeout(value: float | None) -> float:

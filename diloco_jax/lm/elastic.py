@@ -2,7 +2,9 @@
 DiLoCo's) run on the elastic runtime (`diloco_jax.elastic`, docs/faults.md): a syncer and M
 worker processes on this host, where a worker that dies, stalls or restarts never stops the
 others. An async run takes M x R server updates (each job H inner steps, or DyLU's count
-with --dynamic-steps), worker m's job at data position p reading the windows below.
+with --dynamic-steps), worker m's job at data position p reading the windows below; with
+--server halos,...: M x R / K global updates (a region pushes every K of its updates), a
+syncer per region under the global one.
 
 The command pretrains in its own process (the shared warm start), writes θ_0 and the command
 line to OUT/elastic, and launches the run; every process then builds the same task from them
@@ -21,6 +23,7 @@ import numpy as np
 
 from diloco_jax import wire
 from diloco_jax.elastic_task import ElasticTask
+from diloco_jax.halos import HALoS
 
 ENV = "DILOCO_JAX_LM_ELASTIC"  # the path of OUT/elastic/task.json
 SPEC_FILE = "task.json"
@@ -88,7 +91,9 @@ def task() -> ElasticTask:
     message = wire.read_file(spec_path.parent / spec["theta"])
     params = wire.tree_like(params, message["theta"], "the pretrained θ_0")
     server = config_lib.server_of(cfg)
-    if server is not None:  # Decoupled DiLoCo: as many merges as R rounds of every fragment
+    if isinstance(server, HALoS):  # global updates: M x R LPS updates, a push every K
+        num_rounds = max(1, cfg.rounds * cfg.workers // server.local_updates)
+    elif server is not None:  # Decoupled DiLoCo: as many merges as R rounds of every fragment
         num_rounds = cfg.rounds * server.fragments
     else:
         num_rounds = cfg.rounds if algo == "diloco" else cfg.rounds * cfg.workers
@@ -158,6 +163,8 @@ def train_elastic(
     }
     if gossip:
         records, counts, said = _gossip_records(cfg, folder / "workers")
+    elif isinstance(run_task.server, HALoS):
+        records, counts, said = _region_records(folder / "syncer")
     elif run_task.server is not None:
         records, counts, said = _merge_records(runtime.history(folder / "syncer"))
     else:
@@ -211,6 +218,24 @@ def _merge_records(merges: list[dict]) -> tuple[list[dict], dict[str, int], str]
     late = sum(x["late"] for x in merges)
     counts = {"updates": len(merges), "late_pushes": late}
     return records, counts, f"{len(merges)} merges, {late} late pushes"
+
+
+def _region_records(gps_dir: Path) -> tuple[list[dict], dict[str, int], str]:
+    """A HALoS run's metrics lines (one per region update, by time), counts, and its line."""
+    from diloco_jax import elastic as runtime
+
+    updates = sorted(
+        (x for folder in gps_dir.glob("region-*") for x in runtime.history(folder)),
+        key=lambda x: x["time"],
+    )
+    records = [
+        {"run": "async", "update": i, "region": u["region"], "worker": u["worker"],
+         "steps": u["steps"], "staleness": u["staleness"], "loss": u["loss"]}
+        for i, u in enumerate(updates)
+    ]  # fmt: skip
+    pushes = len(runtime.history(gps_dir))
+    counts = {"updates": len(updates), "global_updates": pushes}
+    return records, counts, f"{len(updates)} region updates, {pushes} global updates"
 
 
 def _update_records(cfg: Any, updates: list[dict]) -> tuple[list[dict], dict[str, int], str]:
