@@ -491,34 +491,47 @@ def launch(args: argparse.Namespace) -> int:
 
         for m in range(task.num_workers):
             start(m)
-        print(f"diloco-jax elastic: syncer at {address}, {task.num_workers} workers, logs in "
-              f"{logs}", flush=True)  # fmt: skip
-        while not stop.wait(0.2):
-            for name, p in syncers.items():
-                if p.poll():  # its one line (quorum lost, a bad task), on the launcher's console
-                    print(_last_word(logs / f"{name}.log", p.returncode), file=sys.stderr,
-                          flush=True)  # fmt: skip
-                    return p.returncode
-            if all(p.poll() == 0 for p in syncers.values()):
-                return 0
-            for m, group in list(groups.items()):
-                failed = [p.returncode for p in group if p.poll() not in (None, 0)]
-                if failed:  # one process down ends its group: they share one fate
-                    _end(group)
-                    if args.restart_workers:
-                        print(f"diloco-jax elastic: worker {m} exited with {failed[0]}; "
-                              "restarting it", flush=True)  # fmt: skip
-                        start(m)
-            codes = [p.poll() for group in groups.values() for p in group]
-            if None not in codes and any(codes):  # every worker gone, some failed
-                failed = [m for m, group in groups.items() if any(p.returncode for p in group)]
-                print(f"diloco-jax elastic: workers {failed} failed (see their logs in "
-                      f"{logs}); ending the run", file=sys.stderr, flush=True)  # fmt: skip
-                return 1
-        return 130
+        beside = (f", {task.server.num_regions} region syncers"
+                  if isinstance(task.server, HALoS) else "")  # fmt: skip
+        print(f"diloco-jax elastic: syncer at {address}{beside}, {task.num_workers} workers, "
+              f"logs in {logs}", flush=True)  # fmt: skip
+        return _watch(stop, syncers, groups, start if args.restart_workers else None, logs)
     finally:
         _end(processes)
         lock.release()
+
+
+def _watch(
+    stop: threading.Event, syncers: dict[str, subprocess.Popen],
+    groups: dict[int, list[subprocess.Popen]], restart: Any, logs: Path,
+) -> int:  # fmt: skip
+    """Watches a launched run until it ends; its exit code: 0 once every syncer exited 0, a
+    syncer's code if one failed (its line printed), 1 if every worker is gone and some failed,
+    130 on a signal. A worker whose process fails is ended (its whole group) and started again
+    with `restart(m)` where given."""
+    while not stop.wait(0.2):
+        for name, p in syncers.items():
+            if p.poll():  # its one line (quorum lost, a bad task), on the launcher's console
+                print(_last_word(logs / f"{name}.log", p.returncode), file=sys.stderr,
+                      flush=True)  # fmt: skip
+                return p.returncode
+        if all(p.poll() == 0 for p in syncers.values()):
+            return 0
+        for m, group in list(groups.items()):
+            failed = [p.returncode for p in group if p.poll() not in (None, 0)]
+            if failed:  # one process down ends its group: they share one fate
+                _end(group)
+                if restart is not None:
+                    print(f"diloco-jax elastic: worker {m} exited with {failed[0]}; "
+                          "restarting it", flush=True)  # fmt: skip
+                    restart(m)
+        codes = [p.poll() for group in groups.values() for p in group]
+        if None not in codes and any(codes):  # every worker gone, some failed
+            failed = [m for m, group in groups.items() if any(p.returncode for p in group)]
+            print(f"diloco-jax elastic: workers {failed} failed (see their logs in "
+                  f"{logs}); ending the run", file=sys.stderr, flush=True)  # fmt: skip
+            return 1
+    return 130
 
 
 def _start_regions(
