@@ -433,6 +433,12 @@ class _Job:
     snapshots: dict = dataclasses.field(default_factory=dict)
     # (update, learner) -> a push made before a restart and merged after it (a replay's)
     stash: dict = dataclasses.field(default_factory=dict)
+    # (learner, step): the pushes some merge still takes. A real run can merge a learner's
+    # push after one it made later (each sync merges once its quorum is in), by which time
+    # the replay has stepped that learner past it: such a push is kept as it steps past
+    # (`made`, by (learner, trajectory origin, step)) until its merge takes it.
+    awaited: set = dataclasses.field(default_factory=set)
+    made: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, spec: DecoupledDiLoCo, run: Any) -> "_Job":
@@ -455,6 +461,7 @@ class _Job:
             step_fn, merge, _data(run.data, m_count, h_count, run.where),
             jax.jit(run.eval_fn) if run.eval_fn is not None else None, places,
             timing.snapshots(),
+            awaited={(m, x.step) for x in timing.syncs for m in x.merged},
         )  # fmt: skip
 
     def initial(self) -> _State:
@@ -563,9 +570,21 @@ class _Job:
         state.learners[m] = _Learner(theta, opt_state, step, counts, [], [], [], (version, step))
 
     def _push(self, learner: _Learner, m: int, step: int, fragment: int) -> "_Pushed":
-        """Learner m's push of `fragment` after its step `step` (stepped there first), put
-        where Θ is (its send)."""
-        learner = self._advance(learner, m, step)
+        """Learner m's push of `fragment` after its step `step` (stepped there first, or the
+        one kept as it stepped past), put where Θ is (its send)."""
+        self.awaited.discard((m, step))
+        if learner.done > step:
+            made = self.made.pop((m, learner.origin, step), None)
+            if made is None:  # stepped past before a resume: its state then is not saved
+                raise ValueError(
+                    f"learner {m}'s push after step {step} is merged after one it made later, "
+                    "and the run resumed in between: replay it without checkpoint_dir"
+                )
+            return made
+        return self._made(self._advance(learner, m, step), fragment)
+
+    def _made(self, learner: _Learner, fragment: int) -> "_Pushed":
+        """The push of `fragment` the learner makes where it is."""
         c, idx = learner.counts[fragment], self.members[fragment]
         return _Pushed(
             self.places.leaves([learner.params[i] for i in idx], idx), c,
@@ -578,6 +597,10 @@ class _Job:
         applied first (those due at `target` itself wait: the push there comes first)."""
         h_count = self.run.inner_steps
         while learner.done < target:
+            if (m, learner.done) in self.awaited and learner.done > learner.origin[1]:
+                # A push here some merge takes: kept before this boundary's broadcasts.
+                fragment = self.spec.sync_of(learner.done, h_count)[0]
+                self.made[(m, learner.origin, learner.done)] = self._made(learner, fragment)
             for b in [b for b in learner.inbox if b.boundary <= learner.done]:
                 indices = self.members[b.fragment]
                 for i, v in zip(indices, self.places.leaves(b.values, indices, m), strict=True):

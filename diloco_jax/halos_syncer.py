@@ -83,6 +83,16 @@ class GlobalSyncer(ArrivalSyncer):
         options = dataclasses.replace(options, min_workers=1, round_timeout=None)
         super().__init__(global_task(task), options, directory)
 
+    def _apply_arrival(self, worker: int, job: Job, pushed: Any, steps_s: float) -> None:
+        # On disk before the region hears "ok": a region merges the θ_G after its push and
+        # can't take it back, so a restarted GPS resumes with every push a region was told
+        # of (and every θ_G it merged).
+        super()._apply_arrival(worker, job, pushed, steps_s)
+        try:
+            self._writer.flush()
+        except Exception as error:  # noqa: BLE001 (the run ends with its line, never a hang)
+            self._failed(error)
+
     def _theta_for_jobs(self) -> Any:
         return self.theta  # a region merges θ_G itself: no look-ahead
 
@@ -184,17 +194,16 @@ class _Link:
         try:
             self._join()
             threading.Thread(target=self._heartbeats, daemon=True, name="gps-beat").start()
-            serial, _, _ = self._next()  # θ_G of now: θ_L starts at θ_0 whatever it is
+            job = self._next()  # θ_G of now: θ_L starts at θ_0 whatever it is
+            index = 0  # this region's pushes so far
             while self.lps.done is None:
                 try:
                     delta = self.lps.outbox.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                serial = self._push(serial, delta)
-                if serial is None:
-                    return
-                serial, theta_g, version = self._next()
-                self.lps.merge_global(theta_g, version)
+                job = self._push(index, job, delta)
+                index += 1
+                self.lps.merge_global(job.theta, job.version)
         except _Ended as end:
             self.lps.end(end.reply)
         except Exception as error:  # noqa: BLE001 (the region ends with its line, never a hang)
@@ -220,8 +229,9 @@ class _Link:
                 self.lps.end(reply)
                 return
 
-    def _next(self) -> tuple[int, Any, int]:
-        """(the job's serial, θ_G, its GPS updates): the next job the GPS hands this region."""
+    def _next(self) -> "_GlobalJob":
+        """The next job the GPS hands this region (its θ_G, and this region's pushes the GPS
+        has applied)."""
         while True:
             reply = self._ended(self.client.call("Next", {**self._me(), "after": -1,
                                                           "timeout": 5.0, "held": -1}))  # fmt: skip
@@ -229,27 +239,45 @@ class _Link:
                 self._join()
             elif reply["status"] == "round":
                 theta = wire.tree_like(self.lps.theta, reply["theta"], "the global θ")
-                return int(reply["serial"]), theta, int(reply["update"])
+                return _GlobalJob(int(reply["serial"]), theta, int(reply["update"]),
+                                  int(reply["position"]))  # fmt: skip
 
-    def _push(self, serial: int, delta: Any) -> int | None:
-        """Pushes Δ_L until the GPS applies it; returns the serial it went under."""
+    def _push(self, index: int, job: "_GlobalJob", delta: Any) -> "_GlobalJob":
+        """Pushes this region's push number `index` under `job` until the GPS has applied it
+        once; returns the job after it (the θ_G to merge)."""
         leaves = wire.leaves(delta)
         while True:
-            header = {**self._me(), "serial": serial, "loss": 0.0}
+            header = {**self._me(), "serial": job.serial, "loss": 0.0}
             reply = self._ended(self.client.push(header, leaves, lambda i: None))
             status = reply["status"]
             if status == "ok":
-                return serial
+                return self._next()
             if status == "rejoin":
                 self._join()
             elif status != "late":
                 raise ValueError(f"the global syncer answered {reply}")
-            serial, _, _ = self._next()  # its job was dropped: push under a new one
+            job = self._next()  # its job was dropped (a GPS restart, a removal)
+            if job.pushes > index:  # applied before the GPS restarted: its "ok" was lost
+                return job
+            if job.pushes < index:
+                raise ValueError(f"the global syncer holds {job.pushes} of this region's "
+                                 f"pushes, not the {index} it was told of")  # fmt: skip
 
     def _ended(self, reply: dict) -> dict:
         if reply.get("status") in ("done", "abort"):
             raise _Ended(reply)
         return reply
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalJob:
+    """A job the GPS handed a region: its serial, θ_G of `version` GPS updates, and the
+    region's pushes the GPS had applied then."""
+
+    serial: int
+    theta: Any
+    version: int
+    pushes: int
 
 
 class _Ended(Exception):

@@ -12,6 +12,7 @@ import pytest
 from reference import linear_loss, make_data, np_adam, precision
 
 import diloco_jax as dj
+from diloco_jax import decoupled
 from diloco_jax.decoupled import merge_weights, rda
 
 INNER_LR, OUTER_LR, MOMENTUM = 0.05, 0.7, 0.9
@@ -27,11 +28,13 @@ def _np_rda(deltas, weights):
     return radius * direction / length if length > 0 else np.zeros_like(direction)
 
 
-def _np_decoupled(rounds, seconds, h, p_count, quorum, grace, tokens, merge, num_syncs):
+def _np_decoupled(rounds, seconds, h, p_count, quorum, grace, tokens, merge, num_syncs,
+                  merge_times=None):  # fmt: skip
     """float64 Decoupled DiLoCo on the linear model [w0, w1, w2, b], stepped in time order:
     at each instant, learners first push, then the syncer merges, then learners take the
     broadcasts that reached them and start their next Adam step. Fragments follow the
-    params' leaf order (b, w): with P = 2, b is fragment 0 and w fragment 1."""
+    params' leaf order (b, w): with P = 2, b is fragment 0 and w fragment 1. `merge_times`
+    ({(p, k): seconds}) sets syncs' merge times in place of the quorum and grace."""
     m_count, stride = len(seconds), h // p_count
     frags = [[3], [0, 1, 2]] if p_count == 2 else [[0, 1, 2, 3]]
     theta = np.array([*W0, B0], np.float64)
@@ -46,7 +49,8 @@ def _np_decoupled(rounds, seconds, h, p_count, quorum, grace, tokens, merge, num
         for k in range(num_syncs):
             step = k * h + (p + 1) * stride
             times = sorted(step * s for s in seconds)
-            merges.append((times[quorum - 1] + grace, p, k))
+            at = (merge_times or {}).get((p, k), times[quorum - 1] + grace)
+            merges.append((at, p, k))
     merges = sorted(merges)[:num_syncs]
     horizon = merges[-1][0]
     events = [(t, 1, p, k) for t, p, k in merges]
@@ -155,6 +159,40 @@ def test_matches_the_numpy_reference(case, dtype, tol):
     lates = [len(seconds) - len(s[2]) for s in syncs]
     assert [x["late"] for x in hist] == lates
     assert hist[-1]["late_total"] == sum(lates)
+
+
+def test_a_record_merging_a_sync_after_a_later_one_replays_to_the_reference():
+    # A real run merges each sync once its quorum is in, so fragment 1's sync 0 (pushes after
+    # step 4) can be merged after fragment 0's sync 1 (step 6), by when the replay has stepped
+    # every learner past step 4: the pushes it merges are the ones made at step 4.
+    seconds, h, num_syncs = (1.0, 1.5), 4, 4
+    late = {(1, 0): 10.0}  # its pushes came at 4 s and 6 s; merged after sync (0, 1) at 9 s
+    rounds = make_data(np.random.default_rng(5), 10, 2, h)
+    want, syncs = _np_decoupled(rounds, seconds, h, 2, 2, 0.0, (1.0, 1.0), "average",
+                                num_syncs, merge_times=late)  # fmt: skip
+    assert [(p, t) for t, p, *_ in syncs] == [(0, 3.0), (0, 9.0), (1, 10.0), (1, 12.0)]
+    merges, count = [], {0: 0, 1: 0}
+    for u, (t, p, merged, _, _) in enumerate(syncs):
+        k = count[p]
+        count[p] += 1
+        merges.append(decoupled.Merge(
+            update=u, fragment=p, index=k, step=k * h + (p + 1) * h // 2, time=t,
+            merged=tuple(merged), boundaries=tuple(math.ceil(t / s) for s in seconds),
+            total_steps=0, pushes=((0, 0), (0, 0)),
+        ))  # fmt: skip
+    spec = dj.DecoupledDiLoCo(quorum=2, grace_seconds=0.0, fragments=2, merge="average")
+    with precision("float64"):
+        replay = dj.train_async(
+            linear_loss, _params(np.float64), rounds, num_workers=2, inner_steps=h,
+            num_updates=num_syncs, arrivals=merges, inner_optimizer=optax.adam(INNER_LR),
+            outer_optimizer=optax.sgd(OUTER_LR, momentum=MOMENTUM, nesterov=True),
+            server=spec,
+        )  # fmt: skip
+        got = np.append(np.asarray(replay.params["w"]), replay.params["b"])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    # Control: merging fragment 1's sync 0 in its step order lands elsewhere.
+    in_order, _ = _np_decoupled(rounds, seconds, h, 2, 2, 0.0, (1.0, 1.0), "average", num_syncs)
+    assert not np.allclose(in_order, want, rtol=1e-6)
 
 
 def _diloco(rounds, schedule=None):

@@ -5,6 +5,7 @@ regions, one worker SIGKILLed and restarted and one SIGSTOPped past the heartbea
 and merges, the global syncer's pushes) within 1e-6 relative."""
 
 import signal
+import time
 
 import jax
 import numpy as np
@@ -119,6 +120,31 @@ def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path):
         outer_optimizer=task.method.outer, server=HALOS,
     )  # fmt: skip
     assert not np.allclose(real["w"], clean.params["w"], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_global_syncer_killed_twice_resumes_and_the_run_reproduces_the_replay(tmp_path):
+    """The global syncer SIGKILLed at two random moments and restarted each time: it resumes
+    from its checkpoint (every θ_G a region merged is in it), the regions' pushes it lost are
+    sent again, and θ_G equals the replay of the record."""
+    rng = np.random.default_rng(int(time.time()))
+    env = {"ELASTIC_ROUNDS": str(GLOBAL_UPDATES), "ELASTIC_PHASE_SECONDS": "0"}
+    cluster = HALoSCluster(tmp_path, env=env)
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    for at in sorted(rng.choice(np.arange(2, GLOBAL_UPDATES - 2), 2, replace=False)):
+        cluster.wait_for_syncs(int(at))
+        time.sleep(rng.uniform(0, 0.3))
+        cluster.processes["syncer"].kill()
+        cluster.processes["syncer"].wait()
+        cluster.syncer()
+    cluster.finish()
+    assert cluster.log("syncer").count("resumed from") == 2
+    record = arrivals(tmp_path / "syncer")
+    assert [p.region for p in record.pushes] and len(record.pushes) == GLOBAL_UPDATES
+    real = final_params(tmp_path / "syncer", make_halos_task())
+    replay = _replay(record)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
 
 
 def test_a_region_syncer_refuses_another_regions_worker_and_an_earlier_runs_folder(tmp_path):
