@@ -128,11 +128,14 @@ def test_a_global_syncer_killed_twice_resumes_and_the_run_reproduces_the_replay(
     from its checkpoint (every θ_G a region merged is in it), the regions' pushes it lost are
     sent again, and θ_G equals the replay of the record."""
     rng = np.random.default_rng(int(time.time()))
-    env = {"ELASTIC_ROUNDS": str(GLOBAL_UPDATES), "ELASTIC_PHASE_SECONDS": "0"}
+    updates = 30  # the kills come within the first 10 or so: the run is still on
+    env = {"ELASTIC_ROUNDS": str(updates), "ELASTIC_PHASE_SECONDS": "0"}
     cluster = HALoSCluster(tmp_path, env=env)
     cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
-    for at in sorted(rng.choice(np.arange(2, GLOBAL_UPDATES - 2), 2, replace=False)):
-        cluster.wait_for_syncs(int(at))
+    for kill in range(2):  # each 1 to 3 updates after the syncer (re)started serving
+        _wait(lambda k=kill: cluster.log("syncer").count("resumed from") == k, 60,
+              "the global syncer serving again", cluster)  # fmt: skip
+        cluster.wait_for_syncs(len(cluster.syncs()) + int(rng.integers(1, 4)))
         time.sleep(rng.uniform(0, 0.3))
         cluster.processes["syncer"].kill()
         cluster.processes["syncer"].wait()
@@ -140,7 +143,7 @@ def test_a_global_syncer_killed_twice_resumes_and_the_run_reproduces_the_replay(
     cluster.finish()
     assert cluster.log("syncer").count("resumed from") == 2
     record = arrivals(tmp_path / "syncer")
-    assert [p.region for p in record.pushes] and len(record.pushes) == GLOBAL_UPDATES
+    assert len(record.pushes) == updates
     real = final_params(tmp_path / "syncer", make_halos_task())
     replay = _replay(record)
     for name in ("w", "b"):

@@ -38,6 +38,14 @@ def fail(message: str) -> NoReturn:
 
 
 def _shared_flags(p: argparse.ArgumentParser) -> None:
+    """Every run command's flags."""
+    for add in (_run_flags, _optimizer_flags, _model_flags, _method_flags, _placement_flags,
+                _output_flags):  # fmt: skip
+        add(p)
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the run's size and data."""
     p.add_argument(
         "--preset",
         default="default",
@@ -53,6 +61,10 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         help="bytes (default) | bpe:VOCAB, byte-level BPE trained on the train split (cached)",
     )
     p.add_argument("--sharding", choices=SHARDINGS, help="worker data regime")
+
+
+def _optimizer_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the inner and outer optimizers."""
     p.add_argument("--inner-lr", type=float, help="inner AdamW peak learning rate")
     p.add_argument(
         "--inner-optimizer",
@@ -69,6 +81,10 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         help="cgad / adam_decay: the age gate's decay per outer update of a delta's age",
     )
     p.add_argument("--age-cutoff", type=float, help="cgad: the age at which its gate reaches 0")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the model and its numerics."""
     p.add_argument("--model", help="model preset (micro, tiny, small, 60m, 150m, 400m, 1b, ...)")
     p.add_argument("--batch-size", type=int, help="sequences per worker per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -100,6 +116,11 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --mesh: split the residual stream's batch over fsdp (FSDP proper)",
     )
+
+
+def _method_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the data cap and the method's parts (warm start, compression, weights, delay,
+    DES-LOC, gossip, Streaming)."""
     p.add_argument("--max-bytes", type=int, help="read at most this many bytes of data")
     p.add_argument("--pretrain-steps", type=int, help="shared 1-worker warm start (0: none)")
     p.add_argument("--compression", help="DiLoCo deltas as none|bf16|int8|int4|sparseloco|...")
@@ -144,6 +165,10 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="eager outer updates: each worker's fresh delta stands in for its stale share",
     )
+
+
+def _placement_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the seed, the backend and where the state lives."""
     p.add_argument("--seed", type=int)
     p.add_argument("--backend", help="auto | vmap | sequential | shard_map | pmap")
     p.add_argument(
@@ -163,6 +188,10 @@ def _shared_flags(p: argparse.ArgumentParser) -> None:
         choices=("device", "pinned_host"),
         help="where θ and the outer state live between syncs (pinned_host: host memory)",
     )
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of where the run writes."""
     p.add_argument("--out", help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

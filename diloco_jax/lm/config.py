@@ -310,23 +310,34 @@ def _check_types(cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Raises ConfigError naming the first bad field."""
+    _check_types(cfg)
+    _check_counts(cfg)
+    _check_model(cfg)
+    _check_optimizers(cfg)
+    _check_method(cfg)
+
+
+def _at_least(cfg: RunConfig, name: str, minimum: int) -> None:
+    if getattr(cfg, name) < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {getattr(cfg, name)!r}")
+
+
+def _check_counts(cfg: RunConfig) -> None:
+    """The sizes and counts: each at its least, and within what holds it."""
+    for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
+        _at_least(cfg, name, 1)
+    for name in ("warmup_steps", "pretrain_steps", "seed"):
+        _at_least(cfg, name, 0)
+    if cfg.max_bytes is not None:
+        _at_least(cfg, "max_bytes", 1)
+    _check_bounds(cfg)
+
+
+def _check_model(cfg: RunConfig) -> None:
+    """The model preset, its context, dtypes and kernels, and the tokenizer."""
     from diloco_jax.lm.model import ATTENTIONS, EMBEDDINGS
     from diloco_jax.lm.model import PRESETS as MODELS
-    from diloco_jax.workers import BACKENDS
 
-    _check_types(cfg)
-
-    def at_least(name: str, minimum: int) -> None:
-        if getattr(cfg, name) < minimum:
-            raise ConfigError(f"{name} must be an integer >= {minimum}, got {getattr(cfg, name)!r}")
-
-    for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
-        at_least(name, 1)
-    for name in ("warmup_steps", "pretrain_steps", "seed"):
-        at_least(name, 0)
-    if cfg.max_bytes is not None:
-        at_least("max_bytes", 1)
-    _check_bounds(cfg)
     if cfg.model not in MODELS:
         raise ConfigError(f"model must be one of {sorted(MODELS)}, got {cfg.model!r}")
     if cfg.seq_len > MODELS[cfg.model].seq_len:
@@ -346,6 +357,13 @@ def validate(cfg: RunConfig) -> None:
         model_config(cfg)
     except ValueError as e:  # combinations the model refuses, e.g. cudnn with float32
         raise ConfigError(str(e)) from None
+
+
+def _check_optimizers(cfg: RunConfig) -> None:
+    """The data regime, the backend, the inner and outer optimizers and their options, the
+    simulated clock's step times, and the server part."""
+    from diloco_jax.workers import BACKENDS
+
     if cfg.sharding not in SHARDINGS:
         raise ConfigError(f"sharding must be one of {SHARDINGS}, got {cfg.sharding!r}")
     if cfg.outer_optimizer not in OUTER_OPTIMIZERS:
@@ -376,7 +394,7 @@ def validate(cfg: RunConfig) -> None:
             f"got {cfg.step_seconds!r}"
         )
     if cfg.dn_buffer is not None:
-        at_least("dn_buffer", 1)
+        _at_least(cfg, "dn_buffer", 1)
     if cfg.dn_c < 0:
         raise ConfigError(f"dn_c must be a finite number >= 0, got {cfg.dn_c!r}")
     if (cfg.dn_buffer is not None or cfg.dn_c) and cfg.outer_optimizer != "delayed_nesterov":
@@ -391,6 +409,10 @@ def validate(cfg: RunConfig) -> None:
             "outer_momentum applies to outer_optimizer 'nesterov', 'heavy_ball', "
             f"'delayed_nesterov' or 'heloco' only, got {cfg.outer_optimizer!r}"
         )
+
+
+def _check_method(cfg: RunConfig) -> None:
+    """The method's parts, by the library's own spec, and the mesh."""
     if cfg.state_sync is not None:
         state_sync_of(cfg)
         if cfg.inner_optimizer != "adamw":
