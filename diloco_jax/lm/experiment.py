@@ -422,6 +422,25 @@ def run(
     else:
         raise ConfigError(f"algo must be one of 'diloco', 'sync', 'async', got {algo!r}")
     history = result.history
+    summary = _summary(cfg, model_cfg, algo, num_workers, params, history, start)
+    if algo == "async":
+        summary.update(
+            server="one" if cfg.server is None else cfg.server,
+            step_seconds=list(seconds),
+            dynamic_steps=cfg.dynamic_steps,
+            job_steps=sorted({h["steps"] for h in history if "steps" in h}, reverse=True),
+            simulated_seconds=result.elapsed_seconds,
+            utilization=result.utilization,
+        )
+    return summary, history
+
+
+def _summary(
+    cfg: RunConfig, model_cfg: Any, algo: str, num_workers: int, params: Any,
+    history: list[Record], start: float,
+) -> Record:  # fmt: skip
+    """A run's summary from its history (`run`'s docstring): its setup, final losses, bytes,
+    tokens, wall seconds since `start` and throughput."""
     final = [h for h in history if "eval_loss" in h][-1]
     last = history[-1]
     summary = {
@@ -452,16 +471,7 @@ def run(
     if "wire_bytes_per_device" in last:  # on a mesh: what each device sends of its shards
         summary["wire_bytes_per_device"] = last["wire_bytes_per_device"]
     summary.update(throughput(cfg, model_cfg, num_workers, summary))
-    if algo == "async":
-        summary.update(
-            server="one" if cfg.server is None else cfg.server,
-            step_seconds=list(seconds),
-            dynamic_steps=cfg.dynamic_steps,
-            job_steps=sorted({h["steps"] for h in history if "steps" in h}, reverse=True),
-            simulated_seconds=result.elapsed_seconds,
-            utilization=result.utilization,
-        )
-    return summary, history
+    return summary
 
 
 def _run_async(
