@@ -34,6 +34,7 @@ then the arrival log, and `train_async(..., arrivals=arrivals(OUT/syncer))` repl
 
 import argparse
 import contextlib
+import heapq
 import json
 import logging
 import os
@@ -134,19 +135,20 @@ def _halos_record(directory: Path, pushes: list[dict]) -> Any:
     from diloco_jax import halos_replay
     from diloco_jax.halos_syncer import MERGES_FILE
 
-    lines, merges = [], []
+    regions, merges = [], []
     for folder in sorted(directory.glob("region-*"), key=lambda f: int(f.name.split("-")[1])):
         region = int(folder.name.split("-")[1])
-        lines += history(folder) if (folder / "history.jsonl").exists() else []
+        regions.append(history(folder) if (folder / "history.jsonl").exists() else [])
         if (folder / MERGES_FILE).exists():
             merges += [halos_replay.RegionMerge(region, x["after"], x["version"])
                        for x in _jsonl(folder / MERGES_FILE)]  # fmt: skip
-    origin = min((x["started"] for x in lines), default=0.0)
+    origin = min((x["started"] for lines in regions for x in lines), default=0.0)
+    # By time, each region's own updates in their order whatever its clock did.
     arrivals = tuple(
         halos_replay.Arrival(x["region"], x["worker"], x["position"], x["steps"],
                              x["start_update"], x["start_merges"], x["staleness"],
                              x["time"] - origin)
-        for x in sorted(lines, key=lambda x: x["time"])
+        for x in heapq.merge(*regions, key=lambda x: x["time"])
     )  # fmt: skip
     return halos_replay.Record(
         arrivals, tuple(merges),

@@ -68,8 +68,9 @@ def test_a_killed_and_a_stopped_learner_reproduce_the_replay(tmp_path):
         np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
     assert [e["merged"] for e in replay.history] == [list(x.merged) for x in merges]
     # The run was what the test made it. Learner 1's new process resumed from its checkpoint
-    # and was merged again after; learner 2 was left out while stopped and came back (its
-    # pushes behind the others', late: a learner never catches up on its own steps).
+    # and was merged again after; learner 2 was left out while stopped and joined again
+    # during the run (its pushes behind the others', late: a learner never catches up on its
+    # own steps, and under load the run can end before another of them is heard).
     restarted = next(i for i, x in enumerate(merges) if any(r[0] == 1 for r in x.restarts)
                      and i > 0)  # fmt: skip
     [(_, step, saved)] = [r for r in merges[restarted].restarts if r[0] == 1]
@@ -77,9 +78,9 @@ def test_a_killed_and_a_stopped_learner_reproduce_the_replay(tmp_path):
     assert "resuming at step" in cluster.log("worker-1")
     assert any(1 in x.merged for x in merges[restarted:])
     lines = history(syncer_dir)
-    missed = next(i for i, x in enumerate(lines) if i >= 4 and 2 not in x["merged"])
-    assert sum(lines[-1]["pushes"][2]) > sum(lines[missed]["pushes"][2])
+    assert any(2 not in x["merged"] for x in lines[4:])
     assert "joining again" in cluster.log("worker-2")
+    assert cluster.log("syncer").count("learner 2 joined") == 2
     assert all(any(b >= 0 for b in x.boundaries) for x in merges[: MERGES // 2])
     # Control: the same merges replayed as if every learner's push had made each of them
     # land elsewhere (the merged sets matter), and so does learner 1's restart.
