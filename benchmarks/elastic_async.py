@@ -55,6 +55,31 @@ def _address(folder: Path) -> str:
     return path.read_text().strip()
 
 
+def max_relative_difference(real, replay) -> float:
+    """The largest relative difference of a real run's params from its replay's."""
+    return max(
+        float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+        for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(replay), strict=True)
+    )
+
+
+def rates(real: tuple, simulated: tuple, tokens_per_step: int, per_step: list) -> dict:
+    """A real window and its simulated clock's, each (seconds, inner steps), as the fields a
+    results file records; synchronous DiLoCo at the same step times waits for the slowest
+    worker every step."""
+    (real_s, real_n), (sim_s, sim_n) = real, simulated
+    return {
+        "seconds_per_step": [round(s, 4) for s in per_step],
+        "real_seconds": round(real_s, 3),
+        "real_inner_steps": real_n,
+        "real_tokens_per_second": round(real_n * tokens_per_step / real_s, 1),
+        "simulated_seconds": round(sim_s, 3),
+        "simulated_inner_steps": sim_n,
+        "simulated_tokens_per_second": round(sim_n * tokens_per_step / sim_s, 1),
+        "synchronous_tokens_per_second": round(len(per_step) * tokens_per_step / max(per_step), 1),
+    }
+
+
 def real_run(args: argparse.Namespace, dylu: bool, workdir: Path) -> Path:
     """One run to its end; returns its syncer folder."""
     env = dict(ELASTIC_WORKERS=str(args.workers), ELASTIC_ROUNDS=str(args.updates),
@@ -136,10 +161,7 @@ def measure(args: argparse.Namespace, dylu: bool, syncer_dir: Path) -> dict:
         method=task.method,
     )  # fmt: skip
     real = elastic.final_params(syncer_dir, task)
-    difference = max(
-        float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
-        for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(replay.params), strict=True)
-    )
+    difference = max_relative_difference(real, replay.params)
     real_tps = steps * tokens_per_step / seconds
     sim_tps = sim_steps * tokens_per_step / simulated.elapsed_seconds
     return {

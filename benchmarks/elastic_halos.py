@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from elastic_async import run_processes
+from elastic_async import max_relative_difference, rates, run_processes
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "elastic_halos.json"
@@ -66,24 +66,12 @@ def measure(args: argparse.Namespace, syncer_dir: Path) -> dict:
         num_updates=len(record.arrivals), server=spec, arrivals=record, method=task.method,
     )  # fmt: skip
     real = elastic.final_params(syncer_dir, task)
-    difference = max(
-        float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
-        for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(replay.params), strict=True)
-    )
     return {
         "region_updates": len(lines),
         "global_updates": len(record.pushes),
         "merges": len(record.merges),
-        "seconds_per_step": [round(s, 4) for s in per_step],
-        "real_seconds": round(real_seconds, 3),
-        "real_inner_steps": real_steps,
-        "real_tokens_per_second": round(real_steps * tokens_per_step / real_seconds, 1),
-        "simulated_seconds": round(sim_seconds, 3),
-        "simulated_inner_steps": sim_steps,
-        "simulated_tokens_per_second": round(sim_steps * tokens_per_step / sim_seconds, 1),
-        # Synchronous DiLoCo at the same step times: every step waits for the slowest worker.
-        "synchronous_tokens_per_second": round(args.workers * tokens_per_step / max(per_step), 1),
-        "replay_max_relative_difference": difference,
+        **rates((real_seconds, real_steps), (sim_seconds, sim_steps), tokens_per_step, per_step),
+        "replay_max_relative_difference": max_relative_difference(real, replay.params),
     }
 
 

@@ -29,7 +29,10 @@ folder (`worker_params`).
 
 A task with `algo="async"` runs asynchronous DiLoCo instead (`diloco_jax.arrival_syncer`):
 no rounds, each delta applied as it arrives with its age, R server updates; history.jsonl is
-then the arrival log, and `train_async(..., arrivals=arrivals(OUT/syncer))` replays it.
+then the arrival log, and `train_async(..., arrivals=arrivals(OUT/syncer))` replays it. With
+`server=dj.HALoS(...)` the syncer is the global one, and `run` also starts a syncer per region
+(`syncer --region R --global-syncer HOST:PORT`, its folder OUT/syncer/region-R), each worker
+at its region's (`diloco_jax.halos_syncer`).
 """
 
 import argparse
