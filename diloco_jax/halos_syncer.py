@@ -19,9 +19,13 @@ lines carry where each job started (updates and merges), its merges.jsonl each m
 GPS's history.jsonl each push applied. `elastic.arrivals(gps_dir)` reads them (the regions'
 folders inside the GPS's: `region-r/`) as a `halos_replay.Record`.
 
-A region's syncer keeps no checkpoint and does not resume (a folder of an earlier run is
-refused): its θ_L moves with every delta, and a merge in flight can't be taken back. A
-worker that dies, stalls or restarts is handled as in asynchronous DiLoCo.
+A region's syncer checkpoints each update as asynchronous DiLoCo's does, with its own state
+beside (its snapshot, its counts, a push in flight and its Δ_L). A push leaves only once the
+checkpoint of the update that armed it is on disk, and a merge is on disk before any job
+starts from it, so a restarted region resumes knowing every push the GPS has from it and
+every θ_L a job started from; a push whose "ok" it never heard is not sent twice (the GPS's
+next job says how many of the region's pushes it holds). A worker that dies, stalls or
+restarts is handled as in asynchronous DiLoCo.
 """
 
 import dataclasses
@@ -107,14 +111,21 @@ class RegionSyncer(ArrivalSyncer):
         spec: HALoS = task.server
         if not 0 <= region < spec.num_regions:
             raise ValueError(f"--region must be in [0, {spec.num_regions}), got {region}")
-        if (Path(directory) / "history.jsonl").exists():
-            raise ValueError(f"{directory} holds a region's run: a HALoS region's syncer does "
-                             "not resume (start it in an empty folder)")  # fmt: skip
         self.spec, self.region = spec, region
-        super().__init__(task, checked_for_halos(options, task), directory)
-        self.snapshot, self.merged, self.in_flight, self.merges = self.theta, 0, False, 0
+        # The region's own state, saved with each checkpoint (a restart resumes it): its θ_L
+        # at its last merge, the updates then, whether a push is in flight (and its Δ_L), its
+        # merges and pushes so far, and the merges before each job handed out.
+        self.snapshot: Any = None
+        self.merged, self.in_flight, self.merges, self.pushes = 0, False, 0, 0
+        self.pending: Any = None
         self.start_merges: dict[int, int] = {}  # job serial -> merges before its θ_L
+        self.armed = False  # a push armed by this update, sent once its checkpoint is on disk
         self.outbox: queue.Queue = queue.Queue()
+        super().__init__(task, checked_for_halos(options, task), directory)
+        if self.snapshot is None:
+            self.snapshot = self.theta
+        if self.in_flight:  # resumed with a push the GPS may or may not have applied
+            self.outbox.put((self.pushes - 1, self.pending))
         self.link = _Link(self, gps, secret)
 
     def start_link(self) -> threading.Thread:
@@ -136,26 +147,43 @@ class RegionSyncer(ArrivalSyncer):
     def _job_fields(self, job: Job) -> dict:
         return {"region": self.region, "start_merges": self.start_merges.pop(job.serial)}
 
-    def _apply_arrival(self, worker: int, job: Job, pushed: Any, steps_s: float) -> None:
-        super()._apply_arrival(worker, job, pushed, steps_s)
-        if not self.in_flight and self.round == self.merged + self.spec.local_updates:
-            self.in_flight = True
-            delta = jax.tree.map(np.asarray, worker_delta(self.snapshot, self.theta))
-            self.outbox.put(delta)
+    def _record(self, record: dict, busy_since: float) -> None:
+        # A push due after this update is part of the state its checkpoint saves, and leaves
+        # only once that is on disk: a restarted region knows of every push the GPS has.
+        if not self.in_flight and self.round + 1 == self.merged + self.spec.local_updates:
+            self.in_flight, self.armed = True, True
+            self.pending = jax.tree.map(np.asarray, worker_delta(self.snapshot, self.theta))
+            self.pushes += 1
+        super()._record(record, busy_since)
+        if self.armed:
+            self.armed = False
+            self._flushed()
+            self.outbox.put((self.pushes - 1, self.pending))
 
     def merge_global(self, theta_g: Any, version: int) -> None:
-        """θ_G of `version` GPS updates reached this LPS: merged, recorded, the next push armed."""
+        """θ_G of `version` GPS updates reached this LPS: merged, recorded and on disk before
+        any job starts from it; the next push armed."""
         with self.cond:
             merged = merge_theta(self.theta, theta_g, self.spec.merge_weight)
             self.theta = jax.tree.map(np.asarray, merged)
             self.snapshot, self.merged, self.in_flight = self.theta, self.round, False
+            self.pending = None
             self.merges += 1
             line = {"merge": self.merges - 1, "after": self.round, "version": version,
                     "time": time.time()}  # fmt: skip
             with open(self.directory / MERGES_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
+            self._save()
+            self._flushed()
             log.info("region %d merged θ_G of %d global updates after %d updates", self.region,
                      version, self.round)  # fmt: skip
+
+    def _flushed(self) -> None:
+        """The newest checkpoint on disk (a failed write ends the run with its line)."""
+        try:
+            self._writer.flush()
+        except Exception as error:  # noqa: BLE001 (the run ends with its line, never a hang)
+            self._failed(error)
 
     def end(self, reply: dict) -> None:
         """The GPS's end of the run, heard on the link: this region ends with it."""
@@ -173,8 +201,32 @@ class RegionSyncer(ArrivalSyncer):
     def _end_if_done(self) -> bool:
         return self.done is not None  # the GPS's count ends the run, not this region's
 
-    def _save(self) -> None:
-        pass  # no checkpoint: a region's syncer does not resume (module docstring)
+    def _saved_extra(self) -> dict:
+        region = {
+            "snapshot": wire.leaves(self.snapshot),
+            "counts": [self.merged, int(self.in_flight), self.merges, self.pushes],
+            "pending": [] if self.pending is None else wire.leaves(self.pending),
+            "start_merges": {str(k): v for k, v in self.start_merges.items()},
+        }
+        return {**super()._saved_extra(), "region": region}
+
+    def _restore_extra(self, message: dict, path: Path) -> None:
+        super()._restore_extra(message, path)
+        region = message["region"]
+        self.snapshot = wire.tree_like(self.theta, region["snapshot"], f"{path}: snapshot")
+        self.merged, in_flight, self.merges, self.pushes = (int(x) for x in region["counts"])
+        self.in_flight = bool(in_flight)
+        self.pending = (
+            wire.tree_like(self.theta, region["pending"], f"{path}: pending")
+            if self.in_flight
+            else None
+        )
+        self.start_merges = {int(k): int(v) for k, v in region["start_merges"].items()}
+        merges = self.directory / MERGES_FILE  # cut back to the checkpoint's merges
+        if merges.exists():
+            lines = merges.read_text().splitlines(keepends=True)
+            if len(lines) > self.merges:
+                merges.write_text("".join(lines[: self.merges]))
 
 
 class _Link:
@@ -195,14 +247,12 @@ class _Link:
             self._join()
             threading.Thread(target=self._heartbeats, daemon=True, name="gps-beat").start()
             job = self._next()  # θ_G of now: θ_L starts at θ_0 whatever it is
-            index = 0  # this region's pushes so far
             while self.lps.done is None:
                 try:
-                    delta = self.lps.outbox.get(timeout=0.2)
+                    index, delta = self.lps.outbox.get(timeout=0.2)
                 except queue.Empty:
                     continue
                 job = self._push(index, job, delta)
-                index += 1
                 self.lps.merge_global(job.theta, job.version)
         except _Ended as end:
             self.lps.end(end.reply)
@@ -247,6 +297,11 @@ class _Link:
         once; returns the job after it (the θ_G to merge)."""
         leaves = wire.leaves(delta)
         while True:
+            if job.pushes > index:  # applied before a restart (the GPS's, or this region's)
+                return job
+            if job.pushes < index:
+                raise ValueError(f"the global syncer holds {job.pushes} of this region's "
+                                 f"pushes, not the {index} it was told of")  # fmt: skip
             header = {**self._me(), "serial": job.serial, "loss": 0.0}
             reply = self._ended(self.client.push(header, leaves, lambda i: None))
             status = reply["status"]
@@ -257,11 +312,6 @@ class _Link:
             elif status != "late":
                 raise ValueError(f"the global syncer answered {reply}")
             job = self._next()  # its job was dropped (a GPS restart, a removal)
-            if job.pushes > index:  # applied before the GPS restarted: its "ok" was lost
-                return job
-            if job.pushes < index:
-                raise ValueError(f"the global syncer holds {job.pushes} of this region's "
-                                 f"pushes, not the {index} it was told of")  # fmt: skip
 
     def _ended(self, reply: dict) -> dict:
         if reply.get("status") in ("done", "abort"):

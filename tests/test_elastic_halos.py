@@ -150,19 +150,40 @@ def test_a_global_syncer_killed_twice_resumes_and_the_run_reproduces_the_replay(
         np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
 
 
-def test_a_region_syncer_refuses_another_regions_worker_and_an_earlier_runs_folder(tmp_path):
+@pytest.mark.slow
+def test_a_region_syncer_killed_resumes_and_the_run_reproduces_the_replay(tmp_path):
+    """Region 1's syncer SIGKILLed at a random moment and restarted at its address: it resumes
+    from its checkpoint (a push in flight, its merges), its workers' jobs after it run again,
+    no push is applied twice, and θ_G equals the replay of the record."""
+    rng = np.random.default_rng(int(time.time()))
+    updates = 30
+    env = {"ELASTIC_ROUNDS": str(updates), "ELASTIC_PHASE_SECONDS": "0"}
+    cluster = HALoSCluster(tmp_path, env=env)
+    cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
+    at = int(rng.integers(3, 12))
+    _wait(lambda: len(cluster.updates(1)) >= at, 120, f"{at} updates in region 1", cluster)
+    time.sleep(rng.uniform(0, 0.3))
+    cluster.processes["region-1"].kill()
+    cluster.processes["region-1"].wait()
+    cluster.region(1)
+    cluster.finish()
+    assert "resumed from" in cluster.log("region-1")
+    record = arrivals(tmp_path / "syncer")
+    assert len(record.pushes) == updates
+    real = final_params(tmp_path / "syncer", make_halos_task())
+    replay = _replay(record)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+
+
+def test_a_region_syncer_refuses_another_regions_worker(tmp_path):
     from diloco_jax.elastic_task import Elastic
     from diloco_jax.halos_syncer import RegionSyncer
 
-    task = make_halos_task()
-    syncer = RegionSyncer(task, Elastic(), tmp_path / "r0", 0, "127.0.0.1:1", b"secret")
+    syncer = RegionSyncer(make_halos_task(), Elastic(), tmp_path, 0, "127.0.0.1:1", b"secret")
     syncer.join(1, None)  # worker 1 is region 0's
     with pytest.raises(ValueError, match="worker 2 is in region 1, not this syncer's region 0"):
         syncer.join(2, None)
-    (tmp_path / "r1").mkdir()
-    (tmp_path / "r1" / "history.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match="a HALoS region's syncer does not resume"):
-        RegionSyncer(task, Elastic(), tmp_path / "r1", 1, "127.0.0.1:1", b"secret")
 
 
 @pytest.mark.parametrize(
