@@ -159,6 +159,9 @@ def test_a_region_syncer_killed_resumes_and_the_run_reproduces_the_replay(tmp_pa
     updates = 30
     env = {"ELASTIC_ROUNDS": str(updates), "ELASTIC_PHASE_SECONDS": "0"}
     cluster = HALoSCluster(tmp_path, env=env)
+    # Every worker waits at its position 10 until region 1 is back: region 0 alone can't end
+    # the run meanwhile (at most 20 of its updates, 10 global ones, of 30).
+    cluster.hold(10)
     cluster.start(**{str(m): {"DILOCO_JAX_SLOW_STEP": s} for m, s in enumerate(SLOW)})
     at = int(rng.integers(3, 12))
     _wait(lambda: len(cluster.updates(1)) >= at, 120, f"{at} updates in region 1", cluster)
@@ -166,6 +169,8 @@ def test_a_region_syncer_killed_resumes_and_the_run_reproduces_the_replay(tmp_pa
     cluster.processes["region-1"].kill()
     cluster.processes["region-1"].wait()
     cluster.region(1)
+    _wait(lambda: "resumed from" in cluster.log("region-1"), 60, "region 1 back", cluster)
+    cluster.hold(None)
     cluster.finish()
     assert "resumed from" in cluster.log("region-1")
     record = arrivals(tmp_path / "syncer")
