@@ -75,6 +75,19 @@ def _replay(record):
     )  # fmt: skip
 
 
+def _equals_its_replay(syncer_dir, updates):
+    """(record, θ_G) of a finished run of `updates` global updates, after checking θ_G is
+    finite and equals the replay of its record."""
+    record = arrivals(syncer_dir)
+    assert len(record.pushes) == updates
+    real = final_params(syncer_dir, make_halos_task())
+    replay = _replay(record)
+    for name in ("w", "b"):
+        assert np.all(np.isfinite(real[name]))
+        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    return record, real
+
+
 @pytest.mark.slow
 def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path):
     env = {"ELASTIC_ROUNDS": str(GLOBAL_UPDATES), "ELASTIC_PHASE_SECONDS": "0"}
@@ -98,14 +111,9 @@ def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path):
               f"worker {m} joining again", cluster)  # fmt: skip
     cluster.hold(None)
     cluster.finish()
-    record = arrivals(tmp_path / "syncer")
-    assert len(record.pushes) == GLOBAL_UPDATES and record.merges
+    record, real = _equals_its_replay(tmp_path / "syncer", GLOBAL_UPDATES)
+    assert record.merges
     task = make_halos_task()
-    real = final_params(tmp_path / "syncer", task)
-    replay = _replay(record)
-    for name in ("w", "b"):
-        assert np.all(np.isfinite(real[name]))
-        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
     # The faults are in the record: worker 1's jobs 2.. ran after its restart, worker 3 was
     # heard again after its stall.
     assert "joining again" in cluster.log("worker-3")
@@ -142,12 +150,7 @@ def test_a_global_syncer_killed_twice_resumes_and_the_run_reproduces_the_replay(
         cluster.syncer()
     cluster.finish()
     assert cluster.log("syncer").count("resumed from") == 2
-    record = arrivals(tmp_path / "syncer")
-    assert len(record.pushes) == updates
-    real = final_params(tmp_path / "syncer", make_halos_task())
-    replay = _replay(record)
-    for name in ("w", "b"):
-        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    _equals_its_replay(tmp_path / "syncer", updates)
 
 
 @pytest.mark.slow
@@ -173,12 +176,7 @@ def test_a_region_syncer_killed_resumes_and_the_run_reproduces_the_replay(tmp_pa
     cluster.hold(None)
     cluster.finish()
     assert "resumed from" in cluster.log("region-1")
-    record = arrivals(tmp_path / "syncer")
-    assert len(record.pushes) == updates
-    real = final_params(tmp_path / "syncer", make_halos_task())
-    replay = _replay(record)
-    for name in ("w", "b"):
-        np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
+    _equals_its_replay(tmp_path / "syncer", updates)
 
 
 def test_a_region_syncer_refuses_another_regions_worker(tmp_path):
