@@ -254,7 +254,9 @@ def train_async(
         start_update); a worker's jobs increase. The replay applies them in that order,
         exactly as the simulated clock's own schedule. With `server=dj.DecoupledDiLoCo(...)`:
         a real Decoupled DiLoCo run's `decoupled.Merge`s (`elastic.arrivals` of its syncer's
-        folder), its merges, boundaries and learner restarts in place of the schedule.
+        folder), its merges, boundaries and learner restarts in place of the schedule; with
+        `server=dj.HALoS(...)`: a real HALoS run's `halos_replay.Record` (`elastic.arrivals`
+        of its global syncer's folder), num_updates its region updates, all of them.
       has_aux: `loss_fn` returns (loss, aux dict of scalars); each aux metric's mean over the
         job's steps joins its history entry beside "loss".
       rng_seed: `loss_fn(params, batch, key)`; job j of worker m, step h draws
