@@ -146,8 +146,7 @@ def _check_server(task: "ElasticTask") -> None:
 def _check_halos(task: "ElasticTask", server: HALoS) -> None:
     """ValueError naming what a HALoS run on processes can't take: simulated latencies (its
     hops are the network's), or regions that don't fit the task."""
-    hops = server.region_seconds
-    if server.worker_seconds or any(hops if isinstance(hops, tuple) else (hops,)):
+    if server.simulates_latency:
         raise ValueError(
             "ElasticTask.server's worker_seconds and region_seconds simulate latencies: on "
             "processes the hops are the network's (leave them 0)"

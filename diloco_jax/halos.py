@@ -104,6 +104,23 @@ class HALoS:
         hops = self.region_seconds
         return float(hops[region] if isinstance(hops, tuple) else hops)
 
+    def push_due(self, updates: int, merged: int, in_flight: bool) -> bool:
+        """Whether an LPS sends Δ_L now: after `updates` of its updates, `merged` of them
+        before its last merge, with no push of it in flight."""
+        return not in_flight and updates == merged + self.local_updates
+
+    @property
+    def smallest_region(self) -> int:
+        """The workers of the smallest region."""
+        return min(self.regions.count(r) for r in range(self.num_regions))
+
+    @property
+    def simulates_latency(self) -> bool:
+        """Whether it sets a hop's latency (the simulated clock's; on processes the hops are
+        the network's)."""
+        hops = self.region_seconds
+        return bool(self.worker_seconds) or any(hops if isinstance(hops, tuple) else (hops,))
+
     def checked(self, num_workers: int, inner_steps: int = 1, params: Any = None) -> None:
         """ValueError naming the field that doesn't fit the run (M: one region each)."""
         if len(self.regions) != num_workers:
@@ -175,9 +192,9 @@ def _train(spec: HALoS, run: Any) -> Any:
     elapsed = state.time if history else 0.0
     utilization = _utilization(state, run, elapsed) if run.recorded is None else 0.0
     outer = {"global": state.gps.state, "local": tuple(s.state for s in state.lps)}
-    stacked = job.where.stack(state.inner_states)
+    stacked = run.where.stack(state.inner_states)
     result_state = async_train.AsyncState(state.gps.theta, outer, stacked, run.num_updates)
-    theta, result_state = job.where.results((state.gps.theta, result_state))
+    theta, result_state = run.where.results((state.gps.theta, result_state))
     return async_train.AsyncResult(theta, result_state, history, elapsed, utilization)
 
 
@@ -356,31 +373,46 @@ class _Job:
         r = spec.regions[m]
         local = state.lps[r]
         staleness = local.version - w.start_update
-        local.theta, local.state = self.apply_local(
-            local.theta, local.state, self.where.arrived(w.theta), jnp.int32(staleness)
-        )
-        local.version += 1
+        self.update_local(state, m, w.theta, staleness, w.steps)
         state.busy += w.steps * self.run.step_seconds[m]
-        state.total_steps += w.steps
-        state.last_steps = w.steps
-        state.sent[m] += self.per_model
-        means = w.means
-        entry = {"update": update, "time": time, "worker": m, "region": r, "steps": w.steps,
-                 "total_steps": state.total_steps, "staleness": staleness}  # fmt: skip
+        # Its next job starts from θ_L of now, before a push this update sets off is handled.
         state.workers[m] = _Worker(True, local.theta, time + spec.worker_seconds, local.version,
                                    w.job + 1, self.steps[m])  # fmt: skip
-        if not local.in_flight and local.version == local.merged + spec.local_updates:
+        self.push_if_due(state, r, lambda delta: self._send(state, time, r, "push", delta))
+        return self.entry(state, update, time, m, w.steps, staleness), w.means
+
+    def update_local(self, state: _State, m: int, delta: Any, staleness: int, steps: int) -> None:
+        """Worker m's delta of `steps` inner steps applied at its LPS with its age."""
+        local = state.lps[self.spec.regions[m]]
+        local.theta, local.state = self.apply_local(
+            local.theta, local.state, self.where.arrived(delta), jnp.int32(staleness)
+        )
+        local.version += 1
+        state.total_steps += steps
+        state.last_steps = steps
+        state.sent[m] += self.per_model
+
+    def push_if_due(self, state: _State, r: int, send: Any) -> None:
+        """LPS r's Δ_L to `send` if a push is due (`HALoS.push_due`)."""
+        local = state.lps[r]
+        if self.spec.push_due(local.version, local.merged, local.in_flight):
             local.in_flight = True
             state.region_sent[r] += self.per_model
-            self._send(state, time, r, "push", worker_delta(local.snapshot, local.theta))
+            send(worker_delta(local.snapshot, local.theta))
+
+    def entry(
+        self, state: _State, update: int, time: float, m: int, steps: int, staleness: int
+    ) -> dict:
+        """The history entry of LPS update `update` (worker m's)."""
         sent = round(sum(state.sent) / len(state.sent))
-        entry.update(
-            global_updates=state.gps.version, bytes_communicated=sent, wire_bytes=sent,
-            worker_bytes=list(state.sent), region_bytes=list(state.region_sent),
-        )  # fmt: skip
+        entry = {"update": update, "time": time, "worker": m, "region": self.spec.regions[m],
+                 "steps": steps, "total_steps": state.total_steps, "staleness": staleness,
+                 "global_updates": state.gps.version, "bytes_communicated": sent,
+                 "wire_bytes": sent, "worker_bytes": list(state.sent),
+                 "region_bytes": list(state.region_sent)}  # fmt: skip
         if self.per_device is not None:  # on a mesh: each of its devices sends its shard
             entry["wire_bytes_per_device"] = round((update + 1) * self.per_device / len(state.sent))
-        return entry, means
+        return entry
 
     def _send(self, state: _State, time: float, r: int, what: str, value: Any) -> None:
         """A message between the servers sent now; with no latency it is handled at once."""
@@ -400,9 +432,13 @@ class _Job:
             gps.version += 1
             self._send(state, time, r, "reply", gps.theta)
         else:  # θ_G reaches LPS r
-            local.theta = self.merge(local.theta, message.value, self.spec.merge_weight)
-            local.snapshot, local.merged, local.in_flight = local.theta, local.version, False
-            local.seen = gps.version
+            self.merge_into(local, message.value, gps.version)
+
+    def merge_into(self, local: "_Server", theta_g: Any, seen: int) -> None:
+        """θ_G merged into an LPS, its new snapshot; `seen`: the GPS updates it has seen."""
+        local.theta = self.merge(local.theta, theta_g, self.spec.merge_weight)
+        local.snapshot, local.merged, local.in_flight = local.theta, local.version, False
+        local.seen = seen
 
     def evaluate(self, state: _State, done: int) -> Any:
         # As train_async: every eval_every inner steps per worker, and after the last update.

@@ -25,8 +25,6 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from diloco_jax.outer import worker_delta
-
 
 class Arrival(NamedTuple):
     """An update of region `region`'s LPS: worker `worker`'s delta of job `job` (its data
@@ -136,8 +134,11 @@ class Replay:
         self.wanted = Counter((a.region, a.start, a.start_merges) for a in record.arrivals)
         self.wanted_global = Counter(m.version for m in record.merges)
 
-    def __getattr__(self, name: str) -> Any:  # evaluate, record: the simulation's
-        return getattr(self.job, name)
+    def evaluate(self, state: Any, done: int) -> Any:
+        return self.job.evaluate(state, done)
+
+    def record(self, i: int, item: Any, metrics: Any, evals: Any) -> dict:
+        return self.job.record(i, item, metrics, evals)
 
     def initial(self) -> Any:
         state = self.job.initial()
@@ -213,35 +214,14 @@ class Replay:
             job.where.to_worker(start, m), state.inner_states[m], job.job_data(e),
             jnp.int32(a.job), jnp.int32(m), num_steps=a.steps,
         )  # fmt: skip
-        local = region.server
-        local.theta, local.state = job.apply_local(
-            local.theta, local.state, job.where.arrived(delta), jnp.int32(a.staleness)
-        )
-        local.version += 1
-        state.total_steps += a.steps
-        state.last_steps = a.steps
+        job.update_local(state, m, delta, a.staleness, a.steps)
         state.time = max(state.time, a.time)
-        state.sent[m] += job.per_model
-        if not local.in_flight and local.version == local.merged + job.spec.local_updates:
-            local.in_flight = True
-            state.region_sent[r] += job.per_model
-            region.pushes.append(worker_delta(local.snapshot, local.theta))
+        job.push_if_due(state, r, region.pushes.append)
         self._keep(state, r)
-        sent = round(sum(state.sent) / len(state.sent))
-        entry = {"update": update, "time": a.time, "worker": m, "region": r, "steps": a.steps,
-                 "total_steps": state.total_steps, "staleness": a.staleness,
-                 "global_updates": state.gps.version, "bytes_communicated": sent,
-                 "wire_bytes": sent, "worker_bytes": list(state.sent),
-                 "region_bytes": list(state.region_sent)}  # fmt: skip
-        return entry, means
+        return job.entry(state, update, a.time, m, a.steps, a.staleness), means
 
     def _merge(self, state: Any, r: int, region: _Region, merge: RegionMerge) -> None:
-        local = region.server
-        local.theta = self.job.merge(
-            local.theta, state.kept_global[merge.version], self.job.spec.merge_weight
-        )
-        local.snapshot, local.merged, local.in_flight = local.theta, local.version, False
-        local.seen = merge.version
+        self.job.merge_into(region.server, state.kept_global[merge.version], merge.version)
         region.merge_count += 1
         self.wanted_global[merge.version] -= 1
         if not self.wanted_global[merge.version]:

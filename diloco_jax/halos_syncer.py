@@ -71,8 +71,7 @@ def global_task(task: ElasticTask) -> ElasticTask:
 def checked_for_halos(options: Elastic, task: ElasticTask) -> Elastic:
     """`options`, or ValueError naming what a HALoS run can't take: a quorum larger than a
     region (each region's syncer takes its quorum from its own workers)."""
-    spec: HALoS = task.server
-    smallest = min(spec.regions.count(r) for r in range(spec.num_regions))
+    smallest = task.server.smallest_region
     if options.min_workers > smallest:
         raise ValueError(f"Elastic.min_workers must be at most the smallest region's workers "
                          f"({smallest}) for HALoS, got {options.min_workers}")  # fmt: skip
@@ -92,10 +91,7 @@ class GlobalSyncer(ArrivalSyncer):
         # can't take it back, so a restarted GPS resumes with every push a region was told
         # of (and every θ_G it merged).
         super()._apply_arrival(worker, job, pushed, steps_s)
-        try:
-            self._writer.flush()
-        except Exception as error:  # noqa: BLE001 (the run ends with its line, never a hang)
-            self._failed(error)
+        self.flush()
 
     def _theta_for_jobs(self) -> Any:
         return self.theta  # a region merges θ_G itself: no look-ahead
@@ -113,18 +109,17 @@ class RegionSyncer(ArrivalSyncer):
             raise ValueError(f"--region must be in [0, {spec.num_regions}), got {region}")
         self.spec, self.region = spec, region
         # The region's own state, saved with each checkpoint (a restart resumes it): its θ_L
-        # at its last merge, the updates then, whether a push is in flight (and its Δ_L), its
+        # at its last merge, the updates then, the Δ_L of its push in flight (None: none), its
         # merges and pushes so far, and the merges before each job handed out.
         self.snapshot: Any = None
-        self.merged, self.in_flight, self.merges, self.pushes = 0, False, 0, 0
+        self.merged, self.merges, self.pushes = 0, 0, 0
         self.pending: Any = None
         self.start_merges: dict[int, int] = {}  # job serial -> merges before its θ_L
-        self.armed = False  # a push armed by this update, sent once its checkpoint is on disk
         self.outbox: queue.Queue = queue.Queue()
         super().__init__(task, checked_for_halos(options, task), directory)
         if self.snapshot is None:
             self.snapshot = self.theta
-        if self.in_flight:  # resumed with a push the GPS may or may not have applied
+        if self.pending is not None:  # resumed with a push the GPS may or may not hold
             self.outbox.put((self.pushes - 1, self.pending))
         self.link = _Link(self, gps, secret)
 
@@ -150,14 +145,13 @@ class RegionSyncer(ArrivalSyncer):
     def _record(self, record: dict, busy_since: float) -> None:
         # A push due after this update is part of the state its checkpoint saves, and leaves
         # only once that is on disk: a restarted region knows of every push the GPS has.
-        if not self.in_flight and self.round + 1 == self.merged + self.spec.local_updates:
-            self.in_flight, self.armed = True, True
+        armed = self.spec.push_due(self.round + 1, self.merged, self.pending is not None)
+        if armed:
             self.pending = jax.tree.map(np.asarray, worker_delta(self.snapshot, self.theta))
             self.pushes += 1
         super()._record(record, busy_since)
-        if self.armed:
-            self.armed = False
-            self._flushed()
+        if armed:
+            self.flush()
             self.outbox.put((self.pushes - 1, self.pending))
 
     def merge_global(self, theta_g: Any, version: int) -> None:
@@ -166,24 +160,16 @@ class RegionSyncer(ArrivalSyncer):
         with self.cond:
             merged = merge_theta(self.theta, theta_g, self.spec.merge_weight)
             self.theta = jax.tree.map(np.asarray, merged)
-            self.snapshot, self.merged, self.in_flight = self.theta, self.round, False
-            self.pending = None
+            self.snapshot, self.merged, self.pending = self.theta, self.round, None
             self.merges += 1
             line = {"merge": self.merges - 1, "after": self.round, "version": version,
                     "time": time.time()}  # fmt: skip
             with open(self.directory / MERGES_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
             self._save()
-            self._flushed()
+            self.flush()
             log.info("region %d merged θ_G of %d global updates after %d updates", self.region,
                      version, self.round)  # fmt: skip
-
-    def _flushed(self) -> None:
-        """The newest checkpoint on disk (a failed write ends the run with its line)."""
-        try:
-            self._writer.flush()
-        except Exception as error:  # noqa: BLE001 (the run ends with its line, never a hang)
-            self._failed(error)
 
     def end(self, reply: dict) -> None:
         """The GPS's end of the run, heard on the link: this region ends with it."""
@@ -204,7 +190,7 @@ class RegionSyncer(ArrivalSyncer):
     def _saved_extra(self) -> dict:
         region = {
             "snapshot": wire.leaves(self.snapshot),
-            "counts": [self.merged, int(self.in_flight), self.merges, self.pushes],
+            "counts": [self.merged, self.merges, self.pushes],
             "pending": [] if self.pending is None else wire.leaves(self.pending),
             "start_merges": {str(k): v for k, v in self.start_merges.items()},
         }
@@ -214,11 +200,10 @@ class RegionSyncer(ArrivalSyncer):
         super()._restore_extra(message, path)
         region = message["region"]
         self.snapshot = wire.tree_like(self.theta, region["snapshot"], f"{path}: snapshot")
-        self.merged, in_flight, self.merges, self.pushes = (int(x) for x in region["counts"])
-        self.in_flight = bool(in_flight)
+        self.merged, self.merges, self.pushes = (int(x) for x in region["counts"])
         self.pending = (
             wire.tree_like(self.theta, region["pending"], f"{path}: pending")
-            if self.in_flight
+            if region["pending"]
             else None
         )
         self.start_merges = {int(k): int(v) for k, v in region["start_merges"].items()}

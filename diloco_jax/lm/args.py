@@ -497,14 +497,13 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
 def _check_elastic_halos(server: HALoS, min_workers: int) -> None:
     """ConfigError naming what --elastic --server halos,... can't take: simulated latencies
     (its hops are the network's), a quorum larger than a region."""
-    hops = server.region_seconds
-    if server.worker_seconds or any(hops if isinstance(hops, tuple) else (hops,)):
+    if server.simulates_latency:
         raise ConfigError("--elastic --server halos,... runs without worker_seconds and "
                           "region_seconds: on processes the hops are the network's")  # fmt: skip
-    smallest = min(server.regions.count(r) for r in range(server.num_regions))
-    if min_workers > smallest:
+    if min_workers > server.smallest_region:
         raise ConfigError(f"--min-workers must be at most the smallest region's workers "
-                          f"({smallest}) with --server halos,..., got {min_workers}")  # fmt: skip
+                          f"({server.smallest_region}) with --server halos,..., got "
+                          f"{min_workers}")  # fmt: skip
 
 
 def _connect_timeout(value: float | None) -> float:
