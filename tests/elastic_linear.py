@@ -34,20 +34,25 @@ def batch(worker, position, steps=INNER_STEPS):
     return {"x": x, "y": y + 0.1 * rng.normal(size=y.shape).astype(np.float32)}
 
 
-def make_task():
-    seconds = float(os.environ.get("ELASTIC_PHASE_SECONDS", "0"))
-    hold = os.environ.get("ELASTIC_HOLD")
+def wait_while_held(position):
+    """Waits while the file ELASTIC_HOLD names holds a position at or before `position`."""
 
-    def held(position):
+    def held():
         try:
-            with open(hold) as f:
+            with open(os.environ.get("ELASTIC_HOLD")) as f:
                 return position >= int(f.read())
         except (OSError, ValueError, TypeError):
             return False
 
+    while held():
+        time.sleep(0.02)
+
+
+def make_task():
+    seconds = float(os.environ.get("ELASTIC_PHASE_SECONDS", "0"))
+
     def batches(worker, position):
-        while held(position):
-            time.sleep(0.02)
+        wait_while_held(position)
         time.sleep(seconds)
         return batch(worker, position)
 
@@ -137,6 +142,7 @@ def make_decoupled_task():
     inner steps and the paper's Nesterov outer step; ELASTIC_ROUNDS merges."""
 
     def batches(worker, position):
+        wait_while_held(position)
         return batch(worker, position, DECOUPLED_STEPS)
 
     return dataclasses.replace(make_task(), batches=batches, inner_steps=DECOUPLED_STEPS,

@@ -7,6 +7,7 @@ restarted from its checkpoint. Θ at the end must equal
 them and where each learner process started, within 1e-6 relative."""
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -26,6 +27,12 @@ from diloco_jax.elastic import arrivals, final_params, history
 MERGES = 48
 # Seconds per inner step added to each learner: learner 3 the slowest.
 SLOW = ("0.08", "0.1", "0.08", "0.2")
+
+
+def _jsonl(path):
+    return (
+        [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    )
 
 
 def _replay(merges):
@@ -49,7 +56,10 @@ def test_a_killed_and_a_stopped_learner_reproduce_the_replay(tmp_path):
     syncer_dir = tmp_path / "syncer"
     _wait(lambda: len(cluster.syncs()) >= 4, 120, "4 merges", cluster)
     # Learner 1 killed, and restarted faster: it resumes at its checkpoint's step from Θ of
-    # then, catches up and is merged again.
+    # then, catches up and is merged again. Every learner waits at its data position 8 (step
+    # 32) until it has caught up there: on a loaded machine its restart can take longer than
+    # the rest of the run.
+    cluster.hold(8)
     cluster.processes["worker-1"].kill()
     cluster.processes["worker-1"].wait()
     cluster.worker(1, DILOCO_JAX_SLOW_STEP="0")
@@ -58,6 +68,10 @@ def test_a_killed_and_a_stopped_learner_reproduce_the_replay(tmp_path):
     _wait(lambda: "learner 2 removed" in cluster.log("syncer"), 60, "learner 2 removed", cluster)
     time.sleep(0.5)
     os.kill(stopped.pid, signal.SIGCONT)
+    metrics = tmp_path / "workers" / "worker-1" / "metrics.jsonl"
+    caught_up = lambda: any(x["step"] >= 32 for x in _jsonl(metrics))  # noqa: E731
+    _wait(caught_up, 120, "learner 1 at step 32", cluster)
+    cluster.hold(None)
     cluster.finish()
     merges = arrivals(syncer_dir)
     assert [x.update for x in merges] == list(range(MERGES))
