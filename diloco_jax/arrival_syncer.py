@@ -1,12 +1,12 @@
 """Asynchronous DiLoCo's syncer (Liu et al. 2024, arXiv 2401.09135) for real worker processes:
 the rule of `train_async`'s server on the real clock. `diloco_jax.syncer.Syncer` keeps the
 membership (joins, heartbeats, removals, the quorum), the checkpoints and history.jsonl; this
-rule replaces the round:
+rule (`diloco_jax.arrival_rule`, the one `train_async`'s simulated clock runs) replaces the
+round:
 
 - a worker that asks (`next_round`) gets a job at once: θ as it is, the updates applied so
   far (the job's start), its data position and its inner steps (H, or with
-  `ElasticTask.dynamic_steps` DyLU's floor(H v_m / max v), v_m from the median of the
-  worker's last few timed phases);
+  `ElasticTask.dynamic_steps` DyLU's count from the workers' timed phases);
 - its delta is applied the moment it arrives, with the outer rule and its age (the updates
   applied since the job started: `diloco_jax.outer.outer_update`'s `age`, which CGAD and
   Delayed Nesterov read), and its position advances; a delta of a job the syncer no longer
@@ -21,10 +21,8 @@ rule replaces the round:
 `train_async(..., arrivals=...)` replays it on the simulated clock: the same θ.
 """
 
-import dataclasses
 import functools
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_jax import wire
-from diloco_jax.async_train import dynamic_local_steps
+from diloco_jax.arrival_rule import ArrivalRule, Job
+from diloco_jax.arrival_rule import age as arrival_age
 from diloco_jax.decoupled_syncer import DecoupledSyncer
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.gossip_syncer import GossipSyncer
@@ -44,21 +43,6 @@ from diloco_jax.outer import outer_update
 from diloco_jax.syncer import Pushed, Syncer
 
 log = logging.getLogger("diloco_jax.syncer")
-TIMED_PHASES = 5  # the timed phases per worker DyLU's speed is the median of
-
-
-@dataclasses.dataclass
-class Job:
-    """A job handed out: its serial, the updates applied before it (`start_update`), the
-    worker's data position, its inner steps, and when it was handed out (monotonic, for the
-    round timeout; wall-clock, for the log)."""
-
-    serial: int
-    start_update: int
-    position: int
-    steps: int
-    handed_at: float
-    started: float
 
 
 class ArrivalSyncer(Syncer):
@@ -67,10 +51,10 @@ class ArrivalSyncer(Syncer):
     def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
         if task.algo != "async":
             raise ValueError(f"ArrivalSyncer runs ElasticTask(algo='async'), got {task.algo!r}")
-        self.jobs: dict[int, Job] = {}
-        # Each worker's last few timed seconds per step; DyLU reads their median, so one
-        # noisy phase does not move its count (and compile a program for a new one).
-        self.step_seconds: dict[int, list[float]] = {}
+        # The jobs in hand and DyLU's timings (the median of a few phases, so one noisy
+        # phase does not move a count and compile a program for a new one).
+        self.rule = ArrivalRule(task.inner_steps, task.dynamic_steps)
+        self.handed_at: dict[int, float] = {}  # monotonic, for round_timeout
         super().__init__(task, options, directory)
         self.awaited = set()  # nobody waits for anybody
         self._apply_one = jax.jit(functools.partial(outer_update, task.method.outer_optimizer))
@@ -92,10 +76,9 @@ class ArrivalSyncer(Syncer):
             if ended is not None:
                 return ended
             self.serial += 1
-            job = Job(serial=self.serial, start_update=self.round,
-                      position=self.positions[worker], steps=self._steps(worker),
-                      handed_at=time.monotonic(), started=time.time())  # fmt: skip
-            self.jobs[worker] = job
+            job = self.rule.hand_out(worker, self.serial, self.round, self.positions[worker],
+                                     time.time())  # fmt: skip
+            self.handed_at[worker] = time.monotonic()
             return {"status": "round", "serial": job.serial, "round": job.position,
                     "position": job.position, "steps": job.steps, "update": job.start_update,
                     "theta": wire.leaves(self._theta_for_jobs())}  # fmt: skip
@@ -112,13 +95,11 @@ class ArrivalSyncer(Syncer):
     def _take(self, worker: int, serial: int, pushed: Pushed, steps_s: float) -> dict:
         """The delta of job `serial`, applied at once: "ok", or "late" (a job the syncer no
         longer holds: its worker asks again)."""
-        job = self.jobs.get(worker)
-        if self.done is not None or job is None or job.serial != serial:
+        job = None if self.done is not None else self.rule.take(worker, serial)
+        if job is None:
             return {"status": "late"}
-        del self.jobs[worker]
         if steps_s > 0:
-            recent = self.step_seconds.setdefault(worker, [])
-            recent[:] = [*recent, steps_s / job.steps][-TIMED_PHASES:]
+            self.rule.timed(worker, steps_s / job.steps)
         if not pushed.finite:
             # Left out, as train_diloco's exclusion: the worker runs this position again.
             log.warning("worker %d's delta of position %d is not finite: left out",
@@ -131,7 +112,7 @@ class ArrivalSyncer(Syncer):
         """Applies the job's delta with its age and records the update (`steps_s`: the
         seconds of the phase's inner steps)."""
         busy_since = time.monotonic()
-        age = self.round - job.start_update
+        age = arrival_age(job, self.round)
         theta, outer = self._apply_one(self.theta, self.outer_state, pushed.leaves,
                                        jnp.int32(age))  # fmt: skip
         self.theta = jax.tree.map(np.asarray, theta)
@@ -162,18 +143,8 @@ class ArrivalSyncer(Syncer):
         """What a subclass's rule adds to an update's history line (none here)."""
         return {}
 
-    def _steps(self, worker: int) -> int:
-        """The inner steps of the worker's next job: H, or DyLU's count from the measured
-        speeds (H for a worker not measured yet)."""
-        h = self.task.inner_steps
-        if not self.task.dynamic_steps or worker not in self.step_seconds:
-            return h
-        measured = sorted(self.step_seconds)
-        counts = dynamic_local_steps([statistics.median(self.step_seconds[m]) for m in measured], h)
-        return counts[measured.index(worker)]
-
     def _remove(self, worker: int, why: str) -> None:
-        self.jobs.pop(worker, None)
+        self.rule.drop(worker)
         super()._remove(worker, why)
 
     def _step(self) -> None:
@@ -183,9 +154,10 @@ class ArrivalSyncer(Syncer):
             return
         o, now = self.options, time.monotonic()
         if o.round_timeout is not None:
-            for worker, job in list(self.jobs.items()):
-                if worker in self.members and now - job.handed_at > o.round_timeout:
-                    self._remove(worker, f"no delta {now - job.handed_at:.1f} s into its job")
+            for worker in list(self.rule.jobs):
+                held = now - self.handed_at[worker]
+                if worker in self.members and held > o.round_timeout:
+                    self._remove(worker, f"no delta {held:.1f} s into its job")
         if len(self.members) < o.min_workers:
             self._short(now, f"{len(self.members)} live workers")
         else:
@@ -193,20 +165,21 @@ class ArrivalSyncer(Syncer):
 
     def _saved_extra(self) -> dict:
         jobs = {str(m): [j.serial, j.start_update, j.position, j.steps, j.started]
-                for m, j in self.jobs.items()}  # fmt: skip
+                for m, j in self.rule.jobs.items()}  # fmt: skip
         # Copies: the writer thread reads them while pushes go on.
-        step_seconds = {str(m): list(s) for m, s in self.step_seconds.items()}
+        step_seconds = {str(m): list(s) for m, s in self.rule.step_seconds.items()}
         return {"jobs": jobs, "step_seconds": step_seconds}
 
     def _restore_extra(self, message: dict, path: Path) -> None:
         # A job handed out before the checkpoint gets a heartbeat timeout more, as members do.
         now = time.monotonic() + self.options.heartbeat_timeout
-        self.jobs = {
+        self.rule.jobs = {
             int(m): Job(serial=int(serial), start_update=int(start), position=int(position),
-                        steps=int(steps), handed_at=now, started=float(started))
+                        steps=int(steps), started=float(started))
             for m, (serial, start, position, steps, started) in message["jobs"].items()
         }  # fmt: skip
-        self.step_seconds = {
+        self.handed_at = dict.fromkeys(self.rule.jobs, now)
+        self.rule.step_seconds = {
             int(m): [float(x) for x in s] for m, s in message["step_seconds"].items()
         }
 

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -45,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from diloco_jax import checkpoint, limits
 from diloco_jax import sampler as sampler_lib
 from diloco_jax import trainable as trainable_lib
+from diloco_jax.arrival_rule import ArrivalRule, age, checked_step_seconds, dynamic_local_steps
 from diloco_jax.async_placement import OneDevice, OnMesh
 from diloco_jax.checks import check_int, check_params, checked_optimizer
 from diloco_jax.comm import round_bytes
@@ -131,19 +133,6 @@ class AsyncResult(NamedTuple):
     utilization: float
 
 
-def dynamic_local_steps(step_seconds: Sequence[float], inner_steps: int) -> tuple[int, ...]:
-    """DyLU step counts: h_m = floor(H v_m / max v), v = 1 / step_seconds, at least 1.
-
-    step_seconds: M positive finite floats. inner_steps: H >= 1. A ratio within 1e-9 below
-    an integer counts as that integer (e.g. 3 x 0.1 / 0.3 is 3 steps, not 2).
-    """
-    seconds = _checked_step_seconds(step_seconds)
-    check_int("inner_steps", inner_steps, 1)
-    speeds = [1.0 / s for s in seconds]
-    fastest = max(speeds)
-    return tuple(max(1, math.floor(inner_steps * v / fastest + 1e-9)) for v in speeds)
-
-
 def async_schedule(
     step_seconds: Sequence[float],
     inner_steps: int,
@@ -164,40 +153,38 @@ def async_schedule(
       AsyncSchedule(events, elapsed_seconds, utilization). Raises ValueError naming a bad
       argument.
     """
-    seconds = _checked_step_seconds(step_seconds)
+    seconds = checked_step_seconds(step_seconds)
     check_int("inner_steps", inner_steps, 1)
     check_int("num_updates", num_updates, 0)
     grace = _checked_grace(grace_seconds)
-    num_workers = len(seconds)
-    steps = (
-        dynamic_local_steps(seconds, inner_steps) if dynamic_steps else (inner_steps,) * num_workers
-    )
-    # Per worker, its job in flight: (start, finish, start_update, job index).
-    running = {m: (0.0, steps[m] * seconds[m], 0, 0) for m in range(num_workers)}
+    num_workers, serials = len(seconds), itertools.count()
+    rule = ArrivalRule(inner_steps, dynamic_steps)
+    for m, s in enumerate(seconds):  # the clock knows each worker's speed from the start
+        rule.timed(m, s)
+    for m in range(num_workers):
+        rule.hand_out(m, next(serials), 0, 0, 0.0)
+    finish = {m: job.steps * seconds[m] for m, job in rule.jobs.items()}
     spans = []  # (start, finish) of every job that was applied or is still running
     events: list[AsyncEvent] = []
     while len(events) < num_updates:
-        first = min(finish for _, finish, _, _ in running.values())
-        close = first + grace
-        window = sorted((finish, m) for m, (_, finish, _, _) in running.items() if finish <= close)
-        applied = []
-        for finish, m in window[: num_updates - len(events)]:
-            start, _, start_update, job = running[m]
+        close = min(finish.values()) + grace
+        window = sorted((at, m) for m, at in finish.items() if at <= close)
+        taken = []
+        for at, m in window[: num_updates - len(events)]:
+            job = rule.take(m, rule.jobs[m].serial)
             update = len(events)
-            events.append(
-                AsyncEvent(
-                    update, m, job, steps[m], start, finish, start_update, update - start_update
-                )
-            )
-            spans.append((start, finish))
-            applied.append(m)
-        for m in applied:  # restart when the window closes, from theta after all of it
-            running[m] = (close, close + steps[m] * seconds[m], len(events), running[m][3] + 1)
+            events.append(AsyncEvent(update, m, job.position, job.steps, job.started, at,
+                                     job.start_update, age(job, update)))  # fmt: skip
+            spans.append((job.started, at))
+            taken.append((m, job))
+        for m, job in taken:  # restart when the window closes, from theta after all of it
+            new = rule.hand_out(m, next(serials), len(events), job.position + 1, close)
+            finish[m] = close + new.steps * seconds[m]
     if not events:
         return AsyncSchedule((), 0.0, 0.0)
     elapsed = events[-1].time
-    spans += [(start, finish) for start, finish, _, _ in running.values()]
-    busy = sum(max(0.0, min(finish, elapsed) - start) for start, finish in spans)
+    spans += [(rule.jobs[m].started, at) for m, at in finish.items()]
+    busy = sum(max(0.0, min(end, elapsed) - start) for start, end in spans)
     return AsyncSchedule(tuple(events), elapsed, busy / (num_workers * elapsed))
 
 
@@ -372,7 +359,7 @@ def _clock(
     """(step seconds or None, the recorded arrivals or None, the clock's fingerprint fields):
     `train_async`'s simulated clock, or the recorded run its `arrivals` replay, checked."""
     if arrivals is None:
-        seconds = _checked_step_seconds(step_seconds, num_workers)
+        seconds = checked_step_seconds(step_seconds, num_workers)
         clock = {
             "step_seconds": list(seconds),
             "grace_seconds": _checked_grace(grace_seconds),
@@ -856,28 +843,6 @@ def _device(backend: str, devices) -> jax.Device:
     if not devices:
         raise ValueError("devices must hold at least one device")
     return devices[0]
-
-
-def _checked_step_seconds(step_seconds: Any, num_workers: int | None = None) -> tuple[float, ...]:
-    """step_seconds as floats, checked: one finite number > 0 per worker (`num_workers` of
-    them when given, else at least one). Raises ValueError naming step_seconds."""
-    try:
-        seconds = tuple(step_seconds)
-    except TypeError:
-        raise ValueError(
-            f"step_seconds must be a sequence of numbers, one per worker, got {step_seconds!r}"
-        ) from None
-    if not seconds or (num_workers is not None and len(seconds) != num_workers):
-        want = "at least one" if num_workers is None else f"num_workers = {num_workers}"
-        raise ValueError(
-            f"step_seconds must hold one number per worker ({want}), got {len(seconds)}"
-        )
-    for s in seconds:
-        if isinstance(s, bool) or not isinstance(s, int | float | np.number):
-            raise ValueError(f"step_seconds must hold numbers, got {s!r}")
-        if not (math.isfinite(s) and s > 0):
-            raise ValueError(f"step_seconds must be finite and > 0, got {s!r}")
-    return tuple(float(s) for s in seconds)
 
 
 def _checked_grace(grace_seconds: Any) -> float:

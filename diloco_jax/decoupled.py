@@ -49,6 +49,7 @@ from diloco_jax.async_placement import OnMesh
 from diloco_jax.checks import check_int, check_number
 from diloco_jax.inner import inner_loop, worker_key
 from diloco_jax.outer import outer_init, outer_update, worker_delta
+from diloco_jax.quorum import Grace, QuorumRule, fixed_grace
 from diloco_jax.sampler import Sampler
 from diloco_jax.schedule import fragment_of
 from diloco_jax.workers import in_mesh_context
@@ -162,29 +163,52 @@ class DecoupledDiLoCo:
         return slot % self.fragments, slot // self.fragments
 
     def schedule(self, step_seconds, inner_steps: int, num_syncs: int) -> tuple["Sync", ...]:
-        """The first `num_syncs` syncs in the order the syncer merges them (by time, then
-        fragment), in plain Python: each learner's push of every sync and the merge time."""
+        """The first `num_syncs` syncs as the syncer's rule (`quorum.QuorumRule`) merges them
+        on the simulated clock: learner m pushes fragment p's sync k at step k H + (p + 1)
+        H / P, at step x step_seconds[m] (pushes at one instant in learner order), and a sync
+        due at a time merges after every push made by then."""
         seconds = tuple(float(s) for s in step_seconds)
-        per_fragment = []
-        for p in range(self.fragments):
-            last = -math.inf
-            for k in range(num_syncs):
-                step = self.push_step(p, k, inner_steps)
-                times = [step * s for s in seconds]
-                order = sorted(range(len(seconds)), key=lambda m: (times[m], m))
-                quorum = times[order[self.quorum - 1]]
-                grace = self.grace_seconds
-                if self.adaptive_grace is not None:
-                    slack = self.overlap_steps * seconds[order[self.quorum - 1]]
-                    grace = self.adaptive_grace * max(0.0, slack - (quorum - times[order[0]]))
-                # A fragment's syncs are merged in order, even if a window ran past the next.
-                at = last = max(quorum + grace, last)
-                merged = tuple(m for m in range(len(seconds)) if times[m] <= at)
-                per_fragment.append((at, p, k, step, merged))
-        ordered = sorted(per_fragment)[:num_syncs]
-        return tuple(
-            Sync(u, p, k, step, at, merged) for u, (at, p, k, step, merged) in enumerate(ordered)
+        if self.quorum > len(seconds):
+            raise ValueError(
+                f"DecoupledDiLoCo.quorum = {self.quorum} must be at most the learners "
+                f"({len(seconds)} step_seconds)"
+            )
+        pushes = sorted(
+            (self.push_step(p, k, inner_steps) * s, m, p, k)
+            for p in range(self.fragments)
+            for k in range(num_syncs)
+            for m, s in enumerate(seconds)
         )
+        rule = QuorumRule(self.fragments, self.quorum, self.grace(seconds))
+        syncs, i = [], 0
+        while len(syncs) < num_syncs:
+            due = rule.next_due()
+            if due is None or (i < len(pushes) and pushes[i][0] <= due.time):
+                at, m, p, k = pushes[i]
+                rule.push(p, k, m, at)
+                i += 1
+                continue
+            merged = rule.merge(due, due.time)
+            step = self.push_step(due.fragment, due.sync, inner_steps)
+            syncs.append(Sync(len(syncs), due.fragment, due.sync, step, due.time, merged))
+        return tuple(syncs)
+
+    def grace(self, step_seconds: tuple[float, ...] | None = None) -> Grace:
+        """The window after a sync's K-th push: `grace_seconds`, or with `adaptive_grace`
+        gamma x max(0, tau x s_K - (t_K - t_1)) (s_K: the K-th pusher's seconds per step,
+        which only the simulated clock's `step_seconds` give; t_1, t_K: the first and K-th
+        pushes' times)."""
+        gamma = self.adaptive_grace
+        if gamma is None:
+            return fixed_grace(self.grace_seconds)
+        if step_seconds is None:
+            raise ValueError("DecoupledDiLoCo.adaptive_grace needs each learner's step seconds")
+        tau = self.overlap_steps
+
+        def adaptive(first: float, quorum: float, learner: int) -> float:
+            return gamma * max(0.0, tau * step_seconds[learner] - (quorum - first))
+
+        return adaptive
 
     def checkpoint_fields(self) -> dict:
         """What a checkpoint's fingerprint records of this part (train_async resumes only the

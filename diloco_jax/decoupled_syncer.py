@@ -5,11 +5,12 @@ learners that never wait (`diloco_jax.decoupled_worker`).
 - A learner pushes fragment p after its own inner steps k H + (p + 1) H / P, for the
   fragment's sync k, with c_steps (its steps since it last applied fragment p) and the mean
   of those steps' losses. Pushes of a sync already merged are "late" and dropped.
-- Sync (p, k) merges once its quorum K of pushes is in and `grace_seconds` have passed after
-  the K-th, and never before the fragment's sync k - 1 (a fragment's syncs merge in order).
-  The merge is the simulated clock's own program (`decoupled.programs`): each delta against
-  the syncer's Θ_p, weighted by c_tokens² / c_steps, averaged or RDA per leaf, and the
-  fragment's outer step.
+- Sync (p, k) merges when `quorum.QuorumRule` says, the rule the simulated clock runs: once
+  its quorum K of pushes is in and `grace_seconds` have passed after the K-th, and never
+  before the fragment's sync k - 1 (a fragment's syncs merge in order). The merge is the
+  simulated clock's own program (`decoupled.programs`): each delta against the syncer's
+  Θ_p, weighted by c_tokens² / c_steps, averaged or RDA per leaf, and the fragment's outer
+  step.
 - Every learner asks for the merges after the last it holds (a long poll) and applies them at
   its next step boundary, reporting where (`applied.jsonl`).
 
@@ -56,6 +57,7 @@ from diloco_jax.elastic_task import (
     refuse_round_options,
 )
 from diloco_jax.outer import outer_init
+from diloco_jax.quorum import Due, QuorumRule
 
 log = logging.getLogger("diloco_jax.syncer")
 APPLIED_FILE = "applied.jsonl"
@@ -108,10 +110,9 @@ class DecoupledSyncer:
         self.members: dict[int, Learner] = {}
         self.update = 0  # merges applied
         self.merged: list[tuple[int, list]] = []  # (fragment, leaves) of each merge, in order
-        self.next_sync = [0] * p_count  # each fragment's next sync to merge
-        self.pending: dict[tuple[int, int], dict[int, Push]] = {}
-        self.quorum_at: dict[tuple[int, int], float] = {}
-        self.last_merge = [-float("inf")] * p_count
+        # When each sync merges: the rule the simulated clock runs (on the monotonic clock).
+        self.rule = QuorumRule(p_count, self.spec.quorum, self.spec.grace())
+        self.pending: dict[tuple[int, int], dict[int, Push]] = {}  # each sync's payloads
         self.pushes = [[0] * p_count for _ in range(m_count)]
         self.newest_step = [0] * m_count
         self.started = time.monotonic()
@@ -212,14 +213,12 @@ class DecoupledSyncer:
                 self._log_start(worker, int(version), int(boundary), True)
             self.pushes[worker][p] += 1
             self.newest_step[worker] = max(self.newest_step[worker], serial)
-            if k < self.next_sync[p] or not finite:
+            if not finite or not self.rule.push(p, k, worker, time.monotonic()):
                 log.info("learner %d's push of sync (%d, %d) is late", worker, p, k)
                 return {"status": "late"}
-            pushed = self.pending.setdefault((p, k), {})
-            pushed[worker] = Push([np.array(x) for x in values], int(c_steps), float(loss),
-                                  [int(x) for x in origin])  # fmt: skip
-            if len(pushed) == self.spec.quorum:
-                self.quorum_at[(p, k)] = time.monotonic()
+            self.pending.setdefault((p, k), {})[worker] = Push(
+                [np.array(x) for x in values], int(c_steps), float(loss), [int(x) for x in origin]
+            )
             self._merge_due()
             return {"status": "ok"}
 
@@ -269,20 +268,15 @@ class DecoupledSyncer:
     def _merge_due(self) -> None:
         """Merges every sync whose quorum and grace have passed, earliest due first."""
         while self.done is None:
-            due = []
-            for p, k in enumerate(self.next_sync):
-                at = self.quorum_at.get((p, k))
-                if at is not None:
-                    due.append((max(at + self.spec.grace_seconds, self.last_merge[p]), p, k))
-            if not due or min(due)[0] > time.monotonic():
+            due = self.rule.next_due()
+            if due is None or due.time > time.monotonic():
                 return
-            _, p, k = min(due)
-            self._merge(p, k)
+            self._merge(due)
 
-    def _merge(self, p: int, k: int) -> None:
+    def _merge(self, due: Due) -> None:
+        p, k = due.fragment, due.sync
         m_count, idx = self.task.num_workers, self.members_of[p]
         pushed = self.pending.pop((p, k))
-        self.quorum_at.pop((p, k))
         fragment = [self.theta[i] for i in idx]
         c_steps = [pushed[m].c_steps if m in pushed else 0 for m in range(m_count)]
         weights = merge_weights([c * t for c, t in zip(c_steps, self.tokens, strict=True)],
@@ -294,11 +288,9 @@ class DecoupledSyncer:
         self.outer[p] = jax.tree.map(np.asarray, outer)
         for i, v in zip(idx, new, strict=True):
             self.theta[i] = v
-        now, wall = time.monotonic(), time.time()
+        wall = time.time()
         self.first_merge = wall if self.first_merge is None else self.first_merge
-        self.last_merge[p] = now
-        self.next_sync[p] = k + 1
-        merged = sorted(pushed)
+        merged = list(self.rule.merge(due, time.monotonic()))
         losses = [pushed[m].loss for m in merged]
         record = {
             "round": self.update, "update": self.update, "fragment": p, "sync": k,
@@ -343,7 +335,7 @@ class DecoupledSyncer:
         """The state after the newest merge, whole or not at all (`CHECKPOINT_FILE`)."""
         message = {
             "update": self.update, "theta": list(self.theta),
-            "outer": [wire.leaves(o) for o in self.outer], "next_sync": list(self.next_sync),
+            "outer": [wire.leaves(o) for o in self.outer], "next_sync": list(self.rule.next_sync),
             "pushes": [list(n) for n in self.pushes], "newest_step": list(self.newest_step),
             "first_merge": self.first_merge,
         }  # fmt: skip
@@ -360,7 +352,7 @@ class DecoupledSyncer:
         self.theta = wire.tree_like(self.theta, saved["theta"], str(path))
         self.outer = [wire.tree_like(o, leaves, str(path))
                       for o, leaves in zip(self.outer, saved["outer"], strict=True)]  # fmt: skip
-        self.next_sync = [int(k) for k in saved["next_sync"]]
+        self.rule.resume([int(k) for k in saved["next_sync"]])
         self.pushes = [[int(x) for x in n] for n in saved["pushes"]]
         self.newest_step = [int(x) for x in saved["newest_step"]]
         self.first_merge = saved["first_merge"]

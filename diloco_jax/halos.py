@@ -1,9 +1,6 @@
 """HALoS (Kim et al., ICML 2025, arXiv 2506.04531): a local parameter server (LPS) per region
 under a global one (GPS), as the `server=` part of `train_async`.
 
-On `train_async`'s simulated clock, following the update order of the authors' simulator
-(github.com/utnslab/halos, commit 4b5bf73):
-
 - worker m (in region r) runs a job of h_m inner steps (H, or DyLU's counts) from the θ_L its
   LPS sent it, then sends θ_start - θ_m; it reaches the LPS `worker_seconds` later;
 - the LPS applies each arriving delta at once with the local outer rule (`train_async`'s
@@ -12,14 +9,16 @@ On `train_async`'s simulated clock, following the update order of the authors' s
   reaches it `worker_seconds` later and starts its next job;
 - when the LPS has applied `local_updates` (K) deltas since it last merged, and none of its
   pushes is in flight, it sends Δ_L = snapshot - θ_L (its change since its last merge);
-  `region_seconds[r]` later the GPS applies Δ_L with `global_optimizer` and sends θ_G back;
-  another `region_seconds[r]` later the LPS merges θ_L ← (1 - α) θ_L + α θ_G (α =
-  `merge_weight`), takes θ_L as its snapshot, and keeps its outer state;
-- at one instant, messages between the servers are handled before the workers' arrivals,
-  and arrivals in worker order (the authors break ties by worker index), each answered
-  before the next; a message between the servers with no latency (a hop of 0 s) is
-  handled as soon as it is sent, after the answer to the worker whose delta set it off, so a
-  hop of 0 is the limit of ever shorter hops.
+  `region_seconds[r]` later the GPS applies Δ_L with `global_optimizer` (its age: the GPS's
+  updates since the θ_G that LPS last merged) and sends θ_G back; another
+  `region_seconds[r]` later the LPS merges θ_L ← (1 - α) θ_L + α θ_G (α = `merge_weight`),
+  takes θ_L as its snapshot, and keeps its outer state.
+
+One implementation on both clocks: `Servers` holds the programs and rules (a job, an LPS
+update and its push rule `HALoS.push_due`, the GPS update, the merge), and
+`halos_replay.Replay` drives them through a record of events: the simulated clock's
+(`halos_clock`, the authors' simulator's order at one instant) or a real run's (its
+syncers' history, `elastic.arrivals`). The real syncers (`halos_syncer`) run the same rule.
 
 θ_G is the model: evaluated, and returned as the params. One region, K = 1, α = 1, no
 latency and a global SGD(1.0) make θ_G follow θ_L exactly (to rounding): asynchronous DiLoCo
@@ -28,7 +27,6 @@ with the local rule as its server's, where no two workers arrive at the same ins
 """
 
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
 import jax
@@ -168,86 +166,53 @@ def _check_latency(name: str, value: Any) -> None:
     check_number(name, value, lambda x: x >= 0, ">= 0")
 
 
-# Kinds of events, in the order they are handled at one instant.
-_SERVERS, _ARRIVAL = 0, 1
-
-
 def _train(spec: HALoS, run: Any) -> Any:
-    """`train_async` with this server (see the module docstring): the loop of
-    `diloco_jax.loop` over the LPS updates, checkpointed with `run.checkpoints`."""
+    """`train_async` with this server (see the module docstring): the servers
+    (`halos_replay.Replay`) run the events of the simulated clock (`halos_clock`) or of a
+    real run's record, in the loop of `diloco_jax.loop`, checkpointed with
+    `run.checkpoints`."""
     from diloco_jax import async_train
+    from diloco_jax.halos_clock import simulate
+    from diloco_jax.halos_replay import Replay
     from diloco_jax.loop import Loop
 
     spec.checked(run.num_workers)
-    job = _Job.of(spec, run)
-    if run.recorded is not None:  # a real run's record in place of the clock
-        from diloco_jax.halos_replay import Replay
-
-        if run.checkpoints is not None:
-            raise ValueError("checkpoint_dir can't be given replaying a real HALoS run")
-        job = Replay(job, run.recorded)
+    servers = Servers.of(spec, run)
+    if run.recorded is None:
+        steps = (
+            async_train.dynamic_local_steps(run.step_seconds, run.inner_steps)
+            if run.dynamic_steps
+            else (run.inner_steps,) * run.num_workers
+        )
+        clocked = simulate(spec, run.step_seconds, steps, run.num_updates)
+        record = clocked.record
+    else:  # a real run's record in place of the clock
+        clocked, record = None, run.recorded
+    job = Replay(servers, record)
     loop = Loop(run.num_updates, run.checkpoints, run.callback, unit="updates",
                 total_name="num_updates")  # fmt: skip
     state, history = loop.run(job, job.initial())
-    elapsed = state.time if history else 0.0
-    utilization = _utilization(state, run, elapsed) if run.recorded is None else 0.0
-    outer = {"global": state.gps.state, "local": tuple(s.state for s in state.lps)}
-    stacked = run.where.stack(state.inner_states)
-    result_state = async_train.AsyncState(state.gps.theta, outer, stacked, run.num_updates)
-    theta, result_state = run.where.results((state.gps.theta, result_state))
+    servers_now = state.servers
+    if clocked is not None:
+        elapsed, utilization = clocked.elapsed_seconds, clocked.utilization
+    else:
+        elapsed, utilization = (servers_now.time if history else 0.0), 0.0
+    outer = {"global": servers_now.gps.state, "local": tuple(s.state for s in servers_now.lps)}
+    stacked = run.where.stack(servers_now.inner_states)
+    result_state = async_train.AsyncState(servers_now.gps.theta, outer, stacked, run.num_updates)
+    theta, result_state = run.where.results((servers_now.gps.theta, result_state))
     return async_train.AsyncResult(theta, result_state, history, elapsed, utilization)
-
-
-def _utilization(state: "_State", run: Any, elapsed: float) -> float:
-    """The workers' busy share of the simulated time (jobs still running count so far)."""
-    busy = state.busy + sum(
-        max(0.0, min(w.at + w.steps * s, elapsed) - w.at)
-        for w, s in zip(state.workers, run.step_seconds, strict=True)
-        if not w.pending
-    )
-    return busy / (run.num_workers * elapsed) if elapsed else 0.0
-
-
-@dataclasses.dataclass
-class _Worker:
-    """A worker between two LPS updates: `pending` (its next job waits to start at `at` from
-    `theta`, the θ_L of its answer, after `start_update` LPS updates) or in flight (its job
-    started at `at`; `theta` is its delta, arriving at `arrives`, with the job's mean loss
-    and aux in `means`). `job` and `steps`: the job's index and inner steps."""
-
-    pending: bool
-    theta: Any
-    at: float
-    start_update: int
-    job: int
-    steps: int
-    arrives: float = 0.0
-    means: Any = None
-
-
-@dataclasses.dataclass
-class _Message:
-    """A message between the servers in flight to or from region r: "push" (Δ_L) or
-    "reply" (θ_G), due at `due`."""
-
-    what: str
-    due: float
-    value: Any
 
 
 @dataclasses.dataclass
 class _State:
-    """Everything a HALoS run holds between two LPS updates (all a checkpoint saves):
-    the servers, each worker's inner state and job, the messages in flight (one per region
-    at most: an LPS has one push in flight at most), the clock, and the counters."""
+    """The servers between two LPS updates: the GPS and each LPS, each worker's inner state,
+    the clock of the newest arrival, and the counts an update's history line reads."""
 
     gps: Any
     lps: list
     inner_states: list
-    workers: list
-    messages: list
     time: float = 0.0
-    busy: float = 0.0  # worker-seconds of the jobs applied so far
     total_steps: int = 0
     sent: list = dataclasses.field(default_factory=list)
     region_sent: list = dataclasses.field(default_factory=list)
@@ -255,13 +220,14 @@ class _State:
 
 
 @dataclasses.dataclass
-class _Job:
-    """The loop's `Job` (`diloco_jax.loop`) for HALoS: one iteration is one LPS update."""
+class Servers:
+    """HALoS's servers as programs and rules: a worker's job, an LPS update and its push
+    rule, the GPS update, the merge, an update's history line and evaluation. The loop's job
+    that drives them is `halos_replay.Replay`, on either clock."""
 
     spec: HALoS
     run: Any
     where: Any
-    steps: tuple[int, ...]
     run_job: Any
     apply_local: Any
     apply_global: Any
@@ -269,20 +235,13 @@ class _Job:
     job_data: Any
     evaluate_fn: Any
     per_model: int
-    means_like: Any
     per_device: int | None  # on a mesh: one device's shard of a delta, in bytes
 
     @classmethod
-    def of(cls, spec: HALoS, run: Any) -> "_Job":
+    def of(cls, spec: HALoS, run: Any) -> "Servers":
         from diloco_jax import async_train
         from diloco_jax.async_placement import OnMesh
 
-        m_count = run.num_workers
-        steps = (
-            async_train.dynamic_local_steps(run.step_seconds, run.inner_steps)
-            if run.dynamic_steps
-            else (run.inner_steps,) * m_count
-        )
         global_rule = spec.global_optimizer or default_global_optimizer()
         where = run.where
         # On a mesh a job runs on its worker's slice, traced with that slice's axes.
@@ -295,21 +254,14 @@ class _Job:
             run.rng_seed,
             job_mesh,
         )
-        job_data = async_train._job_data(run.data, m_count, run.inner_steps, (), where)
+        job_data = async_train._job_data(run.data, run.num_workers, run.inner_steps, (), where)
         # A worker's delta, as train_async's one server counts it (and each device's shard).
-        per_model = round_bytes(run.params)
         shards = where.shards(run.params)  # None on one device
-        # A job's (loss, aux) as the job program gives them: a checkpoint holds one per worker.
-        e = async_train.AsyncEvent(0, 0, 0, steps[0], 0.0, 0.0, 0, 0)
-        means_like = jax.eval_shape(
-            functools.partial(run_job, num_steps=steps[0]), run.params,
-            run.inner_optimizer.init(run.params), job_data(e), jnp.int32(0), jnp.int32(0),
-        )[2]  # fmt: skip
         return cls(
-            spec, run, where, steps, run_job, apply_local,
+            spec, run, where, run_job, apply_local,
             jax.jit(lambda p, st, d, age: outer_update(global_rule, p, st, d, age)),
             jax.jit(merge), job_data,
-            jax.jit(run.eval_fn) if run.eval_fn is not None else None, per_model, means_like,
+            jax.jit(run.eval_fn) if run.eval_fn is not None else None, round_bytes(run.params),
             None if shards is None else round_bytes(shards),
         )  # fmt: skip
 
@@ -321,65 +273,11 @@ class _Job:
             _Server(theta, where.shared(outer_init(run.outer_optimizer, theta)))
             for _ in range(self.spec.num_regions)
         ]
-        workers = [
-            _Worker(True, theta, float(self.spec.worker_seconds), 0, 0, self.steps[m])
-            for m in range(run.num_workers)
-        ]
         return _State(
             _Server(theta, where.shared(outer_init(rule, theta))), lps,
-            where.inner_states(run.inner_optimizer.init, theta, run.num_workers), workers,
-            [None] * self.spec.num_regions, sent=[0] * run.num_workers,
-            region_sent=[0] * self.spec.num_regions,
+            where.inner_states(run.inner_optimizer.init, theta, run.num_workers),
+            sent=[0] * run.num_workers, region_sent=[0] * self.spec.num_regions,
         )  # fmt: skip
-
-    def items(self, start: int) -> range:
-        return range(start, self.run.num_updates)
-
-    def step(self, state: _State, update: int) -> tuple[_State, Any]:
-        """The next LPS update: start the jobs waiting, handle the server messages due
-        before the next arrival, then apply that arrival."""
-        for m, w in enumerate(state.workers):
-            if w.pending:
-                self._start(state, m)
-        while True:
-            time, kind, who = min(
-                [(w.arrives, _ARRIVAL, m) for m, w in enumerate(state.workers)]
-                + [(x.due, _SERVERS, r) for r, x in enumerate(state.messages) if x is not None]
-            )
-            if kind == _ARRIVAL:
-                break
-            message, state.messages[who] = state.messages[who], None
-            self._serve(state, time, who, message)
-        state.time = time
-        return state, self._arrive(state, update, who, time)
-
-    def _start(self, state: _State, m: int) -> None:
-        """Worker m's waiting job runs, from the θ_L of its answer; its delta arrives later."""
-        from diloco_jax.async_train import AsyncEvent
-
-        w = state.workers[m]
-        e = AsyncEvent(0, m, w.job, w.steps, w.at, 0.0, w.start_update, 0)
-        delta, state.inner_states[m], means = self.run_job(
-            self.where.to_worker(w.theta, m), state.inner_states[m], self.job_data(e),
-            jnp.int32(e.job), jnp.int32(m), num_steps=e.steps,
-        )  # fmt: skip
-        w.pending, w.theta, w.means = False, delta, means
-        w.arrives = w.at + w.steps * self.run.step_seconds[m] + self.spec.worker_seconds
-
-    def _arrive(self, state: _State, update: int, m: int, time: float) -> Any:
-        """Worker m's delta reaches its LPS: applied with its age; the worker is answered
-        with the θ_L of now (its next job waits to start); a push is sent if due."""
-        spec, w = self.spec, state.workers[m]
-        r = spec.regions[m]
-        local = state.lps[r]
-        staleness = local.version - w.start_update
-        self.update_local(state, m, w.theta, staleness, w.steps)
-        state.busy += w.steps * self.run.step_seconds[m]
-        # Its next job starts from θ_L of now, before a push this update sets off is handled.
-        state.workers[m] = _Worker(True, local.theta, time + spec.worker_seconds, local.version,
-                                   w.job + 1, self.steps[m])  # fmt: skip
-        self.push_if_due(state, r, lambda delta: self._send(state, time, r, "push", delta))
-        return self.entry(state, update, time, m, w.steps, staleness), w.means
 
     def update_local(self, state: _State, m: int, delta: Any, staleness: int, steps: int) -> None:
         """Worker m's delta of `steps` inner steps applied at its LPS with its age."""
@@ -414,26 +312,6 @@ class _Job:
             entry["wire_bytes_per_device"] = round((update + 1) * self.per_device / len(state.sent))
         return entry
 
-    def _send(self, state: _State, time: float, r: int, what: str, value: Any) -> None:
-        """A message between the servers sent now; with no latency it is handled at once."""
-        hop = self.spec.hop_seconds(r)
-        if hop > 0:
-            state.messages[r] = _Message(what, time + hop, value)
-        else:
-            self._serve(state, time, r, _Message(what, time, value))
-
-    def _serve(self, state: _State, time: float, r: int, message: _Message) -> None:
-        """A message between the servers reaches its end."""
-        gps, local = state.gps, state.lps[r]
-        if message.what == "push":  # Δ_L reaches the GPS
-            gps.theta, gps.state = self.apply_global(
-                gps.theta, gps.state, message.value, jnp.int32(gps.version - local.seen)
-            )
-            gps.version += 1
-            self._send(state, time, r, "reply", gps.theta)
-        else:  # θ_G reaches LPS r
-            self.merge_into(local, message.value, gps.version)
-
     def merge_into(self, local: "_Server", theta_g: Any, seen: int) -> None:
         """θ_G merged into an LPS, its new snapshot; `seen`: the GPS updates it has seen."""
         local.theta = self.merge(local.theta, theta_g, self.spec.merge_weight)
@@ -459,60 +337,24 @@ class _Job:
         return joined({**entry, "loss": float(loss)}, aux, evals)
 
     def savable(self, state: _State) -> dict:
-        """The state as a pytree of arrays of one structure at every update: an empty
-        message or a waiting job's means hold zeros of their shapes."""
-        zero_means = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.means_like)
-        theta0 = state.gps.theta
+        """The servers as a dict of arrays (the replay adds its own)."""
         return {
             "gps": _saved_server(state.gps),
             "lps": [_saved_server(s) for s in state.lps],
             "inner": list(state.inner_states),
-            "workers": [
-                {"pending": np.asarray(w.pending, np.bool_), "theta": w.theta, "at": _f64(w.at),
-                 "arrives": _f64(w.arrives), "start_update": _i64(w.start_update),
-                 "job": _i64(w.job), "steps": _i64(w.steps),
-                 "means": zero_means if w.means is None else w.means}
-                for w in state.workers
-            ],
-            "messages": [
-                {"kind": _i64(0 if x is None else 1 + (x.what == "reply")),
-                 "due": _f64(0.0 if x is None else x.due),
-                 "value": theta0 if x is None else x.value}
-                for x in state.messages
-            ],
-            "clock": np.asarray([state.time, state.busy], np.float64),
+            "clock": np.asarray([state.time], np.float64),
             "counts": np.asarray([state.total_steps, state.last_steps], np.int64),
             "sent": np.asarray(state.sent, np.int64),
             "region_sent": np.asarray(state.region_sent, np.int64),
-        }  # fmt: skip
+        }
 
     def restored(self, saved: dict, done: int) -> _State:
-        workers = [
-            _Worker(bool(w["pending"]), w["theta"], float(w["at"]), int(w["start_update"]),
-                    int(w["job"]), int(w["steps"]), float(w["arrives"]),
-                    None if bool(w["pending"]) else w["means"])
-            for w in saved["workers"]
-        ]  # fmt: skip
-        messages = [
-            None if int(x["kind"]) == 0
-            else _Message("push" if int(x["kind"]) == 1 else "reply", float(x["due"]), x["value"])
-            for x in saved["messages"]
-        ]  # fmt: skip
-        time, busy = (float(x) for x in saved["clock"])
         total_steps, last_steps = (int(x) for x in saved["counts"])
         return _State(
             _restored_server(saved["gps"]), [_restored_server(s) for s in saved["lps"]],
-            list(saved["inner"]), workers, messages, time, busy, total_steps,
+            list(saved["inner"]), float(saved["clock"][0]), total_steps,
             [int(x) for x in saved["sent"]], [int(x) for x in saved["region_sent"]], last_steps,
         )  # fmt: skip
-
-
-def _f64(x: float) -> np.ndarray:
-    return np.asarray(x, np.float64)  # a 0-d array: Orbax saves arrays, not NumPy scalars
-
-
-def _i64(x: int) -> np.ndarray:
-    return np.asarray(x, np.int64)
 
 
 def _saved_server(server: "_Server") -> dict:

@@ -41,7 +41,8 @@ import jax
 import numpy as np
 
 from diloco_jax import wire
-from diloco_jax.arrival_syncer import ArrivalSyncer, Job
+from diloco_jax.arrival_rule import Job
+from diloco_jax.arrival_syncer import ArrivalSyncer
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.halos import HALoS, default_global_optimizer
 from diloco_jax.halos import merge as merge_theta

@@ -160,7 +160,7 @@ def test_late_and_removed_workers_are_not_applied(tmp_path):
     s.heartbeat(0, inc[0])
     s.heartbeat(2, inc[2])
     s.tick()  # worker 1 silent past the heartbeat timeout: removed, its job dropped
-    assert 1 not in s.members and 1 not in s.jobs
+    assert 1 not in s.members and 1 not in s.rule.jobs
     assert s.push(1, inc[1], job["serial"], _delta(5.0), 0.0)["status"] == "rejoin"
     assert s.round == 1 and s.positions == [1, 0, 0]
     nan = s.next_round(2, inc[2], -1, 0.1)

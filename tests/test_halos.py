@@ -15,6 +15,7 @@ from reference import linear_loss, make_data, np_adam, precision
 
 import diloco_jax as dj
 from diloco_jax import halos_replay
+from diloco_jax.halos_clock import simulate
 
 INNER_LR, LOCAL_LR, LOCAL_MOMENTUM, GLOBAL_LR, GLOBAL_MOMENTUM = 0.05, 0.6, 0.5, 0.8, 0.4
 W0, B0 = [0.3, -0.2, 0.1], 0.5
@@ -194,14 +195,64 @@ def test_a_record_of_the_servers_events_replays_to_the_reference(case):
         assert not np.allclose(np.asarray(moved.params["w"]), want[:3], rtol=1e-6)
 
 
-def _replay(rounds, h, record, spec):
+def _replay(rounds, h, record, spec, **options):
     return dj.train_async(
         linear_loss, _params(np.float64), rounds, num_workers=len(spec["regions"]),
         inner_steps=h, num_updates=len(record.arrivals), arrivals=record,
         inner_optimizer=optax.adam(INNER_LR),
         outer_optimizer=optax.sgd(LOCAL_LR, momentum=LOCAL_MOMENTUM, nesterov=True),
         server=dj.HALoS(global_optimizer=optax.sgd(GLOBAL_LR, momentum=GLOBAL_MOMENTUM), **spec),
+        **options,
     )  # fmt: skip
+
+
+# Region 1's θ_G takes 3 s to come back, while region 0 pushes: its next push's age counts
+# the GPS updates since the θ_G it merged, those made while that θ_G was on its way included.
+LONG_REPLY = ((1.0, 1.5, 2.0, 3.0), (0, 0, 1, 1), 1, 0.5, 0.1, (0.2, 3.0))
+
+
+@pytest.mark.parametrize("case", [*CASES, LONG_REPLY])
+def test_the_simulated_clock_writes_the_references_events(case):
+    # The clock orders the events only; its record is the NumPy run's, event by event: each
+    # arrival's job, start and time, each merge's θ_G version, each GPS update's age.
+    seconds, regions, k_push, alpha, worker_hop, region_hops = case
+    rounds = make_data(np.random.default_rng(7), 30, len(seconds), 2)
+    events = {"arrivals": [], "merges": [], "pushes": []}
+    _np_halos(rounds, seconds, 2, regions, k_push, alpha, worker_hop, region_hops, 24,
+              record=events)  # fmt: skip
+    spec = dj.HALoS(regions=regions, local_updates=k_push, merge_weight=alpha,
+                    worker_seconds=worker_hop, region_seconds=region_hops)  # fmt: skip
+    record = simulate(spec, seconds, (2,) * len(seconds), 24).record
+    assert [tuple(a) for a in record.arrivals[:24]] == events["arrivals"]
+    # The reference stops at the 24th arrival; the clock looks on to the jobs still running.
+    merges, pushes = [m[:3] for m in record.merges], [p[:3] for p in record.pushes]
+    assert merges[: len(events["merges"])] == events["merges"]
+    assert pushes[: len(events["pushes"])] == events["pushes"]
+    assert any(p.staleness for p in record.pushes)  # ages that a slower hop makes
+
+
+def test_a_replay_of_a_record_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    seconds, regions, k_push, alpha, worker_hop, region_hops = CASES[0]
+    rounds = make_data(np.random.default_rng(7), 20, len(seconds), 2)
+    events = {"arrivals": [], "merges": [], "pushes": []}
+    _np_halos(rounds, seconds, 2, regions, k_push, alpha, worker_hop, region_hops, 14,
+              record=events)  # fmt: skip
+    record = halos_replay.Record(events["arrivals"], events["merges"], events["pushes"])
+    spec = {"regions": regions, "local_updates": k_push, "merge_weight": alpha}
+
+    def die_after_6(entry):
+        if entry["update"] == 6:
+            raise KeyboardInterrupt
+
+    with precision("float64"):
+        whole = _replay(rounds, 2, record, spec)
+        with pytest.raises(KeyboardInterrupt):
+            _replay(rounds, 2, record, spec, checkpoint_dir=tmp_path, checkpoint_every=4,
+                    callback=die_after_6)  # fmt: skip
+        assert dj.checkpoint.latest_step(tmp_path) == 4
+        resumed = _replay(rounds, 2, record, spec, checkpoint_dir=tmp_path, checkpoint_every=4)
+    jax.tree.map(np.testing.assert_array_equal, resumed.state, whole.state)
+    assert resumed.history == whole.history
 
 
 @pytest.mark.parametrize(
