@@ -30,13 +30,15 @@ holding a version older than the merges it keeps (the newest KEEP_MERGES, none a
 restart) takes Θ whole at its next step boundary, its inner state and step kept; it says
 where in its next push (`starts.jsonl`, as a restart the replay runs the same way).
 
-What it does not do: adaptive grace (it budgets on step times the real clock does not give)
-and a learner group over several processes.
+The adaptive grace (`adaptive_grace`) is budgeted on the step time each learner measures
+and sends with its pushes (the median of its last few). What it does not do: a learner group
+over several processes.
 """
 
 import dataclasses
 import json
 import logging
+import statistics
 import threading
 import time
 import uuid
@@ -65,6 +67,7 @@ STARTS_FILE = "starts.jsonl"  # each learner process's start: the Θ it took, it
 HISTORY_FILE = "history.jsonl"
 CHECKPOINT_FILE = "syncer.ckpt"  # the state after the newest merge
 KEEP_MERGES = 64  # the merged fragments kept for learners to fetch one by one
+TIMED_PUSHES = 5  # a learner's pushes the adaptive grace's step time is the median of
 
 
 @dataclasses.dataclass
@@ -110,8 +113,11 @@ class DecoupledSyncer:
         self.members: dict[int, Learner] = {}
         self.update = 0  # merges applied
         self.merged: list[tuple[int, list]] = []  # (fragment, leaves) of each merge, in order
-        # When each sync merges: the rule the simulated clock runs (on the monotonic clock).
-        self.rule = QuorumRule(p_count, self.spec.quorum, self.spec.grace())
+        # When each sync merges: the rule the simulated clock runs (on the monotonic clock),
+        # an adaptive grace budgeted on each learner's measured seconds per step.
+        self.step_seconds: dict[int, list[float]] = {}  # each learner's last few pushes'
+        self.rule = QuorumRule(p_count, self.spec.quorum,
+                               self.spec.grace(_Medians(self.step_seconds)))  # fmt: skip
         self.pending: dict[tuple[int, int], dict[int, Push]] = {}  # each sync's payloads
         self.pushes = [[0] * p_count for _ in range(m_count)]
         self.newest_step = [0] * m_count
@@ -190,13 +196,15 @@ class DecoupledSyncer:
     def push(
         self, worker: int, incarnation: str, serial: int, leaves: list, loss: float,
         compute_s: float = 0.0, steps_s: float = 0.0, finite: bool = True, c_steps: int = 0,
-        applied: Any = (), resynced: Any = (), origin: Any = (0, 0),
+        applied: Any = (), resynced: Any = (), origin: Any = (0, 0), timed_steps: int = 0,
     ) -> dict:  # fmt: skip
         """Learner `worker`'s push of the fragment due at its step `serial`, with its
         `c_steps`, the merges it `applied` since its last push ([[update, boundary], ...])
         and where it took Θ whole after a syncer restart (`resynced`: [[version, boundary],
-        ...]); `origin`, where the trajectory that made it began ([version, step]):
-        {"status": "ok"}, "late" (its sync already merged), or "rejoin"."""
+        ...]); `origin`, where the trajectory that made it began ([version, step]); `steps_s`,
+        the seconds of its `timed_steps` steps since its push before:
+        {"status": "ok"}, "late" (its sync already merged), or "rejoin".
+        """
         self._check_worker(worker)
         sync = self.spec.sync_of(serial, self.task.inner_steps)
         if sync is None:
@@ -213,6 +221,9 @@ class DecoupledSyncer:
                 self._log_start(worker, int(version), int(boundary), True)
             self.pushes[worker][p] += 1
             self.newest_step[worker] = max(self.newest_step[worker], serial)
+            if steps_s > 0 and isinstance(timed_steps, int) and timed_steps > 0:
+                recent = self.step_seconds.setdefault(worker, [])
+                recent[:] = [*recent, steps_s / timed_steps][-TIMED_PUSHES:]
             if not finite or not self.rule.push(p, k, worker, time.monotonic()):
                 log.info("learner %d's push of sync (%d, %d) is late", worker, p, k)
                 return {"status": "late"}
@@ -393,6 +404,18 @@ class DecoupledSyncer:
 
     def _check_worker(self, worker: Any) -> None:
         check_worker(worker, self.task.num_workers)
+
+
+class _Medians:
+    """Each learner's seconds per step, as the adaptive grace reads them: the median of its
+    last TIMED_PUSHES pushes' (0 for one not timed yet: no window on its account)."""
+
+    def __init__(self, step_seconds: dict[int, list[float]]):
+        self.step_seconds = step_seconds
+
+    def __getitem__(self, learner: int) -> float:
+        recent = self.step_seconds.get(learner)
+        return statistics.median(recent) if recent else 0.0
 
 
 def checked_for_decoupled(options: Elastic, num_workers: int) -> Elastic:

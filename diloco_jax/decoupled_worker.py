@@ -53,8 +53,9 @@ class Push(NamedTuple):
     """One push, made at the boundary after `step`: its fragment's leaves, the fragment's
     steps since the learner last applied it (`c_steps`) and their mean `loss`, the merges
     applied and Θ taken whole since the push before ([[update or version, boundary], ...]),
-    where the learner's trajectory began ([version, step]) and its inner state then (kept
-    once the syncer has the push)."""
+    where the learner's trajectory began ([version, step]), its inner state then (kept once
+    the syncer has the push), and the seconds of its steps since its push before
+    (`steps_s`, over `timed_steps` steps: the adaptive grace's step time)."""
 
     step: int
     leaves: list
@@ -64,6 +65,8 @@ class Push(NamedTuple):
     resynced: list
     origin: list
     opt_state: Any
+    steps_s: float
+    timed_steps: int
 
 
 class Merged(NamedTuple):
@@ -151,6 +154,7 @@ class DecoupledLearner:
             opt_state = task.method.inner_optimizer.init(jax.tree.unflatten(self.treedef, params))
         counts, losses, applied, resynced = [0] * self.spec.fragments, [], [], []
         start = done = origin[1]
+        timed = [0.0, 0]  # seconds and steps since the push before
         batches = functools.lru_cache(maxsize=2)(lambda job: task.batches(m, job))
         while self.ended is None:
             sync = self.spec.sync_of(done, h_count)
@@ -158,7 +162,8 @@ class DecoupledLearner:
                 p, c = sync[0], counts[sync[0]]
                 push = Push(done, [np.asarray(params[i]) for i in self.members_of[p]], c,
                             float(jnp.mean(jnp.asarray(losses[-c:], jnp.float32))), applied,
-                            resynced, list(origin), opt_state)  # fmt: skip
+                            resynced, list(origin), opt_state, *timed)  # fmt: skip
+                timed = [0.0, 0]
                 with self.kept_lock:
                     self.kept[done] = push
                 self.outbox.put(push)
@@ -193,6 +198,7 @@ class DecoupledLearner:
             done += 1
             line = {"step": done, "loss": loss, "seconds": time.perf_counter() - started,
                     "time": time.time()}  # fmt: skip
+            timed = [timed[0] + line["seconds"], timed[1] + 1]
             with open(self.directory / METRICS_FILE, "a") as f:
                 f.write(json.dumps(line) + "\n")
 
@@ -220,7 +226,8 @@ class DecoupledLearner:
             seen = self.incarnation
             header = self._me(serial=push.step, loss=push.loss, c_steps=push.c_steps,
                               applied=push.applied, resynced=push.resynced,
-                              origin=push.origin)  # fmt: skip
+                              origin=push.origin, steps_s=push.steps_s,
+                              timed_steps=push.timed_steps)  # fmt: skip
             reply = self.client.push(header, push.leaves, lambda leaf: None)
             if reply["status"] != "rejoin":
                 break

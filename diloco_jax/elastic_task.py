@@ -137,9 +137,6 @@ def _check_server(task: "ElasticTask") -> None:
     if task.dynamic_steps:
         raise ValueError("ElasticTask.dynamic_steps is for jobs of H steps; DecoupledDiLoCo's "
                          "learners never stop")  # fmt: skip
-    if server.adaptive_grace is not None:
-        raise ValueError("ElasticTask.server's adaptive_grace budgets on step times the real "
-                         "clock does not give: use grace_seconds")  # fmt: skip
     server.checked(task.num_workers, task.inner_steps, task.params)
 
 

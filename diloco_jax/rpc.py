@@ -103,7 +103,7 @@ def serve(
 # Decoupled DiLoCo learner's c_steps, the merges it applied, where it took Θ whole, where its
 # trajectory began).
 JOIN_EXTRA = ("address", "start", "from_checkpoint")
-PUSH_EXTRA = ("c_steps", "applied", "resynced", "origin")
+PUSH_EXTRA = ("c_steps", "applied", "resynced", "origin", "timed_steps")
 
 
 def _given(message: dict, *names: str) -> dict:

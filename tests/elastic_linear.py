@@ -136,14 +136,20 @@ DECOUPLED = dj.DecoupledDiLoCo(quorum=2, grace_seconds=0.3, fragments=2, merge="
                                average_leaves=("b",))  # fmt: skip
 
 
+ADAPTIVE = dataclasses.replace(DECOUPLED, grace_seconds=0.0, adaptive_grace=0.5, overlap_steps=1)
+
+
 def make_decoupled_task():
     """Decoupled DiLoCo's learners (H = 4 steps of `batch(m, round, 4)`) and syncer
-    (`DECOUPLED`: a quorum of 2 with 0.3 s of grace, 2 fragments, RDA but for "b"), AdamW
-    inner steps and the paper's Nesterov outer step; ELASTIC_ROUNDS merges."""
+    (`DECOUPLED`: a quorum of 2 with 0.3 s of grace, 2 fragments, RDA but for "b"; with
+    ELASTIC_GRACE=adaptive, `ADAPTIVE`'s window of 0.5 x (a step of the quorum's learner less
+    the quorum's wait)), AdamW inner steps and the paper's Nesterov outer step;
+    ELASTIC_ROUNDS merges."""
 
     def batches(worker, position):
         wait_while_held(position)
         return batch(worker, position, DECOUPLED_STEPS)
 
+    server = ADAPTIVE if os.environ.get("ELASTIC_GRACE") == "adaptive" else DECOUPLED
     return dataclasses.replace(make_task(), batches=batches, inner_steps=DECOUPLED_STEPS,
-                               algo="async", server=DECOUPLED)  # fmt: skip
+                               algo="async", server=server)  # fmt: skip

@@ -378,17 +378,6 @@ def test_compare_writes_summary_table_and_plots(tmp_path):
             ],
             "takes its quorum and grace from the server",
         ),
-        (
-            [
-                "train",
-                "--elastic",
-                "--algo",
-                "async",
-                "--server",
-                "decoupled,quorum=2,adaptive_grace=0.5,overlap_steps=1",
-            ],
-            "no adaptive_grace",
-        ),
         (["train", "--gasloc", "beta=1"], "gasloc takes alpha=A and gamma=G, got 'beta=1'"),
         (["train", "--gasloc", "alpha=x"], "gasloc: alpha must be a number, got 'x'"),
         (["train", "--algo", "sync", "--gasloc", "alpha=1"], "--gasloc needs --algo diloco"),

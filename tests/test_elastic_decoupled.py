@@ -2,9 +2,9 @@
 a syncer and four learner processes of unequal speeds that never wait, a quorum of 2 with
 grace, 2 fragments and RDA, one learner SIGKILLed and restarted (from its checkpoint) and one
 SIGSTOPped past the heartbeat timeout (removed, then back); and the syncer SIGKILLed and
-restarted from its checkpoint. Θ at the end must equal
-`train_async` with the same server replaying the run's merges, where each learner applied
-them and where each learner process started, within 1e-6 relative."""
+restarted from its checkpoint, its grace the adaptive one on the learners' step times. Θ at
+the end must equal `train_async` with the same server replaying the run's merges, where each
+learner applied them and where each learner process started, within 1e-6 relative."""
 
 import dataclasses
 import json
@@ -16,7 +16,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from elastic_linear import DECOUPLED, DECOUPLED_STEPS, METHOD, PARAMS, batch, make_decoupled_task
+from elastic_linear import (
+    ADAPTIVE,
+    DECOUPLED,
+    DECOUPLED_STEPS,
+    METHOD,
+    PARAMS,
+    batch,
+    make_decoupled_task,
+)
 from reference import linear_loss
 from test_elastic import Cluster, _wait
 
@@ -35,14 +43,14 @@ def _jsonl(path):
     )
 
 
-def _replay(merges):
+def _replay(merges, server=DECOUPLED):
     rounds = [
         jax.tree.map(lambda *x: np.stack(x), *(batch(m, r, DECOUPLED_STEPS) for m in range(4)))
         for r in range(replay_rounds(merges, DECOUPLED_STEPS))
     ]
     return dj.train_async(
         linear_loss, PARAMS, rounds, num_workers=4, inner_steps=DECOUPLED_STEPS,
-        num_updates=MERGES, server=DECOUPLED, arrivals=merges, inner_optimizer=METHOD.inner,
+        num_updates=MERGES, server=server, arrivals=merges, inner_optimizer=METHOD.inner,
         outer_optimizer=METHOD.outer,
     )  # fmt: skip
 
@@ -107,7 +115,7 @@ def test_a_killed_and_a_stopped_learner_reproduce_the_replay(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_syncer_resumes_and_the_run_reproduces_the_replay(tmp_path):
-    env = {"ELASTIC_ROUNDS": str(MERGES), "ELASTIC_PHASE_SECONDS": "0"}
+    env = {"ELASTIC_ROUNDS": str(MERGES), "ELASTIC_PHASE_SECONDS": "0", "ELASTIC_GRACE": "adaptive"}
     cluster = Cluster(tmp_path, task="elastic_linear:make_decoupled_task", env=env,
                       min_workers=1)  # fmt: skip
     # Learner 0 the fastest by far, so that even on a loaded machine it catches up after its
@@ -136,7 +144,7 @@ def test_a_killed_syncer_resumes_and_the_run_reproduces_the_replay(tmp_path):
     merges = arrivals(syncer_dir)
     assert [x.update for x in merges] == list(range(MERGES))
     real = final_params(syncer_dir, make_decoupled_task())
-    replay = _replay(merges)
+    replay = _replay(merges, ADAPTIVE)
     for name in ("w", "b"):
         np.testing.assert_allclose(real[name], replay.params[name], rtol=1e-6, atol=1e-7)
     # Learners behind the restarted syncer took Θ whole where they were, their state kept:
@@ -158,9 +166,6 @@ def test_a_decoupled_task_refuses_what_its_learners_cannot_run():
             "server": dj.HALoS(regions=(0, 0, 1, 1), global_optimizer=dj.heloco(0.6, 0.5))
         },
         "must be None, dj.DecoupledDiLoCo": {"server": "decoupled"},
-        "use grace_seconds": {
-            "server": dj.DecoupledDiLoCo(quorum=2, adaptive_grace=0.5, overlap_steps=1)
-        },
         "quorum must be at most num_workers": {"server": dj.DecoupledDiLoCo(quorum=9)},
     }
     for words, changes in refusals.items():
@@ -184,3 +189,47 @@ def test_the_decoupled_syncer_refuses_a_bad_call(tmp_path):
         syncer.push(0, me, 3, leaves, 1.0)
     with pytest.raises(ValueError, match="Elastic.min_workers does not apply"):
         DecoupledSyncer(make_decoupled_task(), Elastic(min_workers=2), tmp_path)
+
+
+def test_the_real_syncers_adaptive_grace_is_budgeted_on_the_step_times_its_learners_send(
+    tmp_path, monkeypatch
+):
+    # gamma = 0.5, tau = 1: the window after the K-th push is 0.5 x max(0, s_K - (t_K - t_1)),
+    # s_K the K-th pusher's seconds per step as it measured them.
+    from types import SimpleNamespace
+
+    from diloco_jax import decoupled_syncer
+    from diloco_jax.elastic_task import Elastic
+    from diloco_jax.quorum import Due
+
+    now = [100.0]
+    clock = SimpleNamespace(monotonic=lambda: now[0], time=lambda: 1e9 + now[0])
+    monkeypatch.setattr(decoupled_syncer, "time", clock)
+    spec = dataclasses.replace(DECOUPLED, grace_seconds=0.0, adaptive_grace=0.5, overlap_steps=1)
+    task = dataclasses.replace(make_decoupled_task(), server=spec)
+    syncer = decoupled_syncer.DecoupledSyncer(task, Elastic(), tmp_path)
+    me = [syncer.join(m, None)["incarnation"] for m in range(4)]
+    b = [np.float32(0.0)]  # fragment 0's one leaf: "b"
+    # Fragment 0's sync 0 follows step H / P = 2: learner 3 first, at 0.9 s per step (its two
+    # steps took 1.8 s); learner 1 makes the quorum of 2 0.25 s later, at 0.6 s per step.
+    assert syncer.push(3, me[3], 2, b, 1.0, steps_s=1.8, timed_steps=2, c_steps=2)["status"] == "ok"
+    now[0] = 100.25
+    assert syncer.push(1, me[1], 2, b, 1.0, steps_s=1.2, timed_steps=2, c_steps=2)["status"] == "ok"
+    assert syncer.rule.next_due() == Due(pytest.approx(100.25 + 0.5 * (0.6 - 0.25)), 0, 0)
+    now[0] = 100.4  # inside the window: learner 0's push is taken
+    assert syncer.push(0, me[0], 2, b, 1.0, steps_s=0.8, timed_steps=2, c_steps=2)["status"] == "ok"
+    syncer.tick()
+    assert syncer.update == 0
+    now[0] = 100.5  # past it: merged, learner 2 not in
+    syncer.tick()
+    assert syncer.update == 1
+    assert _jsonl(tmp_path / "history.jsonl")[0]["merged"] == [0, 1, 3]
+    assert (
+        syncer.push(2, me[2], 2, b, 1.0, steps_s=2.0, timed_steps=2, c_steps=2)["status"] == "late"
+    )
+    # Fragment 1's sync 0 (after step 4): learner 2's late push still timed it (1 s per
+    # step); its quorum gathers at one instant, so the window is 0.5 x 1 s.
+    leaves_1 = [np.zeros(3, np.float32)]  # fragment 1's one leaf: "w"
+    syncer.push(0, me[0], 4, leaves_1, 1.0, c_steps=4)
+    syncer.push(2, me[2], 4, leaves_1, 1.0, c_steps=4)
+    assert syncer.rule.next_due() == Due(100.5 + 0.5 * (1.0 - 0.0), 1, 0)

@@ -479,11 +479,10 @@ def elastic_args(args: argparse.Namespace, cfg: Any) -> tuple[int, bool] | None:
     server = config.server_of(cfg)
     if isinstance(server, HALoS):
         _check_elastic_halos(server, min_workers)
-    elif server is not None and (min_workers != 1 or server.adaptive_grace is not None):
+    elif server is not None and min_workers != 1:
         raise ConfigError(
             "--elastic --server decoupled,... takes its quorum and grace from the server "
-            "(quorum=, grace_seconds=): no --min-workers, and no adaptive_grace (it budgets on "
-            "step times the real clock does not give)"
+            "(quorum=, grace_seconds= or adaptive_grace=): no --min-workers"
         )
     if config.method(cfg).gossip is not None and min_workers not in (1, cfg.workers):
         raise ConfigError(
