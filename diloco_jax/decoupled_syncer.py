@@ -41,7 +41,6 @@ import logging
 import statistics
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,7 @@ from diloco_jax.elastic_task import (
     end_reply,
     refuse_round_options,
 )
+from diloco_jax.membership import Membership
 from diloco_jax.outer import outer_init
 from diloco_jax.quorum import Due, QuorumRule
 
@@ -68,13 +68,6 @@ HISTORY_FILE = "history.jsonl"
 CHECKPOINT_FILE = "syncer.ckpt"  # the state after the newest merge
 KEEP_MERGES = 64  # the merged fragments kept for learners to fetch one by one
 TIMED_PUSHES = 5  # a learner's pushes the adaptive grace's step time is the median of
-
-
-@dataclasses.dataclass
-class Learner:
-    incarnation: str
-    last_seen: float
-    start: tuple[int, bool] | None = None  # a new process's (step, from its checkpoint)
 
 
 @dataclasses.dataclass
@@ -110,7 +103,8 @@ class DecoupledSyncer:
         m_count, p_count = task.num_workers, self.spec.fragments
         self.tokens = self.spec.tokens_per_step or (1.0,) * m_count
         self.cond = threading.Condition()
-        self.members: dict[int, Learner] = {}
+        self.members = Membership()
+        self.starts: dict[int, tuple[int, bool]] = {}  # a new process's (step, from its ckpt)
         self.update = 0  # merges applied
         self.merged: list[tuple[int, list]] = []  # (fragment, leaves) of each merge, in order
         # When each sync merges: the rule the simulated clock runs (on the monotonic clock),
@@ -147,15 +141,14 @@ class DecoupledSyncer:
         with self.cond:
             if self.done is not None:
                 return self._ended(worker)
-            member = self.members.get(worker)
-            if member is None or incarnation != member.incarnation:
-                member = Learner(uuid.uuid4().hex, time.monotonic())
-                self.members[worker] = member
+            joined = self.members.join(worker, incarnation, time.monotonic())
+            if joined.new:
+                self.starts.pop(worker, None)
                 log.info("learner %d joined (after merge %d)", worker, self.update)
             if start is not None:
-                member.start = (start, bool(from_checkpoint))
-            member.last_seen = time.monotonic()
-            return {"incarnation": member.incarnation, "options": self.options.to_message()}
+                self.starts[worker] = (start, bool(from_checkpoint))
+            return {"incarnation": joined.member.incarnation,
+                    "options": self.options.to_message()}  # fmt: skip
 
     def heartbeat(self, worker: int, incarnation: str) -> dict[str, Any]:
         self._check_worker(worker)
@@ -242,10 +235,9 @@ class DecoupledSyncer:
         with self.cond:
             if self.done is not None:
                 return
-            for m, member in list(self.members.items()):
-                if now - member.last_seen > o.heartbeat_timeout:
-                    del self.members[m]
-                    log.info("learner %d removed: silent for %.1f s", m, now - member.last_seen)
+            for m, silent in self.members.silent(now, o.heartbeat_timeout):
+                self.members.remove(m)
+                log.info("learner %d removed: silent for %.1f s", m, silent)
             self._merge_due()
             if len(self.members) < self.spec.quorum and now - self.started > o.join_timeout:
                 self.short_since = self.short_since or now
@@ -329,11 +321,9 @@ class DecoupledSyncer:
 
     def _note_start(self, worker: int) -> None:
         """A new learner process takes Θ of now: the replay restarts it from the same."""
-        member = self.members[worker]
-        if member.start is None:
+        if worker not in self.starts:
             return
-        step, saved = member.start
-        member.start = None
+        step, saved = self.starts.pop(worker)
         self._log_start(worker, self.update, step, saved)
 
     def _log_start(self, worker: int, version: int, step: int, from_checkpoint: bool) -> None:
@@ -392,10 +382,8 @@ class DecoupledSyncer:
     def _heard(self, worker: int, incarnation: str) -> dict[str, Any] | None:
         if self.done is not None:
             return self._ended(worker)
-        member = self.members.get(worker)
-        if member is None or member.incarnation != incarnation:
+        if not self.members.heard(worker, incarnation, time.monotonic()):
             return {"status": "rejoin"}
-        member.last_seen = time.monotonic()
         return None
 
     def _ended(self, worker: int) -> dict[str, Any]:

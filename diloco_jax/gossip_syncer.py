@@ -21,11 +21,9 @@ Its state is soft: a restarted syncer hears each worker again (told to rejoin, i
 its address and reports what it has saved).
 """
 
-import dataclasses
 import logging
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +34,9 @@ from diloco_jax.elastic_task import (
     end_reply,
     refuse_round_options,
 )
+from diloco_jax.membership import Membership
 
 log = logging.getLogger("diloco_jax.syncer")
-
-
-@dataclasses.dataclass
-class Peer:
-    incarnation: str
-    address: str
-    last_seen: float
 
 
 class GossipSyncer:
@@ -54,7 +46,8 @@ class GossipSyncer:
         self.task, self.options = task, checked_for_gossip(options, task.num_workers)
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.cond = threading.Condition()
-        self.members: dict[int, Peer] = {}
+        self.members = Membership()  # a silent member is waited for, never removed
+        self.addresses: dict[int, str] = {}  # each member's peer server
         self.saved = [0] * task.num_workers  # each worker's newest report, across restarts
         self.heard = [time.monotonic()] * task.num_workers  # when each was last heard
         self.silent: set[int] = set()  # logged as silent, not heard since
@@ -70,16 +63,14 @@ class GossipSyncer:
         with self.cond:
             if self.done is not None:
                 return self._ended(worker)
-            member = self.members.get(worker)
-            if member is None or incarnation != member.incarnation:
-                member = Peer(uuid.uuid4().hex, address, 0.0)
-                self.members[worker] = member
+            joined = self.members.join(worker, incarnation, time.monotonic())
+            if joined.new:
                 log.info("worker %d joined (peer address %s)", worker, address)
                 self.joined.add(worker)
-            member.address = address
+            self.addresses[worker] = address
             self._seen(worker)
-            return {"incarnation": member.incarnation, "options": self.options.to_message(),
-                    **self._view()}  # fmt: skip
+            return {"incarnation": joined.member.incarnation,
+                    "options": self.options.to_message(), **self._view()}  # fmt: skip
 
     def heartbeat(self, worker: int, incarnation: str, saved: int = 0) -> dict[str, Any]:
         self._check_worker(worker)
@@ -90,8 +81,7 @@ class GossipSyncer:
         with self.cond:
             if self.done is not None:
                 return self._ended(worker)
-            member = self.members.get(worker)
-            if member is None or member.incarnation != incarnation:
+            if not self.members.heard(worker, incarnation, time.monotonic()):
                 return {"status": "rejoin"}
             self._seen(worker)
             self.saved[worker] = max(self.saved[worker], saved)
@@ -144,7 +134,7 @@ class GossipSyncer:
         self.silent.discard(worker)
 
     def _view(self) -> dict[str, Any]:
-        peers = {str(m): p.address for m, p in self.members.items()}
+        peers = {str(m): self.addresses[m] for m in self.members}
         return {"peers": peers, "floor": min(self.saved)}
 
     def _ended(self, worker: int) -> dict[str, Any]:

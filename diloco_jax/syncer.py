@@ -30,7 +30,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -41,6 +40,7 @@ import numpy as np
 from diloco_jax import wire
 from diloco_jax.elastic_merge import make_merge
 from diloco_jax.elastic_task import Elastic, ElasticTask, check_worker
+from diloco_jax.membership import Membership
 from diloco_jax.outer import outer_init
 
 log = logging.getLogger("diloco_jax.syncer")
@@ -49,12 +49,6 @@ CHECKPOINT_GLOB = "sync-*.ckpt"
 SERIAL_FILE = "serial"  # the last round opening's serial, written as it is handed out
 SERIAL_MARGIN = 1 << 20
 KEEP_CHECKPOINTS = 2
-
-
-@dataclasses.dataclass
-class Member:
-    incarnation: str
-    last_seen: float
 
 
 class Reply(NamedTuple):
@@ -129,7 +123,7 @@ class Syncer:
         self.reply: Reply | None = None  # the last sync's, where the merge makes one
         self.theta_checksum: tuple[int, int] | None = None  # (version, θ's checksum)
         self.positions = [0] * task.num_workers
-        self.members: dict[int, Member] = {}
+        self.members = Membership()
         self.is_open, self.participants, self.pushed = False, set(), {}
         self.opened_at = self.quorum_at = self.short_since = None
         self.started = time.monotonic()
@@ -158,19 +152,15 @@ class Syncer:
         unless it is reattaching with the incarnation a resumed syncer still has."""
         self._check_worker(worker)
         with self.cond:
-            now = time.monotonic()
             self.awaited.discard(worker)
-            member = self.members.get(worker)
-            if member is not None and incarnation == member.incarnation:
-                member.last_seen = now
-            else:
-                if member is not None and worker in self.participants - set(self.pushed):
+            joined = self.members.join(worker, incarnation, time.monotonic())
+            if joined.new:
+                if joined.replaced and worker in self.participants - set(self.pushed):
                     self.participants.discard(worker)  # its old process won't push
-                member = Member(uuid.uuid4().hex, now)
-                self.members[worker] = member
                 log.info("worker %d joined (round %d)", worker, self.round)
             self._step()
-            return {"incarnation": member.incarnation, "options": self.options.to_message()}
+            return {"incarnation": joined.member.incarnation,
+                    "options": self.options.to_message()}  # fmt: skip
 
     def heartbeat(self, worker: int, incarnation: str) -> dict[str, Any]:
         """{"status": "ok"}, "rejoin", or the run's end ("done" / "abort" with its reason:
@@ -271,17 +261,14 @@ class Syncer:
             if self.done is not None:
                 return
             now, o = time.monotonic(), self.options
-            for worker, member in list(self.members.items()):
-                silent = now - member.last_seen
-                if silent > o.heartbeat_timeout:
-                    self._remove(worker, f"silent for {silent:.1f} s")
-                elif (
-                    o.round_timeout is not None
-                    and self.is_open
-                    and worker in self.participants
-                    and worker not in self.pushed
-                    and now - self.opened_at > o.round_timeout
-                ):
+            for worker, silent in self.members.silent(now, o.heartbeat_timeout):
+                self._remove(worker, f"silent for {silent:.1f} s")
+            if (
+                o.round_timeout is not None
+                and self.is_open
+                and now - self.opened_at > o.round_timeout
+            ):
+                for worker in sorted((self.participants & set(self.members)) - set(self.pushed)):
                     self._remove(worker, f"no delta {now - self.opened_at:.1f} s into the round")
             self._step()
 
@@ -304,10 +291,8 @@ class Syncer:
         for a worker not held as that incarnation), or None once it is noted alive."""
         if self.done is not None:
             return self._ended(worker)
-        member = self.members.get(worker)
-        if member is None or member.incarnation != incarnation:
+        if not self.members.heard(worker, incarnation, time.monotonic()):
             return {"status": "rejoin"}
-        member.last_seen = time.monotonic()
         self.awaited.discard(worker)
         return None
 
@@ -326,7 +311,7 @@ class Syncer:
         check_worker(worker, self.task.num_workers)
 
     def _remove(self, worker: int, why: str) -> None:
-        del self.members[worker]
+        self.members.remove(worker)
         self.awaited.discard(worker)  # a resumed syncer opens without it, not at join_timeout
         if worker not in self.pushed:  # the open sync won't wait for it, even if it rejoins
             self.participants.discard(worker)
@@ -427,9 +412,7 @@ class Syncer:
         self._save()
         # The outer step and the checkpoint held the lock: no heartbeat could land meanwhile,
         # so that time counts for nobody's silence.
-        busy = time.monotonic() - busy_since
-        for member in self.members.values():
-            member.last_seen += busy
+        self.members.excuse(time.monotonic() - busy_since)
 
     def _end_if_done(self) -> bool:
         """Ends the run (final.msgpack) once its last update is in; whether it ended (or had
@@ -472,7 +455,7 @@ class Syncer:
             "theta": wire.leaves(self.theta),
             "outer": wire.leaves(self.outer_state),
             "positions": list(self.positions),
-            "members": {str(m): member.incarnation for m, member in self.members.items()},
+            "members": {str(m): inc for m, inc in self.members.incarnations().items()},
             **self._saved_extra(),
         }
         path = checkpoint_path(self.directory, self.round)
@@ -500,7 +483,7 @@ class Syncer:
             self.round, self.serial = int(message["round"]), int(message["serial"])
             # The members get a heartbeat timeout more than usual to find the restarted syncer.
             now = time.monotonic() + self.options.heartbeat_timeout
-            self.members = {int(m): Member(inc, now) for m, inc in message["members"].items()}
+            self.members = Membership({int(m): inc for m, inc in message["members"].items()}, now)
             self._cut_history()
             log.info("resumed from %s (round %d)", path.name, self.round)
             return True
