@@ -87,7 +87,13 @@ class ArrivalRule:
     def hand_out(self, worker: int, serial: int, updates: int, position: int, now: float) -> Job:
         """The worker's new job (it replaces any it held): number `serial`, after `updates`
         updates, at data `position`, handed out at `now`."""
-        job = Job(serial, updates, position, self.steps(worker), now)
+        job = Job(
+            serial=serial,
+            start_update=updates,
+            position=position,
+            steps=self.steps(worker),
+            started=now,
+        )
         self.jobs[worker] = job
         return job
 

@@ -173,8 +173,18 @@ def async_schedule(
         for at, m in window[: num_updates - len(events)]:
             job = rule.take(m, rule.jobs[m].serial)
             update = len(events)
-            events.append(AsyncEvent(update, m, job.position, job.steps, job.started, at,
-                                     job.start_update, age(job, update)))  # fmt: skip
+            events.append(
+                AsyncEvent(
+                    update=update,
+                    worker=m,
+                    job=job.position,
+                    steps=job.steps,
+                    start=job.started,
+                    time=at,
+                    start_update=job.start_update,
+                    staleness=age(job, update),
+                )
+            )
             spans.append((job.started, at))
             taken.append((m, job))
         for m, job in taken:  # restart when the window closes, from theta after all of it
@@ -297,25 +307,14 @@ def train_async(
       "wire_bytes_per_device" (the same, per device: each sends its shard of the delta).
       Same inputs give bit-identical results.
     """
-    check_int("num_workers", num_workers, 1)
-    check_int("inner_steps", inner_steps, 1)
-    check_int("num_updates", num_updates, 0)
-    check_int("eval_every", eval_every, 1)
-    limits.check_steps("num_updates x inner_steps", num_updates, inner_steps)
-    if not isinstance(dynamic_steps, bool):
-        raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
+    _check_counts(num_workers, inner_steps, num_updates, eval_every, dynamic_steps)
     seconds, recorded, clock = _clock(step_seconds, grace_seconds, dynamic_steps, arrivals,
                                       server, num_workers, inner_steps, num_updates)  # fmt: skip
     check_params(params)
     check_loss_options(has_aux, rng_seed)
-    given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
-    given = {k: checked_optimizer(k, v, None) for k, v in given.items() if v is not None}
-    method = method_from_options(method, given, caller="train_async")
-    only_optimizers(method, "train_async", "each arrival applies one worker's whole delta")
-    inner_optimizer = checked_optimizer("inner_optimizer", method.inner, default_inner_optimizer)
-    frozen = trainable_lib.frozen_leaves(params, trainable)
-    inner_optimizer = trainable_lib.masked_optimizer(inner_optimizer, params, frozen)
-    outer_optimizer = checked_optimizer("outer_optimizer", method.outer, default_outer_optimizer)
+    inner_optimizer, outer_optimizer = _optimizers(
+        method, inner_optimizer, outer_optimizer, params, trainable
+    )
     where = _where(backend, devices, mesh, worker_axis, param_sharding, batch_sharding, params,
                    num_workers)  # fmt: skip
     _check_fits(where, params, inner_optimizer, num_workers)
@@ -332,18 +331,53 @@ def train_async(
         **({} if rng_seed is None else {"rng_seed": rng_seed}),
         **checkpoint.run_fields(checkpoint_fingerprint),
     )
-    run = AsyncRun(loss_fn, params, data, num_workers, inner_steps, num_updates, seconds,
-                   dynamic_steps, has_aux, rng_seed, inner_optimizer, outer_optimizer, eval_fn,
-                   eval_every, callback, where, recorded=recorded)  # fmt: skip
+    run = AsyncRun(
+        loss_fn=loss_fn,
+        params=params,
+        data=data,
+        num_workers=num_workers,
+        inner_steps=inner_steps,
+        num_updates=num_updates,
+        step_seconds=seconds,
+        dynamic_steps=dynamic_steps,
+        has_aux=has_aux,
+        rng_seed=rng_seed,
+        inner_optimizer=inner_optimizer,
+        outer_optimizer=outer_optimizer,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        callback=callback,
+        where=where,
+        recorded=recorded,
+    )
     if server is not None:
-        if job_start(outer_optimizer) is not None:  # no job would start at its θ̄
-            raise ValueError(
-                f"outer_optimizer {type(outer_optimizer).__name__} (HeLoCo's look-ahead) runs "
-                f"with train_async's one server, not server={type(server).__name__}"
-            )
         return _other_server(server, run, mesh=mesh, checkpoint_dir=checkpoint_dir,
                              grace_seconds=grace_seconds, checkpoints=run_checkpoints)  # fmt: skip
     return _one_server(run._replace(checkpoints=run_checkpoints()), grace_seconds)
+
+
+def _check_counts(num_workers, inner_steps, num_updates, eval_every, dynamic_steps) -> None:
+    """ValueError naming the first of `train_async`'s counts out of range."""
+    check_int("num_workers", num_workers, 1)
+    check_int("inner_steps", inner_steps, 1)
+    check_int("num_updates", num_updates, 0)
+    check_int("eval_every", eval_every, 1)
+    limits.check_steps("num_updates x inner_steps", num_updates, inner_steps)
+    if not isinstance(dynamic_steps, bool):
+        raise ValueError(f"dynamic_steps must be True or False, got {dynamic_steps!r}")
+
+
+def _optimizers(method, inner_optimizer, outer_optimizer, params, trainable) -> tuple:
+    """(inner, outer) optax rules of `train_async`'s method (or its two optimizer arguments),
+    checked; the inner one masked by `trainable`."""
+    given = {"inner_optimizer": inner_optimizer, "outer_optimizer": outer_optimizer}
+    given = {k: checked_optimizer(k, v, None) for k, v in given.items() if v is not None}
+    method = method_from_options(method, given, caller="train_async")
+    only_optimizers(method, "train_async", "each arrival applies one worker's whole delta")
+    inner = checked_optimizer("inner_optimizer", method.inner, default_inner_optimizer)
+    frozen = trainable_lib.frozen_leaves(params, trainable)
+    inner = trainable_lib.masked_optimizer(inner, params, frozen)
+    return inner, checked_optimizer("outer_optimizer", method.outer, default_outer_optimizer)
 
 
 def _clock(
@@ -446,12 +480,23 @@ def _one_server(run: "AsyncRun", grace_seconds: float) -> AsyncResult:
     loop = Loop(num_updates, run.checkpoints, run.callback, unit="updates",
                 total_name="num_updates")  # fmt: skip
     first = {0: start_of_job(theta, outer_state)}
-    running, history = loop.run(arrivals, _Running(theta, outer_state, inner_states, first, 0))
+    running, history = loop.run(
+        arrivals,
+        _Running(
+            theta=theta, outer_state=outer_state, inner_states=inner_states, starts=first, done=0
+        ),
+    )
     state = AsyncState(
         running.theta, running.outer_state, where.stack(running.inner_states), num_updates
     )
     theta, state = where.results((running.theta, state))
-    return AsyncResult(theta, state, history, schedule.elapsed_seconds, schedule.utilization)
+    return AsyncResult(
+        params=theta,
+        state=state,
+        history=history,
+        elapsed_seconds=schedule.elapsed_seconds,
+        utilization=schedule.utilization,
+    )
 
 
 class AsyncRun(NamedTuple):
@@ -490,6 +535,11 @@ def _other_server(
             f"server must be None, dj.DecoupledDiLoCo(...) or dj.HALoS(...), got {server!r}"
         )
     name = type(server).__name__
+    if job_start(run.outer_optimizer) is not None:  # no job would start at its θ̄
+        raise ValueError(
+            f"outer_optimizer {type(run.outer_optimizer).__name__} (HeLoCo's look-ahead) runs "
+            f"with train_async's one server, not server={name}"
+        )
     if mesh is not None and not getattr(server, "takes_mesh", False):
         raise ValueError(f"server={name}(...) runs on one device: it takes no mesh=")
     if checkpoint_dir is not None and not hasattr(server, "checkpoint_fields"):
@@ -583,7 +633,13 @@ class _Arrivals:
         }
         if self.per_job_device is not None:
             entry["wire_bytes_per_device"] = round(done * self.per_job_device / self.num_workers)
-        return _Running(theta, outer_state, inner_states, starts, done), (entry, loss)
+        return _Running(
+            theta=theta,
+            outer_state=outer_state,
+            inner_states=inner_states,
+            starts=starts,
+            done=done,
+        ), (entry, loss)
 
     def evaluate(self, state: _Running, done: int) -> Any:
         # Every `eval_every` inner steps per worker: when the applied steps of all workers
@@ -618,7 +674,13 @@ class _Arrivals:
             if e.start_update <= done
         }
         inner_states = self.where.unstack(saved.inner_opt_state, self.num_workers)
-        return _Running(saved.params, saved.outer_opt_state, inner_states, starts, done)
+        return _Running(
+            theta=saved.params,
+            outer_state=saved.outer_opt_state,
+            inner_states=inner_states,
+            starts=starts,
+            done=done,
+        )
 
 
 def eval_due(before: int, now: int, every: int) -> bool:

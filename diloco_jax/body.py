@@ -97,11 +97,30 @@ def round_body(shared: Shared, local: Local, collectives, *, plan: Plan, treedef
     num_local = jax.tree.leaves((local.opt, local.data))[0].shape[0]
     workers = Workers(None, local.opt, local.model)
     ctx = Context(
-        shared.round, collectives, treedef, num_workers, num_local, shared.data, local.data,
-        local.ids, local.inputs, local.outer, workers, shared.parts, local.parts,
-    )  # fmt: skip
+        round=shared.round,
+        collectives=collectives,
+        treedef=treedef,
+        num_workers=num_workers,
+        num_local=num_local,
+        data=shared.data,
+        data_k=local.data,
+        ids_k=local.ids,
+        inputs_k=local.inputs,
+        outer_k=local.outer,
+        start=workers,
+        shared=shared.parts,
+        local=local.parts,
+    )
     theta = plan.sync.theta_in(shared.theta, treedef)
-    c = Carry(workers, theta, plan.sync.outer_carried(shared.outer), {}, (), (), {})
+    c = Carry(
+        workers=workers,
+        theta=theta,
+        outer=plan.sync.outer_carried(shared.outer),
+        snapshots={},
+        losses=(),
+        auxes=(),
+        own={},
+    )
     for role in plan.roles:
         c = role.begin(c, ctx)
     for segment in plan.segments:
@@ -136,11 +155,22 @@ def _outputs(plan: Plan, c: Carry, ctx: Context) -> tuple[SharedOut, LocalOut]:
     aux_kxH = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *c.auxes)
     shared_metrics, local_metrics = plan.weights.metrics(c, ctx)
     theta = plan.sync.theta_out(c, ctx.treedef)
-    same = SharedOut(theta, c.outer, plan.sync.grad_norm(c), shared_metrics, shared_parts)
+    same = SharedOut(
+        theta=theta,
+        outer=c.outer,
+        grad_norm=plan.sync.grad_norm(c),
+        metrics=shared_metrics,
+        parts=shared_parts,
+    )
     mine = LocalOut(
-        c.workers.opt, c.workers.model, plan.sync.local_outer(c), losses_kxH, aux_kxH,
-        local_metrics, local_parts,
-    )  # fmt: skip
+        opt=c.workers.opt,
+        model=c.workers.model,
+        outer=plan.sync.local_outer(c),
+        losses=losses_kxH,
+        aux=aux_kxH,
+        metrics=local_metrics,
+        parts=local_parts,
+    )
     return same, mine
 
 

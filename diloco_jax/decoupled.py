@@ -190,7 +190,16 @@ class DecoupledDiLoCo:
                 continue
             merged = rule.merge(due, due.time)
             step = self.push_step(due.fragment, due.sync, inner_steps)
-            syncs.append(Sync(len(syncs), due.fragment, due.sync, step, due.time, merged))
+            syncs.append(
+                Sync(
+                    update=len(syncs),
+                    fragment=due.fragment,
+                    index=due.sync,
+                    step=step,
+                    time=due.time,
+                    merged=merged,
+                )
+            )
         return tuple(syncs)
 
     def grace(self, step_seconds: tuple[float, ...] | None = None) -> Grace:
@@ -479,14 +488,26 @@ class _Job:
         if timing is None:
             timing = SimulatedTiming(spec, run.step_seconds, h_count, run.num_updates)
         return cls(
-            spec, run, timing.syncs, treedef, members, rules,
-            spec.tokens_per_step or (1.0,) * m_count, timing, _fragment_bytes(leaves, members),
-            None if shards is None else _fragment_bytes(jax.tree.leaves(shards), members),
-            step_fn, merge, _data(run.data, m_count, h_count, run.where),
-            jax.jit(run.eval_fn) if run.eval_fn is not None else None, places,
-            timing.snapshots(),
+            spec=spec,
+            run=run,
+            syncs=timing.syncs,
+            treedef=treedef,
+            members=members,
+            rules=rules,
+            tokens=spec.tokens_per_step or (1.0,) * m_count,
+            timing=timing,
+            fragment_bytes=_fragment_bytes(leaves, members),
+            shard_bytes=None
+            if shards is None
+            else _fragment_bytes(jax.tree.leaves(shards), members),
+            step_fn=step_fn,
+            merge=merge,
+            data_of=_data(run.data, m_count, h_count, run.where),
+            evaluate_fn=jax.jit(run.eval_fn) if run.eval_fn is not None else None,
+            places=places,
+            snapshot_at=timing.snapshots(),
             awaited={(m, x.step) for x in timing.syncs for m in x.merged},
-        )  # fmt: skip
+        )
 
     def initial(self) -> _State:
         run, places = self.run, self.places
@@ -502,8 +523,14 @@ class _Job:
         )
         learners = [
             _Learner(
-                places.leaves(theta, every, m), inner[m], 0, [0] * self.spec.fragments, [], [], []
-            )  # fmt: skip
+                params=places.leaves(theta, every, m),
+                opt_state=inner[m],
+                done=0,
+                counts=[0] * self.spec.fragments,
+                losses=[],
+                auxes=[],
+                inbox=[],
+            )
             for m in range(run.num_workers)
         ]
         return _State(theta, outer, learners)
@@ -591,7 +618,16 @@ class _Job:
         every = range(len(self.rules))
         theta = self.places.leaves(state.theta, every, m)
         counts = [0] * self.spec.fragments
-        state.learners[m] = _Learner(theta, opt_state, step, counts, [], [], [], (version, step))
+        state.learners[m] = _Learner(
+            params=theta,
+            opt_state=opt_state,
+            done=step,
+            counts=counts,
+            losses=[],
+            auxes=[],
+            inbox=[],
+            origin=(version, step),
+        )
 
     def _push(self, learner: _Learner, m: int, step: int, fragment: int) -> "_Pushed":
         """Learner m's push of `fragment` after its step `step` (stepped there first, or the
@@ -761,19 +797,32 @@ class _Job:
                 _Broadcast(*(int(n) for n in s[k]["where"]), _listed(s[k]["values"]))
                 for k in sorted(s) if k.startswith("inbox-")
             ]  # fmt: skip
-            learners.append(_Learner(
-                _listed(s["params"]),
-                jax.tree.unflatten(jax.tree.structure(x.opt_state), _listed(s["opt"])),
-                numbers[0], numbers[2:], [s["losses"][j] for j in range(kept)],
-                [{n: s[f"aux-{n}"][j] for n in names} for j in range(kept)], inbox,
-            ))  # fmt: skip
+            learners.append(
+                _Learner(
+                    params=_listed(s["params"]),
+                    opt_state=jax.tree.unflatten(
+                        jax.tree.structure(x.opt_state), _listed(s["opt"])
+                    ),
+                    done=numbers[0],
+                    counts=numbers[2:],
+                    losses=[s["losses"][j] for j in range(kept)],
+                    auxes=[{n: s[f"aux-{n}"][j] for n in names} for j in range(kept)],
+                    inbox=inbox,
+                )
+            )
         outer = [
             jax.tree.unflatten(jax.tree.structure(o), _listed(saved["outer"][f"{p:06d}"]))
             for p, o in enumerate(like.outer)
         ]
         late_total, steps_before, steps_now = (int(n) for n in saved["counters"])
-        return _State(_listed(saved["theta"]), outer, learners, late_total, steps_before,
-                      steps_now)  # fmt: skip
+        return _State(
+            theta=_listed(saved["theta"]),
+            outer=outer,
+            learners=learners,
+            late_total=late_total,
+            steps_before=steps_before,
+            steps_now=steps_now,
+        )
 
 
 def fragments_and_rules(spec: DecoupledDiLoCo, params: Any) -> tuple[list, tuple]:
@@ -848,7 +897,13 @@ def _train(spec: DecoupledDiLoCo, run: Any) -> Any:
         (params, AsyncState(params, tuple(state.outer), inner, run.num_updates))
     )
     elapsed = job.syncs[-1].time if job.syncs else 0.0
-    return AsyncResult(params, result_state, history, elapsed, 1.0 if job.syncs else 0.0)
+    return AsyncResult(
+        params=params,
+        state=result_state,
+        history=history,
+        elapsed_seconds=elapsed,
+        utilization=1.0 if job.syncs else 0.0,
+    )
 
 
 class Merge(NamedTuple):
@@ -892,7 +947,15 @@ class RecordedTiming:
     def __init__(self, merges: tuple):
         self.merges = merges
         self.syncs = tuple(
-            Sync(m.update, m.fragment, m.index, m.step, m.time, tuple(m.merged)) for m in merges
+            Sync(
+                update=m.update,
+                fragment=m.fragment,
+                index=m.index,
+                step=m.step,
+                time=m.time,
+                merged=tuple(m.merged),
+            )
+            for m in merges
         )
         text = json.dumps([list(m) for m in merges], sort_keys=True, default=list)
         self.digest = hashlib.sha256(text.encode()).hexdigest()[:16]

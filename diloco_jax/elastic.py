@@ -148,11 +148,18 @@ def _halos_record(directory: Path, pushes: list[dict]) -> Any:
     origin = min((x["started"] for lines in regions for x in lines), default=0.0)
     # By time, each region's own updates in their order whatever its clock did.
     arrivals = tuple(
-        halos_replay.Arrival(x["region"], x["worker"], x["position"], x["steps"],
-                             x["start_update"], x["start_merges"], x["staleness"],
-                             x["time"] - origin)
+        halos_replay.Arrival(
+            region=x["region"],
+            worker=x["worker"],
+            job=x["position"],
+            steps=x["steps"],
+            start=x["start_update"],
+            start_merges=x["start_merges"],
+            staleness=x["staleness"],
+            time=x["time"] - origin,
+        )
         for x in heapq.merge(*regions, key=lambda x: x["time"])
-    )  # fmt: skip
+    )
     return halos_replay.Record(
         arrivals, tuple(merges),
         tuple(halos_replay.GlobalPush(x["worker"], x["position"], x["staleness"]) for x in pushes),

@@ -126,7 +126,13 @@ def _sent(method: DiLoCo, delta_like: Any, num_workers: int) -> _Sent:
         weights_M = np.asarray([m in pushed for m in range(num_workers)], np.float32)
         return (*jax.tree.map(lambda *x: np.stack(x), *slots), weights_M)
 
-    return _Sent(exchange, push_like, residual_like, encode, stacked)
+    return _Sent(
+        exchange=exchange,
+        push_like=push_like,
+        residual_like=residual_like,
+        encode=encode,
+        stacked=stacked,
+    )
 
 
 def _gathered_merge(method: DiLoCo, delta_like: Any, num_workers: int) -> Merge:
@@ -169,7 +175,14 @@ def _two_stage_merge(method: DiLoCo, delta_like: Any, num_workers: int) -> Merge
         return Merged(*step(theta, outer_state, reply), jax.tree.leaves(reply))
 
     reply_like = _zeros(jax.eval_shape(reduce, sent.stacked({})))
-    return Merge(sent.push_like, sent.residual_like, sent.encode, apply, reply_like, step)
+    return Merge(
+        push_like=sent.push_like,
+        residual_like=sent.residual_like,
+        encode=sent.encode,
+        apply=apply,
+        reply_like=reply_like,
+        receive=step,
+    )
 
 
 def _zeros(shapes: Any) -> Any:

@@ -201,7 +201,13 @@ def _train(spec: HALoS, run: Any) -> Any:
     stacked = run.where.stack(servers_now.inner_states)
     result_state = async_train.AsyncState(servers_now.gps.theta, outer, stacked, run.num_updates)
     theta, result_state = run.where.results((servers_now.gps.theta, result_state))
-    return async_train.AsyncResult(theta, result_state, history, elapsed, utilization)
+    return async_train.AsyncResult(
+        params=theta,
+        state=result_state,
+        history=history,
+        elapsed_seconds=elapsed,
+        utilization=utilization,
+    )
 
 
 @dataclasses.dataclass
@@ -258,12 +264,18 @@ class Servers:
         # A worker's delta, as train_async's one server counts it (and each device's shard).
         shards = where.shards(run.params)  # None on one device
         return cls(
-            spec, run, where, run_job, apply_local,
-            jax.jit(lambda p, st, d, age: outer_update(global_rule, p, st, d, age)),
-            jax.jit(merge), job_data,
-            jax.jit(run.eval_fn) if run.eval_fn is not None else None, round_bytes(run.params),
-            None if shards is None else round_bytes(shards),
-        )  # fmt: skip
+            spec=spec,
+            run=run,
+            where=where,
+            run_job=run_job,
+            apply_local=apply_local,
+            apply_global=jax.jit(lambda p, st, d, age: outer_update(global_rule, p, st, d, age)),
+            merge=jax.jit(merge),
+            job_data=job_data,
+            evaluate_fn=jax.jit(run.eval_fn) if run.eval_fn is not None else None,
+            per_model=round_bytes(run.params),
+            per_device=None if shards is None else round_bytes(shards),
+        )
 
     def initial(self) -> _State:
         run, where = self.run, self.where
@@ -351,10 +363,15 @@ class Servers:
     def restored(self, saved: dict, done: int) -> _State:
         total_steps, last_steps = (int(x) for x in saved["counts"])
         return _State(
-            _restored_server(saved["gps"]), [_restored_server(s) for s in saved["lps"]],
-            list(saved["inner"]), float(saved["clock"][0]), total_steps,
-            [int(x) for x in saved["sent"]], [int(x) for x in saved["region_sent"]], last_steps,
-        )  # fmt: skip
+            gps=_restored_server(saved["gps"]),
+            lps=[_restored_server(s) for s in saved["lps"]],
+            inner_states=list(saved["inner"]),
+            time=float(saved["clock"][0]),
+            total_steps=total_steps,
+            sent=[int(x) for x in saved["sent"]],
+            region_sent=[int(x) for x in saved["region_sent"]],
+            last_steps=last_steps,
+        )
 
 
 def _saved_server(server: "_Server") -> dict:
@@ -365,7 +382,15 @@ def _saved_server(server: "_Server") -> dict:
 
 def _restored_server(saved: dict) -> "_Server":
     version, merged, in_flight, seen = (int(x) for x in saved["counts"])
-    server = _Server(saved["theta"], saved["state"], version, None, merged, bool(in_flight), seen)
+    server = _Server(
+        theta=saved["theta"],
+        state=saved["state"],
+        version=version,
+        snapshot=None,
+        merged=merged,
+        in_flight=bool(in_flight),
+        seen=seen,
+    )
     server.snapshot = saved["snapshot"]
     return server
 

@@ -90,7 +90,7 @@ class _Clock:
 
     def _job(self, m: int, at: float, start: int, start_merges: int, job: int) -> _Job:
         arrives = at + self.steps[m] * self.seconds[m] + self.spec.worker_seconds
-        return _Job(at, arrives, start, start_merges, job)
+        return _Job(at=at, arrives=arrives, start=start, start_merges=start_merges, job=job)
 
     def next_arrival(self) -> int:
         """Handles the server messages due before the next arrival, then that arrival: its
@@ -112,8 +112,18 @@ class _Clock:
     def _arrive(self, m: int, time: float) -> None:
         job, r = self.jobs[m], self.spec.regions[m]
         local = self.regions[r]
-        self.arrivals.append(Arrival(r, m, job.job, self.steps[m], job.start, job.start_merges,
-                                     local.version - job.start, time))  # fmt: skip
+        self.arrivals.append(
+            Arrival(
+                region=r,
+                worker=m,
+                job=job.job,
+                steps=self.steps[m],
+                start=job.start,
+                start_merges=job.start_merges,
+                staleness=local.version - job.start,
+                time=time,
+            )
+        )
         local.version += 1
         self.busy += self.steps[m] * self.seconds[m]
         # Its next job starts from θ_L of now, before a push this update sets off is handled.

@@ -165,7 +165,14 @@ class Replay:
 
     def initial(self) -> Progress:
         regions = self.job.spec.num_regions
-        state = Progress(self.job.initial(), [0] * regions, [0] * regions, {}, {}, {})
+        state = Progress(
+            servers=self.job.initial(),
+            merge_counts=[0] * regions,
+            push_counts=[0] * regions,
+            pushed={},
+            kept={},
+            kept_global={},
+        )
         self._count_wanted(state)
         for r in range(regions):
             self._keep(state, r)
@@ -231,8 +238,14 @@ class Replay:
     def restored(self, saved: dict, done: int) -> Progress:
         regions = self.job.spec.num_regions
         counts = [int(x) for x in saved["progress"]]
-        state = Progress(self.job.restored(saved, done), counts[:regions], counts[regions:],
-                         {}, {}, {})  # fmt: skip
+        state = Progress(
+            servers=self.job.restored(saved, done),
+            merge_counts=counts[:regions],
+            push_counts=counts[regions:],
+            pushed={},
+            kept={},
+            kept_global={},
+        )
         for name, value in saved.items():
             kind, *keys = name.split("-")
             if kind == "kept":
@@ -309,7 +322,16 @@ class Replay:
             del state.kept[key]
         from diloco_jax.async_train import AsyncEvent
 
-        e = AsyncEvent(update, m, a.job, a.steps, 0.0, a.time, a.start, a.staleness)
+        e = AsyncEvent(
+            update=update,
+            worker=m,
+            job=a.job,
+            steps=a.steps,
+            start=0.0,
+            time=a.time,
+            start_update=a.start,
+            staleness=a.staleness,
+        )
         delta, servers.inner_states[m], means = job.run_job(
             job.where.to_worker(start, m), servers.inner_states[m], job.job_data(e),
             jnp.int32(a.job), jnp.int32(m), num_steps=a.steps,

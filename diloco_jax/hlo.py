@@ -330,7 +330,14 @@ def _parse_instr(line: str, computation: str) -> _Instr | None:
         toks = piece.rsplit(None, 1)
         op_name = toks[-1].lstrip("%")
         operands.append((op_name, toks[0] if len(toks) == 2 else ""))
-    return _Instr(m.group(1), type_text, opcode, tuple(operands), line[close:], computation)
+    return _Instr(
+        name=m.group(1),
+        type_text=type_text,
+        opcode=opcode,
+        operands=tuple(operands),
+        attrs=line[close:],
+        computation=computation,
+    )
 
 
 def _parse_module(text: str) -> list[_Instr]:

@@ -71,7 +71,13 @@ def split_shapes(
         dims.append(dim)
         ways.append(1 if dim is None else _ways(spec, dim, sizes))
     inner = tuple(name for name in sizes if name != WORKER_AXIS)
-    return OuterShards(tuple(dims), tuple(specs), tuple(ways), inner, num_workers)
+    return OuterShards(
+        dims=tuple(dims),
+        specs=tuple(specs),
+        ways=tuple(ways),
+        inner_axes=inner,
+        num_workers=num_workers,
+    )
 
 
 def shard_dim(shape: tuple[int, ...], spec: P, sizes: dict[str, int], num_workers: int):
@@ -174,9 +180,14 @@ def sync_shards(shards: OuterShards, like: Any, indices: tuple[int, ...], state:
             owners.append(None)
     pick = lambda values: tuple(values[i] for i in indices)  # noqa: E731
     return SyncShards(
-        pick(shards.dims), pick(shards.specs), pick(shards.ways), tuple(owners),
-        jax.tree.structure(state), shards.inner_axes, shards.num_workers,
-    )  # fmt: skip
+        dims=pick(shards.dims),
+        specs=pick(shards.specs),
+        ways=pick(shards.ways),
+        owners=tuple(owners),
+        state_treedef=jax.tree.structure(state),
+        inner_axes=shards.inner_axes,
+        num_workers=shards.num_workers,
+    )
 
 
 def sync_step(

@@ -208,7 +208,15 @@ def placement(
     if split_outer:
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         outer = split_shapes(shapes, specs, sizes, sizes[WORKER_AXIS])
-    return Placement(mesh, treedef, shapes, specs, tuple(tuple(g) for g in groups), outer, host)
+    return Placement(
+        mesh=mesh,
+        treedef=treedef,
+        shapes=shapes,
+        specs=specs,
+        groups=tuple(tuple(g) for g in groups),
+        outer=outer,
+        host=host,
+    )
 
 
 def of_backend(

@@ -100,6 +100,13 @@ def build_plan(b: Build) -> Plan:
     order += [roles[p] for p in ("sync", "steps", "model", "starts", "delta")]
     unique = tuple({id(r): r for r in order}.values())
     return Plan(
-        segments(b.schedule, b.num_steps), roles["starts"], roles["steps"], roles["delta"],
-        roles["weights"], roles["sync"], roles["model"], unique, b.schedule.fragmented,
-    )  # fmt: skip
+        segments=segments(b.schedule, b.num_steps),
+        starts=roles["starts"],
+        steps=roles["steps"],
+        delta=roles["delta"],
+        weights=roles["weights"],
+        sync=roles["sync"],
+        model=roles["model"],
+        roles=unique,
+        fragmented=b.schedule.fragmented,
+    )

@@ -143,9 +143,13 @@ class DiLoCoState(NamedTuple):
                 raise ValueError(f"no flat-layout field holds the state of part {name!r}")
         outer = None if delay.EAGER in parts else fields["outer_opt_state"]
         return cls(
-            fields["params"], outer, fields["inner_opt_state"], fields["round"],
-            fields.get("model_state"), parts,
-        )  # fmt: skip
+            params=fields["params"],
+            outer_opt_state=outer,
+            inner_opt_state=fields["inner_opt_state"],
+            round=fields["round"],
+            model_state=fields.get("model_state"),
+            parts=parts,
+        )
 
 
 def init_state(
@@ -200,7 +204,14 @@ def init_state(
         params = outer_opt_state = None
     inner_opt_state = stack_workers(worker_state, num_workers)
     zero = jnp.zeros((), jnp.int32)
-    return DiLoCoState(params, outer_opt_state, inner_opt_state, zero, model_state, parts)
+    return DiLoCoState(
+        params=params,
+        outer_opt_state=outer_opt_state,
+        inner_opt_state=inner_opt_state,
+        round=zero,
+        model_state=model_state,
+        parts=parts,
+    )
 
 
 def _initial_parts(params: Any, outer_opt_state: Any, num_workers: int, method: DiLoCo) -> dict:
@@ -326,14 +337,25 @@ def diloco_round(
         )
     plan = build_plan(
         Build(
-            method, schedule, leaves, treedef, num_workers, num_steps, step, batches,
-            backend, rng_seed, model_states.merge_rules(model_like, model_state_merge),
-            _sync_shards(outer_shards, method, backend, schedule, leaves, treedef, state),
-            _check_host(outer_state_memory, method, backend),
-            _checked_specs(param_specs, len(leaves)),
-            check_bool("unroll_inner_steps", unroll_inner_steps),
+            method=method,
+            schedule=schedule,
+            leaves=leaves,
+            treedef=treedef,
+            num_workers=num_workers,
+            num_steps=num_steps,
+            step=step,
+            batches=batches,
+            backend=backend,
+            rng_seed=rng_seed,
+            model_rules=model_states.merge_rules(model_like, model_state_merge),
+            outer_shards=_sync_shards(
+                outer_shards, method, backend, schedule, leaves, treedef, state
+            ),
+            host=_check_host(outer_state_memory, method, backend),
+            param_specs=_checked_specs(param_specs, len(leaves)),
+            unroll_inner_steps=check_bool("unroll_inner_steps", unroll_inner_steps),
         )
-    )  # fmt: skip
+    )
     ids_M = None
     if rng_seed is not None or custom:  # what a step's key or StepInfo needs
         ids_M = jnp.arange(num_workers, dtype=jnp.int32)
@@ -355,14 +377,21 @@ def _inputs(plan, state: DiLoCoState, batches: Any, num_workers: int, ids_M: Any
     shared_data, per_worker_data = split_data(batches, num_workers, state.round)
     halves = {name: split_state(s) for name, s in state.parts.items()}
     shared = Shared(
-        state.params, shared_outer, shared_data, state.round,
-        {name: h[0] for name, h in halves.items()},
-    )  # fmt: skip
+        theta=state.params,
+        outer=shared_outer,
+        data=shared_data,
+        round=state.round,
+        parts={name: h[0] for name, h in halves.items()},
+    )
     local = Local(
-        state.inner_opt_state, state.model_state, local_outer, per_worker_data, ids_M,
-        plan.weights.round_inputs(state.round, num_workers),
-        {name: h[1] for name, h in halves.items()},
-    )  # fmt: skip
+        opt=state.inner_opt_state,
+        model=state.model_state,
+        outer=local_outer,
+        data=per_worker_data,
+        ids=ids_M,
+        inputs=plan.weights.round_inputs(state.round, num_workers),
+        parts={name: h[1] for name, h in halves.items()},
+    )
     return shared, local
 
 
@@ -376,7 +405,14 @@ def _outputs(plan, state: DiLoCoState, local, same, mine) -> tuple[DiLoCoState, 
     metrics |= mine.metrics | same.metrics
     names = [*same.parts, *(n for n in mine.parts if n not in same.parts)]
     parts = {n: join_states(same.parts.get(n), mine.parts.get(n)) for n in names}
-    new_state = DiLoCoState(same.theta, outer, mine.opt, state.round + 1, mine.model, parts)
+    new_state = DiLoCoState(
+        params=same.theta,
+        outer_opt_state=outer,
+        inner_opt_state=mine.opt,
+        round=state.round + 1,
+        model_state=mine.model,
+        parts=parts,
+    )
     return new_state, metrics
 
 

@@ -720,7 +720,15 @@ def _diloco_bill(
         device, device_inner = wire, inner_state
     merge = merge_wire_bytes(model_state, rules, num_workers)
     on_schedule = (method.parts, inner_state, device_inner)
-    return Bill(payload, wire, device, on_schedule, merge, num_workers, inner_steps)
+    return Bill(
+        payload=payload,
+        wire=wire,
+        device=device,
+        on_schedule=on_schedule,
+        merge=merge,
+        num_workers=num_workers,
+        steps_each=inner_steps,
+    )
 
 
 def _check_processes(backend: Backend) -> Backend:

@@ -577,9 +577,15 @@ def _mesh_backend(
     axes = tuple((WORKER_AXIS if n == worker_axis else n, sizes[n]) for n in names)
     per_worker = int(np.prod([sizes[n] for n in inner], dtype=np.int64))
     return ShardMapBackend(
-        num_workers, tuple(mesh.devices.flat), per_worker, axes, batch_sharding, mesh,
-        worker_axis, ParamSharding.of(param_sharding),
-    )  # fmt: skip
+        num_workers=num_workers,
+        devices=tuple(mesh.devices.flat),
+        data_parallel=per_worker,
+        mesh_axes=axes,
+        batch_spec=batch_sharding,
+        user_mesh=mesh,
+        worker_axis=worker_axis,
+        param_sharding=ParamSharding.of(param_sharding),
+    )
 
 
 def _data_parallel_backend(backend, num_workers, devices, data_parallel) -> Backend:

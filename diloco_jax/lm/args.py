@@ -424,16 +424,16 @@ def parse(argv: list[str] | None = None) -> Invocation:
         raise ConfigError(f"--checkpoint-every must be in [1, {limits.INT32_MAX:,}], got {every}")
     elastic = elastic_args(args, cfg)
     return Invocation(
-        args.command,
-        cfg,
-        _out_dir(args.out, default_out),
-        getattr(args, "algo", None),
-        every,
-        not args.no_progress,
-        distributed_args(args),
-        args.tensorboard,
-        _connect_timeout(getattr(args, "connect_timeout", None)),
-        elastic,
+        command=args.command,
+        cfg=cfg,
+        out=_out_dir(args.out, default_out),
+        algo=getattr(args, "algo", None),
+        checkpoint_every=every,
+        progress=not args.no_progress,
+        distributed=distributed_args(args),
+        tensorboard=args.tensorboard,
+        connect_timeout=_connect_timeout(getattr(args, "connect_timeout", None)),
+        elastic=elastic,
     )
 
 
