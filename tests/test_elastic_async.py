@@ -70,6 +70,12 @@ def test_a_killed_and_a_stopped_worker_reproduce_the_replay(tmp_path, outer, mon
     stopped.send_signal(signal.SIGCONT)
     cluster.wait_for_join(2, 2)
     cluster.wait_for_join(3, 2)
+    # Workers 0 and 1 go one position on, no further, until workers 2 and 3 have each had
+    # their position 2 applied again: on a loaded machine a restart can take longer than
+    # the rest of the run.
+    cluster.hold(5)
+    again = lambda: {(2, 2), (3, 2)} <= {(x["worker"], x["position"]) for x in cluster.syncs()}  # noqa: E731
+    _wait(again, 120, "workers 2 and 3 at position 2 again", cluster)
     cluster.hold(None)
     cluster.finish()
     events, task, real = _equals_its_replay(tmp_path / "syncer")
