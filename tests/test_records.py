@@ -30,21 +30,17 @@ def positional_records(sources: dict[str, str]) -> list[str]:
     }
     found = []
     for name, tree in trees.items():
-        in_record = set()
+        owner = {}  # a call inside a record class -> that class (for `cls(...)`)
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and node.name in records:
-                in_record |= {id(n) for n in ast.walk(node)}
+                owner |= {id(n): node.name for n in ast.walk(node) if isinstance(n, ast.Call)}
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call) or len(node.args) <= MOST_POSITIONAL:
                 continue
             f = node.func
             callee = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
-            if callee == "cls" and id(node) in in_record:
-                callee = next(
-                    n.name
-                    for n in ast.walk(tree)
-                    if isinstance(n, ast.ClassDef) and id(node) in {id(x) for x in ast.walk(n)}
-                )
+            if callee == "cls":
+                callee = owner.get(id(node))
             if callee in records and not any(isinstance(a, ast.Starred) for a in node.args):
                 found.append(f"{name}:{node.lineno} {callee}")
     return sorted(found, key=lambda x: (x.split(":")[0], int(x.split(":")[1].split()[0])))
