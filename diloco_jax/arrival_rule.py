@@ -5,9 +5,9 @@ region's) on the workers' gRPC calls; `train_async`'s simulated clock (`async_sc
 each worker's simulated finish times.
 
 - A worker that asks gets a job at once: the updates applied so far (where it starts), its
-  data position and its inner steps: H, or with DyLU floor(H v_m / max v), v = 1 / the
-  median of each timed worker's last TIMED_PHASES seconds per step, over the workers timed so
-  far (H for one not timed yet).
+  data position and its inner steps: H, or with DyLU floor(H v_m / max v), v = 1 / each
+  timed worker's seconds per step (`step_times.StepTimes`: the median of its last few), over
+  the workers timed so far (H for one not timed yet).
 - A delta is taken when it is of the worker's job in hand (the job's serial); any other is
   late (its worker was removed or rejoined, or a syncer restarted past it). Its age is the
   updates applied since its job started, what the outer rule reads.
@@ -15,15 +15,13 @@ each worker's simulated finish times.
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from diloco_jax.checks import check_int
-
-TIMED_PHASES = 5  # a worker's timed phases DyLU's speed is the median of
+from diloco_jax.step_times import StepTimes
 
 
 def checked_step_seconds(step_seconds: Any, num_workers: int | None = None) -> tuple[float, ...]:
@@ -82,7 +80,7 @@ class ArrivalRule:
     def __init__(self, inner_steps: int, dynamic_steps: bool):
         self.inner_steps, self.dynamic_steps = inner_steps, dynamic_steps
         self.jobs: dict[int, Job] = {}
-        self.step_seconds: dict[int, list[float]] = {}
+        self.times = StepTimes()
 
     def hand_out(self, worker: int, serial: int, updates: int, position: int, now: float) -> Job:
         """The worker's new job (it replaces any it held): number `serial`, after `updates`
@@ -108,15 +106,14 @@ class ArrivalRule:
 
     def timed(self, worker: int, seconds_per_step: float) -> None:
         """One of the worker's jobs took `seconds_per_step` (> 0) per inner step."""
-        recent = self.step_seconds.setdefault(worker, [])
-        recent[:] = [*recent, seconds_per_step][-TIMED_PHASES:]
+        self.times.add(worker, seconds_per_step)
 
     def steps(self, worker: int) -> int:
         """The inner steps of the worker's next job."""
-        if not self.dynamic_steps or worker not in self.step_seconds:
+        timed = self.times.timed()
+        if not self.dynamic_steps or worker not in timed:
             return self.inner_steps
-        timed = sorted(self.step_seconds)
-        speeds = [statistics.median(self.step_seconds[m]) for m in timed]
+        speeds = [self.times[m] for m in timed]
         return dynamic_local_steps(speeds, self.inner_steps)[timed.index(worker)]
 
     def drop(self, worker: int) -> None:

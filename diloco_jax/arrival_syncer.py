@@ -40,6 +40,7 @@ from diloco_jax.gossip_syncer import GossipSyncer
 from diloco_jax.halos import HALoS
 from diloco_jax.heloco_outer import job_start
 from diloco_jax.outer import outer_update
+from diloco_jax.step_times import StepTimes
 from diloco_jax.syncer import Pushed, Syncer
 
 log = logging.getLogger("diloco_jax.syncer")
@@ -167,7 +168,7 @@ class ArrivalSyncer(Syncer):
         jobs = {str(m): [j.serial, j.start_update, j.position, j.steps, j.started]
                 for m, j in self.rule.jobs.items()}  # fmt: skip
         # Copies: the writer thread reads them while pushes go on.
-        step_seconds = {str(m): list(s) for m, s in self.rule.step_seconds.items()}
+        step_seconds = {str(m): list(s) for m, s in self.rule.times.recent.items()}
         return {"jobs": jobs, "step_seconds": step_seconds}
 
     def _restore_extra(self, message: dict, path: Path) -> None:
@@ -179,9 +180,9 @@ class ArrivalSyncer(Syncer):
             for m, (serial, start, position, steps, started) in message["jobs"].items()
         }  # fmt: skip
         self.handed_at = dict.fromkeys(self.rule.jobs, now)
-        self.rule.step_seconds = {
-            int(m): [float(x) for x in s] for m, s in message["step_seconds"].items()
-        }
+        self.rule.times = StepTimes(
+            {int(m): [float(x) for x in s] for m, s in message["step_seconds"].items()}
+        )
 
 
 def make_syncer(

@@ -202,11 +202,11 @@ class DecoupledDiLoCo:
             )
         return tuple(syncs)
 
-    def grace(self, step_seconds: tuple[float, ...] | None = None) -> Grace:
+    def grace(self, step_seconds: Any = None) -> Grace:
         """The window after a sync's K-th push: `grace_seconds`, or with `adaptive_grace`
-        gamma x max(0, tau x s_K - (t_K - t_1)) (s_K: the K-th pusher's seconds per step,
-        which only the simulated clock's `step_seconds` give; t_1, t_K: the first and K-th
-        pushes' times)."""
+        gamma x max(0, tau x s_K - (t_K - t_1)) (s_K = step_seconds[K-th pusher], its seconds
+        per step: the simulated clock's tuple, or what the real syncer measures, a
+        `step_times.StepTimes`; t_1, t_K: the first and K-th pushes' times)."""
         gamma = self.adaptive_grace
         if gamma is None:
             return fixed_grace(self.grace_seconds)

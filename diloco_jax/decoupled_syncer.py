@@ -38,7 +38,6 @@ over several processes.
 import dataclasses
 import json
 import logging
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -60,6 +59,7 @@ from diloco_jax.elastic_task import (
 from diloco_jax.membership import Membership
 from diloco_jax.outer import outer_init
 from diloco_jax.quorum import Due, QuorumRule
+from diloco_jax.step_times import StepTimes
 
 log = logging.getLogger("diloco_jax.syncer")
 APPLIED_FILE = "applied.jsonl"
@@ -67,7 +67,6 @@ STARTS_FILE = "starts.jsonl"  # each learner process's start: the Θ it took, it
 HISTORY_FILE = "history.jsonl"
 CHECKPOINT_FILE = "syncer.ckpt"  # the state after the newest merge
 KEEP_MERGES = 64  # the merged fragments kept for learners to fetch one by one
-TIMED_PUSHES = 5  # a learner's pushes the adaptive grace's step time is the median of
 
 
 @dataclasses.dataclass
@@ -109,9 +108,8 @@ class DecoupledSyncer:
         self.merged: list[tuple[int, list]] = []  # (fragment, leaves) of each merge, in order
         # When each sync merges: the rule the simulated clock runs (on the monotonic clock),
         # an adaptive grace budgeted on each learner's measured seconds per step.
-        self.step_seconds: dict[int, list[float]] = {}  # each learner's last few pushes'
-        self.rule = QuorumRule(p_count, self.spec.quorum,
-                               self.spec.grace(_Medians(self.step_seconds)))  # fmt: skip
+        self.step_times = StepTimes()  # each learner's, from its pushes
+        self.rule = QuorumRule(p_count, self.spec.quorum, self.spec.grace(self.step_times))
         self.pending: dict[tuple[int, int], dict[int, Push]] = {}  # each sync's payloads
         self.pushes = [[0] * p_count for _ in range(m_count)]
         self.newest_step = [0] * m_count
@@ -215,8 +213,7 @@ class DecoupledSyncer:
             self.pushes[worker][p] += 1
             self.newest_step[worker] = max(self.newest_step[worker], serial)
             if steps_s > 0 and isinstance(timed_steps, int) and timed_steps > 0:
-                recent = self.step_seconds.setdefault(worker, [])
-                recent[:] = [*recent, steps_s / timed_steps][-TIMED_PUSHES:]
+                self.step_times.add(worker, steps_s / timed_steps)
             if not finite or not self.rule.push(p, k, worker, time.monotonic()):
                 log.info("learner %d's push of sync (%d, %d) is late", worker, p, k)
                 return {"status": "late"}
@@ -392,18 +389,6 @@ class DecoupledSyncer:
 
     def _check_worker(self, worker: Any) -> None:
         check_worker(worker, self.task.num_workers)
-
-
-class _Medians:
-    """Each learner's seconds per step, as the adaptive grace reads them: the median of its
-    last TIMED_PUSHES pushes' (0 for one not timed yet: no window on its account)."""
-
-    def __init__(self, step_seconds: dict[int, list[float]]):
-        self.step_seconds = step_seconds
-
-    def __getitem__(self, learner: int) -> float:
-        recent = self.step_seconds.get(learner)
-        return statistics.median(recent) if recent else 0.0
 
 
 def checked_for_decoupled(options: Elastic, num_workers: int) -> Elastic:

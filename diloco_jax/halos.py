@@ -324,11 +324,10 @@ class Servers:
             entry["wire_bytes_per_device"] = round((update + 1) * self.per_device / len(state.sent))
         return entry
 
-    def merge_into(self, local: "_Server", theta_g: Any, seen: int) -> None:
-        """θ_G merged into an LPS, its new snapshot; `seen`: the GPS updates it has seen."""
+    def merge_into(self, local: "_Server", theta_g: Any) -> None:
+        """θ_G merged into an LPS, its new snapshot."""
         local.theta = self.merge(local.theta, theta_g, self.spec.merge_weight)
         local.snapshot, local.merged, local.in_flight = local.theta, local.version, False
-        local.seen = seen
 
     def evaluate(self, state: _State, done: int) -> Any:
         # As train_async: every eval_every inner steps per worker, and after the last update.
@@ -376,30 +375,27 @@ class Servers:
 
 def _saved_server(server: "_Server") -> dict:
     return {"theta": server.theta, "state": server.state, "snapshot": server.snapshot,
-            "counts": np.asarray([server.version, server.merged, server.in_flight, server.seen],
+            "counts": np.asarray([server.version, server.merged, server.in_flight],
                                  np.int64)}  # fmt: skip
 
 
 def _restored_server(saved: dict) -> "_Server":
-    version, merged, in_flight, seen = (int(x) for x in saved["counts"])
-    server = _Server(
+    version, merged, in_flight = (int(x) for x in saved["counts"])
+    return _Server(
         theta=saved["theta"],
         state=saved["state"],
         version=version,
-        snapshot=None,
+        snapshot=saved["snapshot"],
         merged=merged,
         in_flight=bool(in_flight),
-        seen=seen,
     )
-    server.snapshot = saved["snapshot"]
-    return server
 
 
 @dataclasses.dataclass
 class _Server:
     """A parameter server: θ and its outer state, its updates so far (`version`); an LPS also
-    keeps its snapshot at its last merge, the version then (`merged`), whether a push is in
-    flight, and the GPS updates it had seen at its last merge (`seen`)."""
+    keeps its snapshot at its last merge (θ until then), the version then (`merged`), and
+    whether a push is in flight. (A push's age at the GPS is the record's.)"""
 
     theta: Any
     state: Any
@@ -407,10 +403,10 @@ class _Server:
     snapshot: Any = None
     merged: int = 0
     in_flight: bool = False
-    seen: int = 0
 
     def __post_init__(self):
-        self.snapshot = self.theta
+        if self.snapshot is None:
+            self.snapshot = self.theta
 
 
 def merge(local: Any, global_: Any, alpha: Any) -> Any:

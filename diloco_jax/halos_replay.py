@@ -348,7 +348,7 @@ class Replay:
         return means
 
     def _merge(self, state: Progress, r: int, merge: RegionMerge) -> None:
-        self.job.merge_into(state.servers.lps[r], state.kept_global[merge.version], merge.version)
+        self.job.merge_into(state.servers.lps[r], state.kept_global[merge.version])
         state.merge_counts[r] += 1
         self.wanted_global[merge.version] -= 1
         if not self.wanted_global[merge.version]:
