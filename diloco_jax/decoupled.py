@@ -487,6 +487,7 @@ class _Job:
         timing = run.recorded
         if timing is None:
             timing = SimulatedTiming(spec, run.step_seconds, h_count, run.num_updates)
+        shard_bytes = None if shards is None else _fragment_bytes(jax.tree.leaves(shards), members)
         return cls(
             spec=spec,
             run=run,
@@ -497,9 +498,7 @@ class _Job:
             tokens=spec.tokens_per_step or (1.0,) * m_count,
             timing=timing,
             fragment_bytes=_fragment_bytes(leaves, members),
-            shard_bytes=None
-            if shards is None
-            else _fragment_bytes(jax.tree.leaves(shards), members),
+            shard_bytes=shard_bytes,
             step_fn=step_fn,
             merge=merge,
             data_of=_data(run.data, m_count, h_count, run.where),
