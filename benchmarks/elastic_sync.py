@@ -9,9 +9,12 @@ mean, the outer step and the checkpoint. Measured in the same run:
   seconds per sync are the median gap between consecutive syncs' history lines (the first
   two left out: compilation);
 - socket: one TCP socket on 127.0.0.1 between two processes carrying the same 2·M·|θ| bytes a
-  round moves through the syncer (the median of 5 tries).
+  round moves through the syncer (the median of 5 tries);
+- torchft (with `--torchft-python PATH`, a Python that has torch and torchft): its DiLoCo
+  syncing the same θ between M replicas over gloo (benchmarks/torchft_sync.py).
 
-    .venv/bin/python benchmarks/elastic_sync.py [--mb 100] [--workers 2] [--rounds 8]
+    .venv/bin/python benchmarks/elastic_sync.py [--mb 100] [--workers 2] [--rounds 8] \
+        [--torchft-python /tmp/torchft/bin/python]
 
 Writes benchmarks/results/elastic_sync.json.
 """
@@ -120,37 +123,65 @@ def socket_seconds(total: int, tries: int = 5) -> list[float]:
     return seconds
 
 
+def torchft_sync(args: argparse.Namespace) -> dict:
+    """benchmarks/torchft_sync.py's line, run by `--torchft-python` on the same task sizes."""
+    argv = [args.torchft_python, str(HERE / "torchft_sync.py"), "--mb", str(args.mb),
+            "--workers", str(args.workers), "--rounds", str(args.rounds)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"torchft_sync.py failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=100.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure each this many times, interleaved (the figures are the "
+                        "medians over the repeats)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--torchft-python", default=None,
+                        help="a Python with torch and torchft: its sync timed too")  # fmt: skip
     args = parser.parse_args()
     total = int(2 * args.workers * args.mb * 1e6)
-    with tempfile.TemporaryDirectory() as tmp:
-        gaps = elastic_seconds(args, Path(tmp))
-    sync_s = statistics.median(gaps[2:])
-    sock = socket_seconds(total)
-    sock_s = statistics.median(sock)
+    syncs, sockets, torchfts = [], [], []
+    for _ in range(args.repeats):  # interleaved: the host's load falls on each alike
+        with tempfile.TemporaryDirectory() as tmp:
+            gaps = elastic_seconds(args, Path(tmp))
+        syncs.append({"sync_seconds": round(statistics.median(gaps[2:]), 4),
+                      "sync_gaps": [round(x, 4) for x in gaps]})  # fmt: skip
+        sockets.append(round(statistics.median(socket_seconds(total)), 4))
+        if args.torchft_python:
+            torchfts.append(torchft_sync(args))
+    sync_s = statistics.median(x["sync_seconds"] for x in syncs)
+    sock_s = statistics.median(sockets)
     result = {
         "command": "python benchmarks/elastic_sync.py "
-        f"--mb {args.mb:g} --workers {args.workers} --rounds {args.rounds}",
+        f"--mb {args.mb:g} --workers {args.workers} --rounds {args.rounds} "
+        f"--repeats {args.repeats}",
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "theta_mb": args.mb,
         "workers": args.workers,
         "bytes_per_round": total,
-        "sync_seconds": round(sync_s, 4),
-        "sync_gaps": [round(x, 4) for x in gaps],
-        "socket_seconds": round(sock_s, 4),
-        "socket_tries": [round(x, 4) for x in sock],
+        "sync_seconds": sync_s,
+        "socket_seconds": sock_s,
         "sync_over_socket": round(sync_s / sock_s, 2),
+        "repeats": [{**x, "socket_seconds": y} for x, y in zip(syncs, sockets, strict=True)],
     }
+    versus = ""
+    if torchfts:
+        torchft_s = statistics.median(x["sync_seconds"] for x in torchfts)
+        result["command"] += " --torchft-python PATH"
+        result.update(torchft_seconds=torchft_s, sync_over_torchft=round(sync_s / torchft_s, 2),
+                      torchft=torchfts)  # fmt: skip
+        versus = f", torchft {torchft_s:.3f} s"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"sync {sync_s:.3f} s, one socket {sock_s:.3f} s for {total / 1e6:.0f} MB: "
-          f"{sync_s / sock_s:.2f}x -> {args.out}")  # fmt: skip
+    print(f"sync {sync_s:.3f} s, one socket {sock_s:.3f} s for {total / 1e6:.0f} MB"
+          f"{versus}: {sync_s / sock_s:.2f}x the socket -> {args.out}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,17 +7,20 @@ environment variable DILOCO_JAX_SECRET, or a file (`--secret-file`). `python -m
 diloco_jax.elastic run` makes one (OUT/secret, mode 0600) the first time and hands it to the
 processes it starts; `syncer` and `worker` started on their own need one of the two.
 
-The proof is an HMAC-SHA256 (32 bytes) in front of each message:
+The proof is a MAC in front of each message:
 
-- a call (Join, Heartbeat, Next, a push's header) is MAC ‖ sent ‖ nonce ‖ body, the MAC over
-  the call's name, the syncer's epoch (16 random bytes it draws at each start and tells
-  anyone who asks: the Epoch call), `sent` (the sender's wall clock, 8 bytes), a random
-  16-byte nonce and the body. The syncer refuses one sent more than WINDOW_S from its own
-  clock, whose nonce it has seen in that window, or made for another epoch: a recorded call
-  replayed (a Join that would evict a live worker) is refused, by this syncer process or by
-  the next one after a restart.
-- each leaf of a push is MAC ‖ leaf, the MAC over the header's MAC, the leaf's index and its
-  bytes: a leaf can't be moved into another push or another place in the same one.
+- a call (Join, Heartbeat, Next, a push's header) is MAC ‖ sent ‖ nonce ‖ body, the MAC (an
+  HMAC-SHA256, 32 bytes) over the call's name, the syncer's epoch (16 random bytes it draws
+  at each start and tells anyone who asks: the Epoch call), `sent` (the sender's wall clock,
+  8 bytes), a random 16-byte nonce and the body. The syncer refuses one sent more than
+  WINDOW_S from its own clock, whose nonce it has seen in that window, or made for another
+  epoch: a recorded call replayed (a Join that would evict a live worker) is refused, by this
+  syncer process or by the next one after a restart.
+- each piece of a push's leaves is tag ‖ piece: a Poly1305 tag (16 bytes) of the piece's bytes
+  under a key used once, the HMAC-SHA256 of the header's MAC and the piece's index: a piece
+  can't be moved into another push or another place in the same one. (Poly1305, from the
+  `cryptography` package, is about seven times as fast as HMAC-SHA256 here: the bulk of a
+  push's bytes pass it.)
 
 What it does not do: encrypt. θ and the deltas cross the network readable by whoever can
 capture it (as torchft's and gloo's traffic does); across untrusted networks run the syncer's
@@ -35,10 +38,13 @@ import threading
 import time
 from pathlib import Path
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
 SECRET_ENV = "DILOCO_JAX_SECRET"
 MIN_SECRET_BYTES = 16
 WINDOW_S = 300.0  # how far a call's clock may be from the syncer's (hosts run NTP)
-MAC_BYTES, STAMP_BYTES, NONCE_BYTES, EPOCH_BYTES = 32, 8, 16, 16
+MAC_BYTES, STAMP_BYTES, NONCE_BYTES, EPOCH_BYTES, TAG_BYTES = 32, 8, 16, 16, 16
 CALL_HEAD = MAC_BYTES + STAMP_BYTES + NONCE_BYTES
 
 
@@ -94,6 +100,12 @@ def _mac(secret: bytes, *parts: bytes | memoryview) -> bytes:
     return digest.digest()
 
 
+def _piece_key(secret: bytes, head: bytes, index: int) -> bytes:
+    """The one-time Poly1305 key of piece `index` of the push whose header frame is `head`
+    (its MAC is unique: it covers a fresh random nonce)."""
+    return _mac(secret, b"piece", head[:MAC_BYTES], struct.pack("<q", index))
+
+
 class Signer:
     """A worker's side: frames its messages with their MACs."""
 
@@ -108,8 +120,8 @@ class Signer:
         return mac + stamp + nonce + body
 
     def part(self, head: bytes, index: int, body: bytes | memoryview) -> bytes:
-        """The frame of leaf `index` of the push whose header frame is `head`."""
-        return _mac(self.secret, head[:MAC_BYTES], struct.pack("<q", index), body) + body
+        """The frame of piece `index` of the push whose header frame is `head`."""
+        return Poly1305.generate_tag(_piece_key(self.secret, head, index), body) + body
 
 
 class Verifier:
@@ -151,10 +163,13 @@ class Verifier:
         return body
 
     def part(self, head: bytes, index: int, frame: bytes) -> memoryview:
-        """The body of leaf `index` of the push whose header frame is `head` (a view of
+        """The body of piece `index` of the push whose header frame is `head` (a view of
         `frame`, not a copy)."""
-        mac, body = frame[:MAC_BYTES], memoryview(frame)[MAC_BYTES:]
-        expected = _mac(self.secret, head[:MAC_BYTES], struct.pack("<q", index), body)
-        if len(frame) < MAC_BYTES or not hmac.compare_digest(mac, expected):
-            raise Refused(f"leaf {index} of a push without the run's secret")
+        tag, body = frame[:TAG_BYTES], memoryview(frame)[TAG_BYTES:]
+        try:
+            if len(frame) < TAG_BYTES:
+                raise InvalidSignature
+            Poly1305.verify_tag(_piece_key(self.secret, head, index), body, tag)
+        except InvalidSignature:
+            raise Refused(f"piece {index} of a push without the run's secret") from None
         return body

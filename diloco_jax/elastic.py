@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_jax import auth, run_lock, wire
+from diloco_jax import allocator, auth, run_lock, wire
 from diloco_jax.decoupled import DecoupledDiLoCo
 from diloco_jax.decoupled_syncer import checked_for_decoupled
 from diloco_jax.elastic_task import Elastic, ElasticTask, load_task
@@ -394,7 +394,7 @@ def run_worker(args: argparse.Namespace) -> int:
 def _spawn(argv: list[str], log_path: Path, secret: bytes) -> subprocess.Popen:
     # Several JAX processes share this host's accelerators: none takes 75% of a GPU's memory
     # up front (JAX's default), unless the user said otherwise.
-    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
+    env = allocator.preloaded({"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ})
     env[auth.SECRET_ENV] = os.fsdecode(secret)  # the run's: each process proves it
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -681,4 +681,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["syncer"], ["worker"]):  # started on its own: under mimalloc
+        allocator.restart_preloaded(sys.argv[1:])
     sys.exit(main())

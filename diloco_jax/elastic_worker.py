@@ -36,6 +36,7 @@ from diloco_jax.elastic_merge import make_merge
 from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.outer import outer_init, worker_delta
 from diloco_jax.rpc import SyncerClient
+from diloco_jax.trees import all_finite
 
 log = logging.getLogger("diloco_jax.worker")
 
@@ -330,9 +331,9 @@ class Worker:
             batches = _put(batches, self.task.batch_sharding)
         drawn = time.perf_counter()
         delta, opt_state, loss = self.phase(theta, opt_state, batches, key)
+        finite = bool(all_finite(delta))  # on the device, fused: not a mask on the host
         # Whole on the host (gathered over a group's processes); waits for the phase to end.
         delta, loss = distributed.to_host(delta), float(distributed.to_host(loss))
-        finite = all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
         leaves, residual = self.merge.encode(delta, kept.residual)
         time.sleep(self.slow_step * steps)
         done = time.perf_counter()
@@ -425,9 +426,8 @@ class Worker:
         saved = {"state": wire.leaves(kept.inner)}
         if kept.residual is not None:
             saved["residual"] = wire.leaves(kept.residual)
-        wire.write_file(self.directory / f"inner-{position:08d}.state", saved)
-        for old in sorted(self.directory.glob("inner-*.state"))[:-KEEP_STATES]:
-            old.unlink()
+        path = self.directory / f"inner-{position:08d}.state"
+        wire.write_kept(path, saved, "inner-*.state", KEEP_STATES)
 
 
 def worker_folder(directory: str | os.PathLike, worker: int) -> Path:

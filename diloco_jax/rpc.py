@@ -6,15 +6,19 @@
   (address and saved: a gossip run's, `diloco_jax.gossip_syncer`; start and
   from_checkpoint: a Decoupled DiLoCo learner's, `diloco_jax.decoupled_syncer`)
 - Next {worker, incarnation, after, timeout} -> a stream: the worker's next round
-  (`Syncer.next_round`) with {leaves: n}, then n messages, θ's leaves (their raw bytes)
+  (`Syncer.next_round`) with {parts: {name: [pieces of each leaf]}}, then those pieces: the
+  raw bytes of θ's leaves (and the outer state's, a reply's: PARTS)
 - Epoch -> the syncer's epoch (16 bytes, drawn at its start; every call's MAC covers it)
-- Push: a stream of {worker, incarnation, serial, loss, compute_s, steps_s, leaves: n} then n
-  messages, one per delta leaf (its raw bytes) -> {status}. A stream that ends before its n
-  leaves (its sender died inside the push) is dropped whole. A Decoupled DiLoCo learner's
-  push also carries PUSH_EXTRA (`diloco_jax.decoupled_syncer`).
+- Push: a stream of {worker, incarnation, serial, loss, compute_s, steps_s, leaves: n,
+  pieces: [pieces of each leaf]} then the pieces of the n delta leaves (their raw bytes) ->
+  {status}. A stream that ends before its last piece (its sender died inside the push) is
+  dropped whole. A Decoupled DiLoCo learner's push also carries PUSH_EXTRA
+  (`diloco_jax.decoupled_syncer`).
 
-θ's leaf bytes are made once per θ for every worker; the receiver reads raw leaves as the
-leaves of the tree it already has (`wire.tree_like`).
+A leaf travels as its raw bytes in pieces of at most PIECE_BYTES (gRPC moves many mid-sized
+messages about three times as fast as one large one), joined again by the receiver, which
+reads them as the leaves of the tree it already has (`wire.tree_like`). θ's pieces are made
+once per θ for every worker.
 
 Every message the client sends proves the run's secret (`diloco_jax.auth`); the syncer
 refuses one that does not with UNAUTHENTICATED, logging the caller's address, before it reads
@@ -37,7 +41,9 @@ from diloco_jax import auth, wire
 
 log = logging.getLogger("diloco_jax.syncer")
 SERVICE = "diloco_jax.Syncer"
-# Deltas and θ travel whole in one message each: no size cap beyond gRPC's own 2 GB.
+# A leaf's bytes travel in pieces of at most this many (`pieces`).
+PIECE_BYTES = 4 << 20
+# No size cap on a message beyond gRPC's own 2 GB (a packed header, a gossip exchange's values).
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 # A worker reconnects to a restarted syncer within a second (gRPC's default backoff grows to
 # two minutes, longer than a heartbeat timeout).
@@ -106,6 +112,27 @@ JOIN_EXTRA = ("address", "start", "from_checkpoint")
 PUSH_EXTRA = ("c_steps", "applied", "resynced", "origin", "timed_steps")
 
 
+def pieces(leaf: Any) -> list[memoryview]:
+    """A leaf's raw bytes in pieces of at most PIECE_BYTES, in order (views: no copy)."""
+    data = wire.raw(leaf)
+    return [data[i : i + PIECE_BYTES] for i in range(0, len(data), PIECE_BYTES)]
+
+
+def joined(leaf_pieces: list) -> bytes | memoryview:
+    """The raw bytes of a leaf sent as `leaf_pieces` (one piece as it is, more copied once
+    into one buffer)."""
+    return leaf_pieces[0] if len(leaf_pieces) == 1 else b"".join(leaf_pieces)
+
+
+def piece_counts(value: Any, what: str) -> list[int]:
+    """A message's piece counts (a list of integers >= 0); ValueError naming `what`."""
+    if not isinstance(value, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
+    ):
+        raise ValueError(f"{what} must be a list of piece counts, got {value!r}")
+    return value
+
+
 def _given(message: dict, *names: str) -> dict:
     """The optional fields among `names` that a call's message carries."""
     return {name: message[name] for name in names if name in message}
@@ -143,17 +170,21 @@ class _Service:
         try:
             head = next(requests)
             header = wire.unpack(self.verifier.call("Push", head))
-            count = int(header["leaves"])
-            leaves = [  # raw bytes, read as θ's leaves by the syncer
-                self.verifier.part(head, i, chunk)
-                for i, chunk in enumerate(itertools.islice(requests, count))
-            ]
+            counts = piece_counts(header["pieces"], "a push's pieces")
+            if len(counts) != int(header["leaves"]):
+                raise ValueError(f"{len(counts)} piece counts for {header['leaves']} leaves")
+            frames = enumerate(requests)  # each piece's MAC covers its place in the push
+            leaves = []  # raw bytes, read as θ's leaves by the syncer
+            for count in counts:
+                got = [self.verifier.part(head, i, f) for i, f in itertools.islice(frames, count)]
+                if len(got) != count:  # the sender went away inside its push
+                    context.abort(grpc.StatusCode.CANCELLED,
+                                  f"push ended after {len(leaves)} whole leaves")  # fmt: skip
+                leaves.append(joined(got))
         except auth.Refused as error:
             refuse(context, error)
         except (StopIteration, ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed push: {error}")
-        if len(leaves) != count:  # the sender went away inside its push
-            context.abort(grpc.StatusCode.CANCELLED, f"push ended after {len(leaves)} leaves")
         try:
             reply = self.syncer.push(
                 header["worker"], header["incarnation"], int(header["serial"]), leaves,
@@ -169,12 +200,12 @@ class _Service:
                         header["worker"], why)  # fmt: skip
         return wire.pack(reply)
 
-    def raw_part(self, name: str, arrays: list) -> list[bytes]:
-        """A part's raw bytes (θ, the outer state, a sync's reply), made once per value for
-        every worker that asks."""
+    def raw_part(self, name: str, arrays: list) -> list[list[bytes]]:
+        """A part's leaves (θ, the outer state, a sync's reply) as pieces of raw bytes, made
+        once per value for every worker that asks."""
         ids, _, raw = self.sent.get(name, ((), [], []))
         if ids != tuple(map(id, arrays)):
-            raw = [bytes(wire.raw(x)) for x in arrays]
+            raw = [[bytes(piece) for piece in pieces(x)] for x in arrays]
             self.sent[name] = (tuple(map(id, arrays)), arrays, raw)
         return raw
 
@@ -190,9 +221,11 @@ class _Service:
         except (ValueError, KeyError, TypeError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(error).__name__}: {error}")
         parts = {name: self.raw_part(name, reply.pop(name)) for name in PARTS if name in reply}
-        yield wire.pack({**reply, "parts": {name: len(raw) for name, raw in parts.items()}})
+        counts = {name: [len(leaf) for leaf in raw] for name, raw in parts.items()}
+        yield wire.pack({**reply, "parts": counts})
         for raw in parts.values():
-            yield from raw  # gRPC's own copy is the only one made for this worker
+            for leaf in raw:
+                yield from leaf  # gRPC's own copy is the only one made for this worker
 
 
 class SyncerClient:
@@ -231,15 +264,19 @@ class SyncerClient:
             return None
 
     def push(self, header: dict[str, Any], leaves: list, pause: Callable[[int], None]) -> dict:
-        """Streams a delta (header, then one message per leaf; `pause(i)` runs before leaf
-        i is sent, for fault injection)."""
+        """Streams a delta (header, then each leaf's pieces; `pause(i)` runs before leaf i
+        is sent, for fault injection)."""
+        split = [pieces(leaf) for leaf in leaves]
+        header = {**header, "leaves": len(leaves), "pieces": [len(p) for p in split]}
 
         def messages(epoch: bytes):  # signed afresh for each try (a new nonce: no replay)
-            head = self.signer.call("Push", wire.pack({**header, "leaves": len(leaves)}), epoch)
+            head = self.signer.call("Push", wire.pack(header), epoch)
             yield head
-            for i, leaf in enumerate(leaves):
+            index = itertools.count()
+            for i, leaf in enumerate(split):
                 pause(i)
-                yield self.signer.part(head, i, wire.raw(leaf))
+                for piece in leaf:
+                    yield self.signer.part(head, next(index), piece)
 
         def send():  # the epoch asked before the stream: a failure is the call's, retried
             return wire.unpack(self._push(messages(self._epoch(15.0)), timeout=120.0))
@@ -255,15 +292,18 @@ class SyncerClient:
         request = self.signer.call(name, wire.pack(message), self._epoch(deadline))
         if name != "Next":
             return wire.unpack(self._unary[name](request, timeout=deadline))
-        head, *leaves = self._next(request, timeout=deadline)  # the reply, then its parts
+        head, *frames = self._next(request, timeout=deadline)  # the reply, then its parts
         reply = wire.unpack(head)
-        counts = reply.pop("parts")
-        if sum(counts.values()) != len(leaves):
-            raise ValueError(f"the syncer's Next sent {len(leaves)} leaves of {counts}")
+        counts = {name: piece_counts(c, f"Next's {name}") for name, c in reply.pop("parts").items()}
+        if sum(map(sum, counts.values())) != len(frames):
+            raise ValueError(f"the syncer's Next sent {len(frames)} pieces of {counts}")
         at = 0
         for name in PARTS:
             if name in counts:
-                reply[name], at = leaves[at : at + counts[name]], at + counts[name]
+                reply[name] = []
+                for count in counts[name]:
+                    reply[name].append(joined(frames[at : at + count]))
+                    at += count
         return reply
 
     def _retried(self, name: str, send: Callable[[], dict]) -> dict:

@@ -12,8 +12,9 @@ speaks next. A worker joining while a round is open takes part from the next one
 
 State on disk (`directory`): `sync-RRRRRRRR.ckpt` (the state after sync R: θ, outer state,
 each worker's data position, the members; the two newest are kept) and `history.jsonl` (one
-line per sync). A checkpoint is written on a thread of its own while the next round runs; the
-one after it waits for it, so the newest on disk is at most one sync behind. A restarted
+line per sync). A checkpoint is written on a thread of its own while the next round runs, over
+the file of the one it retires (`wire.write_kept`); the one after it waits for it, so the
+newest on disk is at most one sync behind. A restarted
 syncer resumes from its newest intact checkpoint (history.jsonl cut back to it) and opens
 that round again once each member it had is back: reattached (their deltas pushed before
 the restart are asked again; a worker already past that round runs its phase again from the
@@ -42,6 +43,7 @@ from diloco_jax.elastic_merge import make_merge
 from diloco_jax.elastic_task import Elastic, ElasticTask, check_worker
 from diloco_jax.membership import Membership
 from diloco_jax.outer import outer_init
+from diloco_jax.trees import all_finite
 
 log = logging.getLogger("diloco_jax.syncer")
 
@@ -203,13 +205,15 @@ class Syncer:
         "checksum" alone where it holds this θ, with the last sync's "reply" where it holds
         the one before; else θ ("theta") and the outer state ("outer") whole, so it can take
         the next. Without replies: θ whole."""
+        # The leaves themselves (the merge's arrays): the wire makes their bytes once per θ.
+        theta = jax.tree.leaves(self.theta)
         if self.merge.reply_like is None:
-            return {"theta": wire.leaves(self.theta)}
+            return {"theta": theta}
         if held == self.round:
             return {"checksum": self._checksum()}
         if self.reply is not None and self.reply.version == self.round == held + 1:
             return {"reply": self.reply.leaves, "checksum": self._checksum()}
-        return {"theta": wire.leaves(self.theta), "outer": wire.leaves(self.outer_state)}
+        return {"theta": theta, "outer": jax.tree.leaves(self.outer_state)}
 
     def _checksum(self) -> int:
         """θ's checksum, made once per version."""
@@ -233,11 +237,14 @@ class Syncer:
         except ValueError as error:
             log.warning("refused: %s", error)
             return {"status": "refused", "reason": str(error)}
+        # On the device and checked before the lock, while other pushes arrive: the merge
+        # then takes it as it is.
+        delta = jax.device_put(delta)
+        finite = bool(finite) and bool(all_finite(delta))
         with self.cond:
             ended = self._heard(worker, incarnation)
             if ended is not None:
                 return ended
-            finite = bool(finite) and all(np.isfinite(x).all() for x in jax.tree.leaves(delta))
             pushed = Pushed(delta, float(loss), finite, float(compute_s))
             return self._take(worker, serial, pushed, float(steps_s))
 
@@ -381,8 +388,7 @@ class Syncer:
             merged = self.merge.apply(
                 self.theta, self.outer_state, {m: self.pushed[m].leaves for m in included}
             )
-            self.theta = jax.tree.map(np.asarray, merged.theta)
-            self.outer_state = jax.tree.map(np.asarray, merged.outer_state)
+            self.theta, self.outer_state = merged.theta, merged.outer_state  # kept on the device
             if merged.reply is not None:
                 self.reply = Reply(self.round + 1, merged.reply)
         for m in included:
@@ -460,7 +466,9 @@ class Syncer:
         }
         path = checkpoint_path(self.directory, self.round)
         try:
-            self._writer.submit(functools.partial(_write_checkpoint, path, message))
+            self._writer.submit(
+                functools.partial(wire.write_kept, path, message, CHECKPOINT_GLOB, KEEP_CHECKPOINTS)
+            )
         except Exception as error:  # noqa: BLE001 (the write before this one failed)
             self._failed(error)
 
@@ -512,12 +520,6 @@ class Syncer:
         kept = [line for line in lines if _round_of(line) < self.round]
         if len(kept) != len(lines):  # a sync after the checkpoint, or a torn last line
             path.write_text("".join(line + "\n" for line in kept))
-
-
-def _write_checkpoint(path: Path, message: dict) -> None:
-    wire.write_file(path, message)
-    for old in sorted(path.parent.glob(CHECKPOINT_GLOB))[:-KEEP_CHECKPOINTS]:
-        old.unlink(missing_ok=True)
 
 
 def _round_of(line: str) -> float:

@@ -1,8 +1,10 @@
-"""One value per leaf: options given as a pytree like the params (or the model state)."""
+"""One value per leaf: options given as a pytree like the params (or the model state); a
+tree's size and finiteness."""
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -28,6 +30,13 @@ def payload_bytes(tree: Any) -> int:
             for x in jax.tree.leaves(tree)
         )
     )
+
+
+@jax.jit
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf of `tree` is finite (integer codes always are),
+    as a bool scalar: one fused pass, where `np.isfinite` makes a mask of the tree's size."""
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def _difference(tree: Any, values: Any) -> str:

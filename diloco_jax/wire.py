@@ -129,21 +129,31 @@ def _joined(value: Any, data: memoryview) -> Any:
     return value
 
 
-def write_file(path: Path, message: dict[str, Any]) -> None:
+def write_file(path: Path, message: dict[str, Any], recycle: Path | None = None) -> None:
     """Writes `message` to `path` whole or not at all (temporary file, fsync, rename, fsync
     of the folder): its arrays as their raw bytes, the rest as a msgpack header, the whole
-    behind a CRC-32."""
+    behind a CRC-32.
+
+    recycle: a file of the same folder that this write retires (an older checkpoint that
+    would be deleted after it), or None. It becomes the temporary file and is overwritten in
+    place, so the kernel writes into the pages it already holds for it instead of finding
+    new ones (for a checkpoint of θ's size each sync, most of the write's cost)."""
     blobs: list[memoryview] = []
     header = pack(_split(message, blobs, [0]))
     crc = zlib.crc32(header)
     for blob in blobs:
         crc = zlib.crc32(blob, crc)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    mode = "wb"
+    if recycle is not None and recycle != path and recycle.exists():
+        os.replace(recycle, tmp)
+        mode = "r+b"
+    with open(tmp, mode) as f:
         f.write(_PREFIX.pack(MAGIC, crc, len(header)))
         f.write(header)
         for blob in blobs:
             f.write(blob)
+        f.truncate()  # a recycled file may have been longer
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -152,6 +162,17 @@ def write_file(path: Path, message: dict[str, Any]) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def write_kept(path: Path, message: dict[str, Any], pattern: str, keep: int) -> None:
+    """Writes `message` at `path` (`write_file`) among the files of its folder that match
+    `pattern`, of which the `keep` >= 1 last by name stay: the oldest one retired is recycled
+    for the write, the others retired are deleted after it."""
+    retired = [p for p in sorted(path.parent.glob(pattern)) if p != path]
+    retired = retired[: max(len(retired) - (keep - 1), 0)]
+    write_file(path, message, recycle=retired[0] if retired else None)
+    for old in retired[1:]:
+        old.unlink(missing_ok=True)
 
 
 def read_file(path: Path) -> dict[str, Any]:

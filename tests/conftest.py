@@ -11,8 +11,9 @@ hit loads the very executable a miss would have compiled, so bit-for-bit checks 
 program. DILOCO_JAX_TEST_CACHE=0 turns it off (JAX_COMPILATION_CACHE_DIR set beforehand is
 used as it is).
 
-The allocator: where the dev extra installed mimalloc (`cmeel-mimalloc`, Linux x86-64), the
-processes this one starts (the xdist workers, the CLI and multi-process runs) preload it.
+The allocator: where the package installed mimalloc (`cmeel-mimalloc`, Linux x86-64;
+`diloco_jax.allocator`), the processes this one starts (the xdist workers, the CLI and
+multi-process runs) preload it.
 XLA's CPU compiler, most of the suite's time, spent about a sixth of it in glibc's malloc and
 free (perf, on the golden replay); with mimalloc the suite took 8 min 20 s - 8 min 41 s
 against 9 min 26 s - 9 min 51 s without on the same 2 cores (it changes no result: an
@@ -36,10 +37,7 @@ import atexit
 import importlib.metadata
 import os
 import shutil
-import sys
-import sysconfig
 import tempfile
-from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -61,15 +59,10 @@ if os.environ.get("DILOCO_JAX_TEST_FULL_OPT", "0") != "1":
 os.environ.setdefault("DILOCO_JAX_PEAK_FLOPS", "5e10")
 
 
-MIMALLOC = Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib" / "libmimalloc.so"
-if (
-    os.environ.get("DILOCO_JAX_TEST_MALLOC", "1") != "0"
-    and sys.platform == "linux"
-    and MIMALLOC.exists()
-):
-    preloaded = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
-    if str(MIMALLOC) not in preloaded:
-        os.environ["LD_PRELOAD"] = ":".join([str(MIMALLOC), *preloaded])
+from diloco_jax.allocator import preloaded  # noqa: E402 (after the settings above)
+
+if os.environ.get("DILOCO_JAX_TEST_MALLOC", "1") != "0":
+    os.environ.update(preloaded(os.environ))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,14 +1,17 @@
 """Only the run's members: the secret's MAC on every message (`diloco_jax.auth`), and the
 syncer's gRPC service refusing any call that does not prove it, before it reads it."""
 
+import hmac
 import logging
 import os
 import re
+import struct
 import time
 
 import grpc
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 from elastic_linear import make_task
 
 from diloco_jax import auth, wire
@@ -27,6 +30,10 @@ def test_a_signed_call_and_its_leaves_verify_and_give_their_bytes_back():
     assert verifier.call("Push", head) == b"header bytes"
     assert verifier.part(head, 0, signer.part(head, 0, b"leaf 0")) == b"leaf 0"
     assert verifier.part(head, 1, signer.part(head, 1, b"")) == b""
+    # A piece's tag is Poly1305 under the one-time key HMAC-SHA256(secret, "piece" ‖ the
+    # header's MAC ‖ the index), written out here from the standard library and `cryptography`.
+    key = hmac.new(SECRET, b"piece" + head[:32] + struct.pack("<q", 3), "sha256").digest()
+    assert signer.part(head, 3, b"abc") == Poly1305.generate_tag(key, b"abc") + b"abc"
 
 
 @pytest.mark.parametrize(
@@ -67,16 +74,20 @@ def test_a_replayed_or_stale_call_is_refused(monkeypatch):
     assert len(verifier._seen) == 1
 
 
-def test_a_leaf_moved_within_or_between_pushes_is_refused():
+def test_a_piece_moved_within_or_between_pushes_is_refused():
     signer, verifier = auth.Signer(SECRET), auth.Verifier(SECRET)
     head, other = (signer.call("Push", body, verifier.epoch) for body in (b"a", b"b"))
     leaf = signer.part(head, 0, b"leaf")
-    with pytest.raises(auth.Refused, match="leaf 1 of a push"):
+    with pytest.raises(auth.Refused, match="piece 1 of a push"):
         verifier.part(head, 1, leaf)
-    with pytest.raises(auth.Refused, match="leaf 0 of a push"):
+    with pytest.raises(auth.Refused, match="piece 0 of a push"):
         verifier.part(other, 0, leaf)
-    with pytest.raises(auth.Refused, match="leaf 0 of a push"):
+    with pytest.raises(auth.Refused, match="piece 0 of a push"):
         auth.Verifier(OTHER).part(head, 0, leaf)
+    with pytest.raises(auth.Refused, match="piece 0 of a push"):
+        verifier.part(head, 0, leaf[:-1] + b"F")  # a byte changed
+    with pytest.raises(auth.Refused, match="piece 0 of a push"):
+        verifier.part(head, 0, leaf[:15])  # shorter than a tag
 
 
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ window, silent and stuck workers, a round reopened when its quorum is lost, non-
 malformed deltas, checkpoints and their fallback; and the task's and options' refusals."""
 
 import json
+import os
 import struct
 import time
 import zlib
@@ -329,6 +330,33 @@ def test_files_keep_arrays_exactly_and_refuse_torn_and_edited_bytes(tmp_path):
     body = wire.pack({"a": np.arange(3)})
     path.write_bytes(struct.pack("<I", zlib.crc32(body)) + body)
     np.testing.assert_array_equal(wire.read_file(path)["a"], np.arange(3))
+
+
+def test_kept_files_recycle_the_oldest_they_retire_and_keep_the_newest(tmp_path):
+    """`wire.write_kept` writes each file over the oldest one it retires (the same inode: the
+    kernel's pages reused), keeps the newest `keep` by name, and a shorter file written over
+    a longer one reads back whole."""
+
+    def write(n: int, size: int) -> None:
+        wire.write_kept(tmp_path / f"s-{n}.ckpt", {"n": n, "x": np.full(size, n, np.float32)},
+                        "s-*.ckpt", keep=2)  # fmt: skip
+
+    write(1, 1000)
+    write(2, 1000)
+    first = os.stat(tmp_path / "s-1.ckpt").st_ino
+    write(3, 10)  # retires s-1: written over it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s-2.ckpt", "s-3.ckpt"]
+    assert os.stat(tmp_path / "s-3.ckpt").st_ino == first
+    back = wire.read_file(tmp_path / "s-3.ckpt")
+    assert back["n"] == 3
+    np.testing.assert_array_equal(back["x"], np.full(10, 3, np.float32))
+    (tmp_path / "s-0.ckpt").write_bytes(b"an older one, left by a crash")
+    write(4, 5)  # retires s-0 and s-2: s-0 recycled, s-2 deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s-3.ckpt", "s-4.ckpt"]
+    np.testing.assert_array_equal(wire.read_file(tmp_path / "s-4.ckpt")["x"], np.full(5, 4.0))
+    write(4, 7)  # the same name again: replaced, its predecessor kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s-3.ckpt", "s-4.ckpt"]
+    np.testing.assert_array_equal(wire.read_file(tmp_path / "s-4.ckpt")["x"], np.full(7, 4.0))
 
 
 @pytest.mark.parametrize(
