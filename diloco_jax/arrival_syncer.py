@@ -40,6 +40,7 @@ from diloco_jax.gossip_syncer import GossipSyncer
 from diloco_jax.halos import HALoS
 from diloco_jax.heloco_outer import job_start
 from diloco_jax.outer import outer_update
+from diloco_jax.round_rule import Shortage
 from diloco_jax.step_times import StepTimes
 from diloco_jax.syncer import Pushed, Syncer
 
@@ -52,10 +53,8 @@ class ArrivalSyncer(Syncer):
     def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
         if task.algo != "async":
             raise ValueError(f"ArrivalSyncer runs ElasticTask(algo='async'), got {task.algo!r}")
-        # The jobs in hand and DyLU's timings (the median of a few phases, so one noisy
-        # phase does not move a count and compile a program for a new one).
-        self.rule = ArrivalRule(task.inner_steps, task.dynamic_steps)
         self.handed_at: dict[int, float] = {}  # monotonic, for round_timeout
+        self.shortage = Shortage(options.quorum_timeout)
         super().__init__(task, options, directory)
         self.awaited = set()  # nobody waits for anybody
         self._apply_one = jax.jit(functools.partial(outer_update, task.method.outer_optimizer))
@@ -63,6 +62,11 @@ class ArrivalSyncer(Syncer):
         start = job_start(task.method.outer)
         self._job_start = None if start is None else jax.jit(start)
         self._started: tuple[int, Any] = (-1, None)
+
+    def _new_rule(self) -> ArrivalRule:
+        """The jobs in hand and DyLU's timings (the median of a few phases, so one noisy
+        phase does not move a count and compile a program for a new one)."""
+        return ArrivalRule(self.task.inner_steps, self.task.dynamic_steps)
 
     def next_round(
         self, worker: int, incarnation: str, after: int, timeout: float, held: int = -1
@@ -144,9 +148,10 @@ class ArrivalSyncer(Syncer):
         """What a subclass's rule adds to an update's history line (none here)."""
         return {}
 
-    def _remove(self, worker: int, why: str) -> None:
+    def _drop(self, worker: int) -> None:
+        """A removed worker, or one whose process was replaced: its job is no longer held
+        (a push of it is late)."""
         self.rule.drop(worker)
-        super()._remove(worker, why)
 
     def _step(self) -> None:
         """No round to open or close: removes a worker whose job outlasts round_timeout, and
@@ -160,9 +165,10 @@ class ArrivalSyncer(Syncer):
                 if worker in self.members and held > o.round_timeout:
                     self._remove(worker, f"no delta {held:.1f} s into its job")
         if len(self.members) < o.min_workers:
-            self._short(now, f"{len(self.members)} live workers")
+            if self.shortage.short(now):
+                self._short_end(f"{len(self.members)} live workers")
         else:
-            self.short_since = None
+            self.shortage.clear()
 
     def _saved_extra(self) -> dict:
         jobs = {str(m): [j.serial, j.start_update, j.position, j.steps, j.started]

@@ -49,17 +49,12 @@ import numpy as np
 
 from diloco_jax import wire
 from diloco_jax.decoupled import fragments_and_rules, merge_weights, programs
-from diloco_jax.elastic_task import (
-    Elastic,
-    ElasticTask,
-    check_worker,
-    end_reply,
-    refuse_round_options,
-)
-from diloco_jax.membership import Membership
+from diloco_jax.elastic_task import Elastic, ElasticTask, refuse_round_options
 from diloco_jax.outer import outer_init
 from diloco_jax.quorum import Due, QuorumRule
+from diloco_jax.round_rule import Shortage
 from diloco_jax.step_times import StepTimes
+from diloco_jax.syncer_base import SyncerBase
 
 log = logging.getLogger("diloco_jax.syncer")
 APPLIED_FILE = "applied.jsonl"
@@ -77,12 +72,13 @@ class Push:
     origin: list  # [version, step]: where the trajectory that made it began
 
 
-class DecoupledSyncer:
+class DecoupledSyncer(SyncerBase):
     """Decoupled DiLoCo's syncer (see the module docstring); every method is safe to call
     from the gRPC threads."""
 
     def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
-        self.task, self.spec = task, task.server
+        super().__init__(task)
+        self.spec = task.server
         self.options = checked_for_decoupled(options, task.num_workers)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -101,8 +97,6 @@ class DecoupledSyncer:
         ]
         m_count, p_count = task.num_workers, self.spec.fragments
         self.tokens = self.spec.tokens_per_step or (1.0,) * m_count
-        self.cond = threading.Condition()
-        self.members = Membership()
         self.starts: dict[int, tuple[int, bool]] = {}  # a new process's (step, from its ckpt)
         self.update = 0  # merges applied
         self.merged: list[tuple[int, list]] = []  # (fragment, leaves) of each merge, in order
@@ -115,9 +109,7 @@ class DecoupledSyncer:
         self.newest_step = [0] * m_count
         self.started = time.monotonic()
         self.first_merge: float | None = None  # its wall-clock time
-        self.short_since: float | None = None
-        self.done: str | None = None
-        self.told: set[int] = set()
+        self.shortage = Shortage(self.options.quorum_timeout)
         # Resumed: the merges before `base` are in Θ but not kept one by one, so a learner
         # holding an older version takes Θ whole.
         self.base = self._restore()
@@ -237,31 +229,16 @@ class DecoupledSyncer:
                 log.info("learner %d removed: silent for %.1f s", m, silent)
             self._merge_due()
             if len(self.members) < self.spec.quorum and now - self.started > o.join_timeout:
-                self.short_since = self.short_since or now
-                if now - self.short_since > o.quorum_timeout:
+                if self.shortage.short(now):
                     self.done = (f"{len(self.members)} live learners, fewer than the quorum "
                                  f"K = {self.spec.quorum}, for {o.quorum_timeout:g} s")  # fmt: skip
                     log.error("%s", self.done)
                     self.cond.notify_all()
             else:
-                self.short_since = None
+                self.shortage.clear()
 
     def run_clock(self, stop: threading.Event, period: float = 0.01) -> None:
-        while not stop.wait(period) and self.done is None:
-            try:
-                self.tick()
-            except Exception as error:
-                log.exception("the syncer failed")
-                with self.cond:
-                    self.done = f"the syncer failed: {type(error).__name__}: {error}"
-                    self.cond.notify_all()
-
-    def all_told(self) -> bool:
-        with self.cond:
-            return set(self.members) <= self.told
-
-    def flush(self) -> None:
-        """Nothing pending: each merge's line and the result are written as they happen."""
+        super().run_clock(stop, period)  # a merge is due at its grace's end: a finer clock
 
     # ---- internals (with the lock held) -------------------------------------------------
 
@@ -375,20 +352,6 @@ class DecoupledSyncer:
         if lines:
             with open(self.directory / APPLIED_FILE, "a") as f:
                 f.write("\n".join(lines) + "\n")
-
-    def _heard(self, worker: int, incarnation: str) -> dict[str, Any] | None:
-        if self.done is not None:
-            return self._ended(worker)
-        if not self.members.heard(worker, incarnation, time.monotonic()):
-            return {"status": "rejoin"}
-        return None
-
-    def _ended(self, worker: int) -> dict[str, Any]:
-        self.told.add(worker)
-        return end_reply(self.done)
-
-    def _check_worker(self, worker: Any) -> None:
-        check_worker(worker, self.task.num_workers)
 
 
 def checked_for_decoupled(options: Elastic, num_workers: int) -> Elastic:

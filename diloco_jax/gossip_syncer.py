@@ -27,33 +27,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco_jax.elastic_task import (
-    Elastic,
-    ElasticTask,
-    check_worker,
-    end_reply,
-    refuse_round_options,
-)
-from diloco_jax.membership import Membership
+from diloco_jax.elastic_task import Elastic, ElasticTask, refuse_round_options
+from diloco_jax.syncer_base import SyncerBase
 
 log = logging.getLogger("diloco_jax.syncer")
 
 
-class GossipSyncer:
-    """The membership's state machine; every method is safe to call from the gRPC threads."""
+class GossipSyncer(SyncerBase):
+    """The membership's state machine; every method is safe to call from the gRPC threads.
+    A silent member is waited for, never removed."""
 
     def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
-        self.task, self.options = task, checked_for_gossip(options, task.num_workers)
+        super().__init__(task)
+        self.options = checked_for_gossip(options, task.num_workers)
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self.cond = threading.Condition()
-        self.members = Membership()  # a silent member is waited for, never removed
         self.addresses: dict[int, str] = {}  # each member's peer server
         self.saved = [0] * task.num_workers  # each worker's newest report, across restarts
         self.heard = [time.monotonic()] * task.num_workers  # when each was last heard
         self.silent: set[int] = set()  # logged as silent, not heard since
         self.joined: set[int] = set()  # the workers that ever joined this syncer
-        self.done: str | None = None
-        self.told: set[int] = set()
 
     def join(self, worker: int, incarnation: str | None, address: str = "") -> dict[str, Any]:
         self._check_worker(worker)
@@ -79,11 +71,9 @@ class GossipSyncer:
         if not 0 <= saved <= self.task.num_rounds:
             raise ValueError(f"saved must be in [0, {self.task.num_rounds}], got {saved}")
         with self.cond:
-            if self.done is not None:
-                return self._ended(worker)
-            if not self.members.heard(worker, incarnation, time.monotonic()):
-                return {"status": "rejoin"}
-            self._seen(worker)
+            ended = self._heard(worker, incarnation)
+            if ended is not None:
+                return ended
             self.saved[worker] = max(self.saved[worker], saved)
             if min(self.saved) == self.task.num_rounds:
                 self.done = "finished"
@@ -119,15 +109,10 @@ class GossipSyncer:
                     return
 
     def run_clock(self, stop: threading.Event, period: float = 0.1) -> None:
-        while not stop.wait(period) and self.done is None:
-            self.tick()
+        super().run_clock(stop, period)
 
-    def all_told(self) -> bool:
-        with self.cond:
-            return set(self.members) <= self.told
-
-    def flush(self) -> None:
-        """Nothing to write: the membership is soft state."""
+    def _noted(self, worker: int) -> None:
+        self._seen(worker)
 
     def _seen(self, worker: int) -> None:
         self.heard[worker] = time.monotonic()
@@ -136,13 +121,6 @@ class GossipSyncer:
     def _view(self) -> dict[str, Any]:
         peers = {str(m): self.addresses[m] for m in self.members}
         return {"peers": peers, "floor": min(self.saved)}
-
-    def _ended(self, worker: int) -> dict[str, Any]:
-        self.told.add(worker)
-        return end_reply(self.done)
-
-    def _check_worker(self, worker: Any) -> None:
-        check_worker(worker, self.task.num_workers)
 
 
 def checked_for_gossip(options: Elastic, num_workers: int) -> Elastic:

@@ -40,9 +40,11 @@ import numpy as np
 
 from diloco_jax import wire
 from diloco_jax.elastic_merge import make_merge
-from diloco_jax.elastic_task import Elastic, ElasticTask, check_worker
+from diloco_jax.elastic_task import Elastic, ElasticTask
 from diloco_jax.membership import Membership
 from diloco_jax.outer import outer_init
+from diloco_jax.round_rule import RoundRule
+from diloco_jax.syncer_base import SyncerBase
 from diloco_jax.trees import all_finite
 
 log = logging.getLogger("diloco_jax.syncer")
@@ -108,14 +110,14 @@ def checkpoint_path(directory: Path, round_: int) -> Path:
     return directory / f"sync-{round_:08d}.ckpt"
 
 
-class Syncer:
+class Syncer(SyncerBase):
     """The sync's state machine; every method is safe to call from the gRPC threads."""
 
     def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
-        self.task, self.options = task, options.checked(task.num_workers)
+        super().__init__(task)
+        self.options = options.checked(task.num_workers)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.cond = threading.Condition()
         self.theta = jax.tree.map(np.asarray, task.params)
         self.outer_state = jax.tree.map(
             np.asarray, outer_init(task.method.outer_optimizer, self.theta)
@@ -125,12 +127,8 @@ class Syncer:
         self.reply: Reply | None = None  # the last sync's, where the merge makes one
         self.theta_checksum: tuple[int, int] | None = None  # (version, θ's checksum)
         self.positions = [0] * task.num_workers
-        self.members = Membership()
-        self.is_open, self.participants, self.pushed = False, set(), {}
-        self.opened_at = self.quorum_at = self.short_since = None
+        self.rule = self._new_rule()  # when rounds open and close (`Syncer._step`)
         self.started = time.monotonic()
-        self.done: str | None = None  # "finished" or the abort's line
-        self.told: set[int] = set()  # the workers that heard the end
         self._writer = _Writer()
         # Resumed: the members of the last sync not heard from since. The round opens once
         # each is back (reattached, or a new process of it joined: a whole-cluster restart),
@@ -147,6 +145,13 @@ class Syncer:
         if self.round >= task.num_rounds:
             self.done = "finished"
 
+    def _new_rule(self) -> Any:
+        """The round's rule (`round_rule.RoundRule`), from the options."""
+        o = self.options
+        return RoundRule(self.task.num_workers, o.min_workers, grace_seconds=o.grace_seconds,
+                         round_timeout=o.round_timeout, join_timeout=o.join_timeout,
+                         quorum_timeout=o.quorum_timeout)  # fmt: skip
+
     # ---- the workers' calls -------------------------------------------------------------
 
     def join(self, worker: int, incarnation: str | None) -> dict[str, Any]:
@@ -157,8 +162,8 @@ class Syncer:
             self.awaited.discard(worker)
             joined = self.members.join(worker, incarnation, time.monotonic())
             if joined.new:
-                if joined.replaced and worker in self.participants - set(self.pushed):
-                    self.participants.discard(worker)  # its old process won't push
+                if joined.replaced:
+                    self._drop(worker)  # its old process won't push
                 log.info("worker %d joined (round %d)", worker, self.round)
             self._step()
             return {"incarnation": joined.member.incarnation,
@@ -185,7 +190,7 @@ class Syncer:
                 ended = self._heard(worker, incarnation)
                 if ended is not None:
                     return ended
-                if self.is_open and worker in self.participants and worker not in self.pushed:
+                if self.rule.awaits(worker):
                     if self.serial != after:
                         return {
                             "status": "round",
@@ -251,123 +256,69 @@ class Syncer:
     def _take(self, worker: int, serial: int, pushed: Pushed, steps_s: float) -> dict:
         """The rule's part of a push from a live member (with the lock held): this one
         keeps the delta for the open round's mean (`steps_s` unused: rounds are H steps)."""
-        if not self.is_open or serial != self.serial or worker not in self.participants:
+        if serial != self.serial or not self.rule.push(worker, pushed, time.monotonic()):
             return {"status": "late"}
-        if worker not in self.pushed:
-            self.pushed[worker] = pushed
-            if self.quorum_at is None and len(self.pushed) >= self.options.min_workers:
-                self.quorum_at = time.monotonic()
-            self._step()
+        self._step()
         return {"status": "ok"}
 
     # ---- the clock ---------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Removes silent and stuck workers, then opens, closes or reopens what is due."""
+        """Removes silent workers, then does what the rule says is due."""
         with self.cond:
             if self.done is not None:
                 return
-            now, o = time.monotonic(), self.options
-            for worker, silent in self.members.silent(now, o.heartbeat_timeout):
+            now = time.monotonic()
+            for worker, silent in self.members.silent(now, self.options.heartbeat_timeout):
                 self._remove(worker, f"silent for {silent:.1f} s")
-            if (
-                o.round_timeout is not None
-                and self.is_open
-                and now - self.opened_at > o.round_timeout
-            ):
-                for worker in sorted((self.participants & set(self.members)) - set(self.pushed)):
-                    self._remove(worker, f"no delta {now - self.opened_at:.1f} s into the round")
             self._step()
-
-    def run_clock(self, stop: threading.Event, period: float = 0.05) -> None:
-        """Ticks until `stop`; an error ends the run (`done`) with its line, never a hang."""
-        while not stop.wait(period):
-            try:
-                self.tick()
-            except Exception as error:
-                log.exception("the syncer failed")
-                with self.cond:
-                    self.done = f"the syncer failed: {type(error).__name__}: {error}"
-                    self.cond.notify_all()
-                return
 
     # ---- internals (called with the lock held) -----------------------------------------
 
-    def _heard(self, worker: int, incarnation: str) -> dict[str, Any] | None:
-        """With the lock held: the reply that ends a worker's call (the run's end, or "rejoin"
-        for a worker not held as that incarnation), or None once it is noted alive."""
-        if self.done is not None:
-            return self._ended(worker)
-        if not self.members.heard(worker, incarnation, time.monotonic()):
-            return {"status": "rejoin"}
+    def _noted(self, worker: int) -> None:
         self.awaited.discard(worker)
-        return None
 
     def _ended(self, worker: int) -> dict[str, Any]:
-        """The run's end as a reply to `worker`, which now knows it."""
-        self.told.add(worker)
-        status = "done" if self.done == "finished" else "abort"
-        return {"status": status, "reason": self.done, "round": self.round}
-
-    def all_told(self) -> bool:
-        """Whether every member has heard the run's end."""
-        with self.cond:
-            return set(self.members) <= self.told
-
-    def _check_worker(self, worker: Any) -> None:
-        check_worker(worker, self.task.num_workers)
+        return {**super()._ended(worker), "round": self.round}
 
     def _remove(self, worker: int, why: str) -> None:
         self.members.remove(worker)
         self.awaited.discard(worker)  # a resumed syncer opens without it, not at join_timeout
-        if worker not in self.pushed:  # the open sync won't wait for it, even if it rejoins
-            self.participants.discard(worker)
+        self._drop(worker)
         log.info("worker %d removed: %s (round %d)", worker, why, self.round)
         self.cond.notify_all()
 
+    def _drop(self, worker: int) -> None:
+        """A removed worker, or one whose process was replaced: the open sync won't wait for
+        it, even if it comes back (unless its delta is in)."""
+        self.rule.leave(worker)
+
     def _step(self) -> None:
-        """Opens the first round, or closes / reopens the open one, whatever is due."""
+        """Removes stuck participants, then opens, closes or reopens what the rule says is
+        due, or ends the run short of workers."""
         if self.done is not None:
             return
-        o, now = self.options, time.monotonic()
-        if not self.is_open:
-            present = set(self.members) - self.awaited
-            everyone = len(present) == self.task.num_workers
-            resumed = self.serial >= 0  # from a checkpoint
-            back = resumed and not self.awaited and len(present) >= o.min_workers
-            waited = now - self.started >= o.join_timeout
-            if everyone or back or (waited and len(present) >= o.min_workers):
-                self._open(present, reason="resumed" if resumed else "start")
-            elif waited:
-                self._short(now, f"{len(present)} of {self.task.num_workers} workers joined")
-            return
-        live = self.participants & set(self.members)
-        waiting = live - set(self.pushed)
-        count = len(self.pushed)
-        if count >= o.min_workers and (
-            not waiting or (o.grace_seconds is not None and now - self.quorum_at >= o.grace_seconds)
-        ):
+        now = time.monotonic()
+        for worker in self.rule.stuck(now, set(self.members)):
+            self._remove(worker, f"no delta {now - self.rule.opened_at:.1f} s into the round")
+        resumed = self.serial >= 0  # from a checkpoint
+        decision = self.rule.decide(now, set(self.members), self.awaited, resumed, self.started)
+        if decision.action == "open":
+            self._open(set(decision.participants), reason=decision.why)
+        elif decision.action == "close":
             self._close()
-        elif count + len(waiting) < o.min_workers:
-            # This round can't reach its quorum any more: open it again for whoever is here.
-            if len(self.members) >= o.min_workers and set(self.members) != self.participants:
-                self._open(set(self.members), reason="quorum lost")
-            else:
-                self._short(now, f"{len(self.members)} live workers")
-        else:
-            self.short_since = None
+        elif decision.action == "end":
+            self._short_end(decision.why)
 
-    def _short(self, now: float, what: str) -> None:
-        if self.short_since is None:
-            self.short_since = now
-        elif now - self.short_since > self.options.quorum_timeout:
-            self.done = (
-                f"fewer than min_workers={self.options.min_workers} workers for "
-                f"{self.options.quorum_timeout:g} s ({what}); the run ends at round "
-                f"{self.round}, checkpointed"
-            )
-            log.error("%s", self.done)
-            self.cond.notify_all()
+    def _short_end(self, what: str) -> None:
+        """Ends the run: short of min_workers for quorum_timeout (`what`: how short)."""
+        self.done = (
+            f"fewer than min_workers={self.options.min_workers} workers for "
+            f"{self.options.quorum_timeout:g} s ({what}); the run ends at round "
+            f"{self.round}, checkpointed"
+        )
+        log.error("%s", self.done)
+        self.cond.notify_all()
 
     def _open(self, participants: set, reason: str) -> None:
         serial = self.serial + 1
@@ -375,18 +326,18 @@ class Syncer:
             serial = max(serial, self.issued_before + 1)
         self.serial, self.opened = serial, True
         (self.directory / SERIAL_FILE).write_text(f"{serial}\n")  # before anyone sees it
-        self.is_open, self.participants, self.pushed = True, participants, {}
-        self.opened_at, self.quorum_at, self.short_since = time.monotonic(), None, None
+        self.rule.open(participants, time.monotonic())
         log.info("round %d open (%s) for workers %s", self.round, reason, sorted(participants))
         self.cond.notify_all()
 
     def _close(self) -> None:
         busy_since = time.monotonic()
-        included = sorted(m for m, p in self.pushed.items() if p.finite)
+        pushes = self.rule.close()
+        included = sorted(m for m, p in pushes.items() if p.finite)
         self.reply = None
         if included:
             merged = self.merge.apply(
-                self.theta, self.outer_state, {m: self.pushed[m].leaves for m in included}
+                self.theta, self.outer_state, {m: pushes[m].leaves for m in included}
             )
             self.theta, self.outer_state = merged.theta, merged.outer_state  # kept on the device
             if merged.reply is not None:
@@ -396,15 +347,14 @@ class Syncer:
         record = {
             "round": self.round,
             "included": included,
-            "participants": sorted(self.participants),
-            "nonfinite": sorted(m for m, p in self.pushed.items() if not p.finite),
-            "loss": float(np.mean([self.pushed[m].loss for m in included])) if included else None,
+            "participants": sorted(self.rule.participants),
+            "nonfinite": sorted(m for m, p in pushes.items() if not p.finite),
+            "loss": float(np.mean([pushes[m].loss for m in included])) if included else None,
             "positions": list(self.positions),
-            "compute_s": {str(m): round(p.compute_s, 4) for m, p in sorted(self.pushed.items())},
-            "seconds": round(time.monotonic() - self.opened_at, 4),
+            "compute_s": {str(m): round(p.compute_s, 4) for m, p in sorted(pushes.items())},
+            "seconds": round(time.monotonic() - self.rule.opened_at, 4),
             "time": time.time(),
         }
-        self.is_open = False
         self._record(record, busy_since)
         log.info("sync %d closed with workers %s", record["round"], included)
         if not self._end_if_done():

@@ -64,7 +64,7 @@ def _nesterov(theta, means):
 def test_a_sync_takes_the_mean_and_the_outer_step(tmp_path):
     s = _syncer(tmp_path)
     incs = _join_all(s, 3)
-    assert s.is_open and s.participants == {0, 1, 2}
+    assert s.rule.is_open and s.rule.participants == {0, 1, 2}
     for m, value in enumerate((0.1, 0.2, 0.6)):
         assert _push(s, m, incs[m], value) == "ok"
     assert s.round == 1 and s.positions == [1, 1, 1]
@@ -102,11 +102,12 @@ def test_a_resumed_syncer_continues_from_its_newest_intact_checkpoint(tmp_path):
     assert again.join(1, incs[1])["incarnation"] == incs[1]
     assert again.heartbeat(2, incs[2])["status"] == "ok"
     again.tick()
-    assert not again.is_open
+    assert not again.rule.is_open
     new = again.join(0, None)["incarnation"]
     assert new != incs[0]
     again.tick()
-    assert again.is_open and again.participants == {0, 1, 2} and again.serial == serial + 1
+    assert again.rule.is_open and again.rule.participants == {0, 1, 2}
+    assert again.serial == serial + 1
     # A worker that had pushed to the dead syncer is asked for its delta again; the new
     # process is given the round.
     assert again.next_round(1, incs[1], after=again.serial, timeout=0.1)["status"] == "push_again"
@@ -134,7 +135,7 @@ def test_rounds_after_a_lost_checkpoint_never_reuse_a_serial_of_the_lost_process
     for m in range(3):
         again.join(m, incs[m])
     again.tick()
-    assert again.is_open and again.serial == lost - 1  # round 2 again, from the same θ
+    assert again.rule.is_open and again.serial == lost - 1  # round 2 again, from the same θ
     for m in range(3):  # other deltas than the lost sync's: another θ after it
         assert _push(again, m, incs[m], -0.5) == "ok"
     assert again.round == 3 and again.serial > lost
@@ -152,12 +153,12 @@ def test_a_resumed_syncer_opens_without_a_member_that_does_not_come_back(tmp_pat
     for m in (0, 1):
         assert again.heartbeat(m, incs[m])["status"] == "ok"
     again.tick()
-    assert not again.is_open  # worker 2 may still come back
+    assert not again.rule.is_open  # worker 2 may still come back
     time.sleep(0.45)
     for m in (0, 1):
         again.heartbeat(m, incs[m])
     again.tick()  # join_timeout passed with the quorum back: on without worker 2
-    assert again.is_open and again.participants == {0, 1} and again.round == 1
+    assert again.rule.is_open and again.rule.participants == {0, 1} and again.round == 1
 
 
 def test_a_resumed_syncer_does_not_await_a_member_it_removed(tmp_path):
@@ -169,14 +170,14 @@ def test_a_resumed_syncer_does_not_await_a_member_it_removed(tmp_path):
     # join_timeout far away: only the removal of the silent worker 2 can open the round.
     again = _syncer(tmp_path, join_timeout=60.0, min_workers=2)
     deadline = time.monotonic() + 5.0
-    while not again.is_open and time.monotonic() < deadline:
+    while not again.rule.is_open and time.monotonic() < deadline:
         for m in (0, 1):
             again.heartbeat(m, incs[m])
         again.tick()
         time.sleep(0.05)
     # Restored members get a heartbeat timeout more to come back: 2 x 0.3 s of silence.
     assert time.monotonic() - (deadline - 5.0) < 2.0
-    assert again.is_open and again.participants == {0, 1} and 2 not in again.members
+    assert again.rule.is_open and again.rule.participants == {0, 1} and 2 not in again.members
 
 
 def test_the_grace_window_closes_without_a_late_worker(tmp_path):
@@ -208,7 +209,7 @@ def test_a_silent_worker_is_removed_and_joins_the_next_round(tmp_path):
     assert s.heartbeat(2, incs[2])["status"] == "rejoin"
     assert s.next_round(2, incs[2], after=0, timeout=0.1)["status"] == "rejoin"
     new = s.join(2, None)["incarnation"]
-    assert new != incs[2] and 2 not in s.participants  # joined mid-round: from the next one
+    assert new != incs[2] and 2 not in s.rule.participants  # joined mid-round: from the next one
     assert s.next_round(2, new, after=-1, timeout=0.1)["status"] == "pending"
     assert s.next_round(2, new, after=-1, timeout=0.1)["status"] == "pending"
     _push(s, 0, incs[0], 0.1)
@@ -247,7 +248,7 @@ def test_a_round_that_loses_its_quorum_is_opened_again(tmp_path):
     incs = _join_all(s, 2)  # round 0 waits for all 3 ...
     s.started -= 1e9  # ... until the join timeout, then starts with 0 and 1
     s.tick()
-    assert s.participants == {0, 1}
+    assert s.rule.participants == {0, 1}
     late = s.join(2, None)["incarnation"]
     _push(s, 0, incs[0], 0.1)
     serial = s.serial
@@ -255,8 +256,8 @@ def test_a_round_that_loses_its_quorum_is_opened_again(tmp_path):
     s.heartbeat(0, incs[0])
     s.heartbeat(2, late)
     s.tick()  # worker 1 silent: 1 delta + 0 waiting < 2; workers 0 and 2 are here
-    assert s.round == 0 and s.serial == serial + 1 and s.participants == {0, 2}
-    assert not s.pushed  # worker 0 runs round 0 again, from the same θ and position
+    assert s.round == 0 and s.serial == serial + 1 and s.rule.participants == {0, 2}
+    assert not s.rule.pushed  # worker 0 runs round 0 again, from the same θ and position
     assert s.next_round(0, incs[0], after=serial, timeout=0.1)["position"] == 0
 
 
@@ -623,10 +624,10 @@ def test_checkpoints_are_written_one_at_a_time_and_a_failed_write_is_raised_afte
 def test_a_checkpoint_that_fails_to_write_ends_the_run_with_the_syncers_line(tmp_path, monkeypatch):
     import diloco_jax.syncer as syncer_lib
 
-    def full(path, message):
+    def full(path, message, pattern, keep):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(syncer_lib, "_write_checkpoint", full)
+    monkeypatch.setattr(syncer_lib.wire, "write_kept", full)
     s = _syncer(tmp_path, rounds=1)
     incs = _join_all(s, 3)
     for m in range(3):
