@@ -683,4 +683,15 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] in (["syncer"], ["worker"]):  # started on its own: under mimalloc
         allocator.restart_preloaded(sys.argv[1:])
-    sys.exit(main())
+    code = main()
+    if not jax.distributed.is_initialized():
+        # All the process keeps is written, synced and closed by now. Ending here skips the
+        # interpreter's finalization, where a daemon thread (gRPC's poller, a stream's
+        # request consumer, the syncer's clock) could abort a run that ended well: exit -6,
+        # "FATAL: exception not rethrown". A worker group's processes finalize: JAX ends
+        # their cluster at exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
