@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from elastic_linear import make_task
 
-from diloco_jax import auth, wire
+from diloco_jax import auth, rpc, wire
 from diloco_jax.elastic import main
 from diloco_jax.elastic_task import Elastic
 from diloco_jax.rpc import SERVICE, SyncerClient, serve
@@ -113,6 +113,32 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
 def _syncer(tmp_path):
     options = Elastic(heartbeat_interval=0.05, heartbeat_timeout=30.0)
     return Syncer(make_task(), options, tmp_path)
+
+
+def test_leaves_longer_than_a_piece_travel_in_pieces_and_arrive_whole(tmp_path, monkeypatch):
+    """θ to a worker and its delta back through a real server, with pieces of 8 bytes: the
+    3-float32 leaf "w" travels as 8 + 4 bytes and arrives exactly."""
+    monkeypatch.setattr(rpc, "PIECE_BYTES", 8)
+    w = np.asarray([1.5, -2.0, 4.0], np.float32)
+    assert [len(p) for p in rpc.pieces(w)] == [8, 4]
+    s = _syncer(tmp_path)
+    incs = [s.join(m, None)["incarnation"] for m in range(4)]  # the round opens
+    server, port = serve(s, 0, SECRET)
+    client = SyncerClient(f"127.0.0.1:{port}", SECRET, syncer_timeout=5.0)
+    try:
+        me = {"worker": 0, "incarnation": incs[0]}
+        reply = client.call("Next", {**me, "after": -1, "timeout": 5.0})
+        assert reply["status"] == "round"
+        expected = [np.float32(0.5).tobytes(), np.asarray([0.3, -0.2, 0.1], np.float32).tobytes()]
+        assert [bytes(x) for x in reply["theta"]] == expected  # leaves "b", "w"
+        header = {**me, "serial": reply["serial"], "loss": 1.0}
+        assert client.push(header, [np.float32(0.25), w], lambda i: None) == {"status": "ok"}
+        pushed = s.rule.pushed[0].leaves
+        assert np.asarray(pushed["b"]) == np.float32(0.25)
+        np.testing.assert_array_equal(np.asarray(pushed["w"]), w)
+    finally:
+        client.close()
+        server.stop(grace=None)
 
 
 def test_a_process_without_the_secret_cannot_join_heartbeat_push_or_read_theta(tmp_path, caplog):
