@@ -24,6 +24,7 @@ round:
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,15 @@ log = logging.getLogger("diloco_jax.syncer")
 class ArrivalSyncer(Syncer):
     """The syncer with asynchronous DiLoCo's rule (see the module docstring)."""
 
-    def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
+    def __init__(
+        self, task: ElasticTask, options: Elastic, directory: Path, *,
+        clock: Callable[[], float] = time.monotonic,
+    ):  # fmt: skip
         if task.algo != "async":
             raise ValueError(f"ArrivalSyncer runs ElasticTask(algo='async'), got {task.algo!r}")
         self.handed_at: dict[int, float] = {}  # monotonic, for round_timeout
         self.shortage = Shortage(options.quorum_timeout)
-        super().__init__(task, options, directory)
+        super().__init__(task, options, directory, clock=clock)
         self.awaited = set()  # nobody waits for anybody
         self._apply_one = jax.jit(functools.partial(outer_update, task.method.outer_optimizer))
         # The θ jobs start from: θ, or the outer rule's look-ahead (HeLoCo's θ̄), once per θ.
@@ -83,7 +87,7 @@ class ArrivalSyncer(Syncer):
             self.serial += 1
             job = self.rule.hand_out(worker, self.serial, self.round, self.positions[worker],
                                      time.time())  # fmt: skip
-            self.handed_at[worker] = time.monotonic()
+            self.handed_at[worker] = self.clock()
             return {"status": "round", "serial": job.serial, "round": job.position,
                     "position": job.position, "steps": job.steps, "update": job.start_update,
                     "theta": wire.leaves(self._theta_for_jobs())}  # fmt: skip
@@ -116,7 +120,7 @@ class ArrivalSyncer(Syncer):
     def _apply_arrival(self, worker: int, job: Job, pushed: Pushed, steps_s: float) -> None:
         """Applies the job's delta with its age and records the update (`steps_s`: the
         seconds of the phase's inner steps)."""
-        busy_since = time.monotonic()
+        busy_since = self.clock()
         age = arrival_age(job, self.round)
         theta, outer = self._apply_one(self.theta, self.outer_state, pushed.leaves,
                                        jnp.int32(age))  # fmt: skip
@@ -158,7 +162,7 @@ class ArrivalSyncer(Syncer):
         ends the run after quorum_timeout with fewer than min_workers members."""
         if self.done is not None:
             return
-        o, now = self.options, time.monotonic()
+        o, now = self.options, self.clock()
         if o.round_timeout is not None:
             for worker in list(self.rule.jobs):
                 held = now - self.handed_at[worker]
@@ -179,7 +183,7 @@ class ArrivalSyncer(Syncer):
 
     def _restore_extra(self, message: dict, path: Path) -> None:
         # A job handed out before the checkpoint gets a heartbeat timeout more, as members do.
-        now = time.monotonic() + self.options.heartbeat_timeout
+        now = self.clock() + self.options.heartbeat_timeout
         self.rule.jobs = {
             int(m): Job(serial=int(serial), start_update=int(start), position=int(position),
                         steps=int(steps), started=float(started))

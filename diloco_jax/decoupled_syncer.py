@@ -40,6 +40,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,11 @@ class DecoupledSyncer(SyncerBase):
     """Decoupled DiLoCo's syncer (see the module docstring); every method is safe to call
     from the gRPC threads."""
 
-    def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
-        super().__init__(task)
+    def __init__(
+        self, task: ElasticTask, options: Elastic, directory: Path, *,
+        clock: Callable[[], float] = time.monotonic,
+    ):  # fmt: skip
+        super().__init__(task, clock)
         self.spec = task.server
         self.options = checked_for_decoupled(options, task.num_workers)
         self.directory = Path(directory)
@@ -107,7 +111,7 @@ class DecoupledSyncer(SyncerBase):
         self.pending: dict[tuple[int, int], dict[int, Push]] = {}  # each sync's payloads
         self.pushes = [[0] * p_count for _ in range(m_count)]
         self.newest_step = [0] * m_count
-        self.started = time.monotonic()
+        self.started = self.clock()
         self.first_merge: float | None = None  # its wall-clock time
         self.shortage = Shortage(self.options.quorum_timeout)
         # Resumed: the merges before `base` are in Θ but not kept one by one, so a learner
@@ -131,7 +135,7 @@ class DecoupledSyncer(SyncerBase):
         with self.cond:
             if self.done is not None:
                 return self._ended(worker)
-            joined = self.members.join(worker, incarnation, time.monotonic())
+            joined = self.members.join(worker, incarnation, self.clock())
             if joined.new:
                 self.starts.pop(worker, None)
                 log.info("learner %d joined (after merge %d)", worker, self.update)
@@ -154,7 +158,7 @@ class DecoupledSyncer(SyncerBase):
         new version, "updates": [[update, fragment, sync], ...], "reply": their leaves in
         that order}; "pending" if none came; or "rejoin", "done", "abort"."""
         self._check_worker(worker)
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         with self.cond:
             while True:
                 ended = self._heard(worker, incarnation)
@@ -171,7 +175,7 @@ class DecoupledSyncer(SyncerBase):
                             "position": 0, "updates": [[u, p, k] for u, (p, k, _) in
                                                        enumerate(news, start=after)],
                             "reply": [x for *_, leaves in news for x in leaves]}  # fmt: skip
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     return {"status": "pending"}
                 self.cond.wait(left)
@@ -206,7 +210,7 @@ class DecoupledSyncer(SyncerBase):
             self.newest_step[worker] = max(self.newest_step[worker], serial)
             if steps_s > 0 and isinstance(timed_steps, int) and timed_steps > 0:
                 self.step_times.add(worker, steps_s / timed_steps)
-            if not finite or not self.rule.push(p, k, worker, time.monotonic()):
+            if not finite or not self.rule.push(p, k, worker, self.clock()):
                 log.info("learner %d's push of sync (%d, %d) is late", worker, p, k)
                 return {"status": "late"}
             self.pending.setdefault((p, k), {})[worker] = Push(
@@ -220,7 +224,7 @@ class DecoupledSyncer(SyncerBase):
     def tick(self) -> None:
         """Merges what is due, removes learners silent past heartbeat_timeout, and ends the
         run after quorum_timeout with fewer than K members."""
-        now, o = time.monotonic(), self.options
+        now, o = self.clock(), self.options
         with self.cond:
             if self.done is not None:
                 return
@@ -246,7 +250,7 @@ class DecoupledSyncer(SyncerBase):
         """Merges every sync whose quorum and grace have passed, earliest due first."""
         while self.done is None:
             due = self.rule.next_due()
-            if due is None or due.time > time.monotonic():
+            if due is None or due.time > self.clock():
                 return
             self._merge(due)
 
@@ -267,7 +271,7 @@ class DecoupledSyncer(SyncerBase):
             self.theta[i] = v
         wall = time.time()
         self.first_merge = wall if self.first_merge is None else self.first_merge
-        merged = list(self.rule.merge(due, time.monotonic()))
+        merged = list(self.rule.merge(due, self.clock()))
         losses = [pushed[m].loss for m in merged]
         record = {
             "round": self.update, "update": self.update, "fragment": p, "sync": k,

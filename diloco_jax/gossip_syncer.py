@@ -24,6 +24,7 @@ its address and reports what it has saved).
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,16 @@ class GossipSyncer(SyncerBase):
     """The membership's state machine; every method is safe to call from the gRPC threads.
     A silent member is waited for, never removed."""
 
-    def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
-        super().__init__(task)
+    def __init__(
+        self, task: ElasticTask, options: Elastic, directory: Path, *,
+        clock: Callable[[], float] = time.monotonic,
+    ):  # fmt: skip
+        super().__init__(task, clock)
         self.options = checked_for_gossip(options, task.num_workers)
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.addresses: dict[int, str] = {}  # each member's peer server
         self.saved = [0] * task.num_workers  # each worker's newest report, across restarts
-        self.heard = [time.monotonic()] * task.num_workers  # when each was last heard
+        self.heard = [self.clock()] * task.num_workers  # when each was last heard
         self.silent: set[int] = set()  # logged as silent, not heard since
         self.joined: set[int] = set()  # the workers that ever joined this syncer
 
@@ -55,7 +59,7 @@ class GossipSyncer(SyncerBase):
         with self.cond:
             if self.done is not None:
                 return self._ended(worker)
-            joined = self.members.join(worker, incarnation, time.monotonic())
+            joined = self.members.join(worker, incarnation, self.clock())
             if joined.new:
                 log.info("worker %d joined (peer address %s)", worker, address)
                 self.joined.add(worker)
@@ -91,7 +95,7 @@ class GossipSyncer(SyncerBase):
         """Ends the run when a worker has been absent past heartbeat_timeout +
         quorum_timeout (logging it as silent past heartbeat_timeout), or one that never
         joined past join_timeout if that is longer."""
-        now, o = time.monotonic(), self.options
+        now, o = self.clock(), self.options
         with self.cond:
             if self.done is not None:
                 return
@@ -115,7 +119,7 @@ class GossipSyncer(SyncerBase):
         self._seen(worker)
 
     def _seen(self, worker: int) -> None:
-        self.heard[worker] = time.monotonic()
+        self.heard[worker] = self.clock()
         self.silent.discard(worker)
 
     def _view(self) -> dict[str, Any]:

@@ -113,8 +113,11 @@ def checkpoint_path(directory: Path, round_: int) -> Path:
 class Syncer(SyncerBase):
     """The sync's state machine; every method is safe to call from the gRPC threads."""
 
-    def __init__(self, task: ElasticTask, options: Elastic, directory: Path):
-        super().__init__(task)
+    def __init__(
+        self, task: ElasticTask, options: Elastic, directory: Path, *,
+        clock: Callable[[], float] = time.monotonic,
+    ):  # fmt: skip
+        super().__init__(task, clock)
         self.options = options.checked(task.num_workers)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -128,7 +131,7 @@ class Syncer(SyncerBase):
         self.theta_checksum: tuple[int, int] | None = None  # (version, θ's checksum)
         self.positions = [0] * task.num_workers
         self.rule = self._new_rule()  # when rounds open and close (`Syncer._step`)
-        self.started = time.monotonic()
+        self.started = self.clock()
         self._writer = _Writer()
         # Resumed: the members of the last sync not heard from since. The round opens once
         # each is back (reattached, or a new process of it joined: a whole-cluster restart),
@@ -160,7 +163,7 @@ class Syncer(SyncerBase):
         self._check_worker(worker)
         with self.cond:
             self.awaited.discard(worker)
-            joined = self.members.join(worker, incarnation, time.monotonic())
+            joined = self.members.join(worker, incarnation, self.clock())
             if joined.new:
                 if joined.replaced:
                     self._drop(worker)  # its old process won't push
@@ -184,7 +187,7 @@ class Syncer(SyncerBase):
         version `held`, -1 none); or "push_again" (the open round lost its delta), "rejoin",
         "done", "abort" (with "reason"), "pending" (nothing yet: ask again)."""
         self._check_worker(worker)
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         with self.cond:
             while True:
                 ended = self._heard(worker, incarnation)
@@ -200,7 +203,7 @@ class Syncer(SyncerBase):
                             **self._theta_for(held),
                         }
                     return {"status": "push_again", "serial": self.serial}
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     return {"status": "pending"}
                 self.cond.wait(min(left, 0.5))
@@ -256,7 +259,7 @@ class Syncer(SyncerBase):
     def _take(self, worker: int, serial: int, pushed: Pushed, steps_s: float) -> dict:
         """The rule's part of a push from a live member (with the lock held): this one
         keeps the delta for the open round's mean (`steps_s` unused: rounds are H steps)."""
-        if serial != self.serial or not self.rule.push(worker, pushed, time.monotonic()):
+        if serial != self.serial or not self.rule.push(worker, pushed, self.clock()):
             return {"status": "late"}
         self._step()
         return {"status": "ok"}
@@ -268,7 +271,7 @@ class Syncer(SyncerBase):
         with self.cond:
             if self.done is not None:
                 return
-            now = time.monotonic()
+            now = self.clock()
             for worker, silent in self.members.silent(now, self.options.heartbeat_timeout):
                 self._remove(worker, f"silent for {silent:.1f} s")
             self._step()
@@ -298,7 +301,7 @@ class Syncer(SyncerBase):
         due, or ends the run short of workers."""
         if self.done is not None:
             return
-        now = time.monotonic()
+        now = self.clock()
         for worker in self.rule.stuck(now, set(self.members)):
             self._remove(worker, f"no delta {now - self.rule.opened_at:.1f} s into the round")
         resumed = self.serial >= 0  # from a checkpoint
@@ -326,12 +329,12 @@ class Syncer(SyncerBase):
             serial = max(serial, self.issued_before + 1)
         self.serial, self.opened = serial, True
         (self.directory / SERIAL_FILE).write_text(f"{serial}\n")  # before anyone sees it
-        self.rule.open(participants, time.monotonic())
+        self.rule.open(participants, self.clock())
         log.info("round %d open (%s) for workers %s", self.round, reason, sorted(participants))
         self.cond.notify_all()
 
     def _close(self) -> None:
-        busy_since = time.monotonic()
+        busy_since = self.clock()
         pushes = self.rule.close()
         included = sorted(m for m, p in pushes.items() if p.finite)
         self.reply = None
@@ -352,7 +355,7 @@ class Syncer(SyncerBase):
             "loss": float(np.mean([pushes[m].loss for m in included])) if included else None,
             "positions": list(self.positions),
             "compute_s": {str(m): round(p.compute_s, 4) for m, p in sorted(pushes.items())},
-            "seconds": round(time.monotonic() - self.rule.opened_at, 4),
+            "seconds": round(self.clock() - self.rule.opened_at, 4),
             "time": time.time(),
         }
         self._record(record, busy_since)
@@ -368,7 +371,7 @@ class Syncer(SyncerBase):
         self._save()
         # The outer step and the checkpoint held the lock: no heartbeat could land meanwhile,
         # so that time counts for nobody's silence.
-        self.members.excuse(time.monotonic() - busy_since)
+        self.members.excuse(self.clock() - busy_since)
 
     def _end_if_done(self) -> bool:
         """Ends the run (final.msgpack) once its last update is in; whether it ended (or had
@@ -440,7 +443,7 @@ class Syncer(SyncerBase):
             self.theta, self.outer_state, self.positions = theta, outer, positions
             self.round, self.serial = int(message["round"]), int(message["serial"])
             # The members get a heartbeat timeout more than usual to find the restarted syncer.
-            now = time.monotonic() + self.options.heartbeat_timeout
+            now = self.clock() + self.options.heartbeat_timeout
             self.members = Membership({int(m): inc for m, inc in message["members"].items()}, now)
             self._cut_history()
             log.info("resumed from %s (round %d)", path.name, self.round)

@@ -9,6 +9,7 @@ asynchronous and HALoS kinds), `decoupled_syncer.DecoupledSyncer` and
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from diloco_jax.elastic_task import ElasticTask, check_worker, end_reply
@@ -18,12 +19,13 @@ log = logging.getLogger("diloco_jax.syncer")
 
 
 class SyncerBase:
-    """The shared state: `task`, `cond` (the lock, and the condition workers' long polls
-    wait on), `members`, `done` (None while the run goes on; "finished", or the line that
-    ended it) and `told` (the workers that heard the end)."""
+    """The shared state: `task`; `clock` (seconds of any origin: the host's monotonic
+    clock, or one a test sets); `cond` (the lock, and the condition workers' long polls wait
+    on); `members`; `done` (None while the run goes on; "finished", or the line that ended
+    it); `told` (the workers that heard the end)."""
 
-    def __init__(self, task: ElasticTask):
-        self.task = task
+    def __init__(self, task: ElasticTask, clock: Callable[[], float] = time.monotonic):
+        self.task, self.clock = task, clock
         self.cond = threading.Condition()
         self.members = Membership()
         self.done: str | None = None
@@ -60,7 +62,7 @@ class SyncerBase:
         alive."""
         if self.done is not None:
             return self._ended(worker)
-        if not self.members.heard(worker, incarnation, time.monotonic()):
+        if not self.members.heard(worker, incarnation, self.clock()):
             return {"status": "rejoin"}
         self._noted(worker)
         return None

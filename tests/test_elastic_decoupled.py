@@ -203,11 +203,11 @@ def test_the_real_syncers_adaptive_grace_is_budgeted_on_the_step_times_its_learn
     from diloco_jax.quorum import Due
 
     now = [100.0]
-    clock = SimpleNamespace(monotonic=lambda: now[0], time=lambda: 1e9 + now[0])
-    monkeypatch.setattr(decoupled_syncer, "time", clock)
+    wall = SimpleNamespace(time=lambda: 1e9 + now[0])  # the history's wall times
+    monkeypatch.setattr(decoupled_syncer, "time", wall)
     spec = dataclasses.replace(DECOUPLED, grace_seconds=0.0, adaptive_grace=0.5, overlap_steps=1)
     task = dataclasses.replace(make_decoupled_task(), server=spec)
-    syncer = decoupled_syncer.DecoupledSyncer(task, Elastic(), tmp_path)
+    syncer = decoupled_syncer.DecoupledSyncer(task, Elastic(), tmp_path, clock=lambda: now[0])
     me = [syncer.join(m, None)["incarnation"] for m in range(4)]
     b = [np.float32(0.0)]  # fragment 0's one leaf: "b"
     # Fragment 0's sync 0 follows step H / P = 2: learner 3 first, at 0.9 s per step (its two

@@ -31,12 +31,12 @@ def _secret(monkeypatch):
     monkeypatch.setenv("DILOCO_JAX_SECRET", SECRET.decode())
 
 
-def _syncer(tmp_path, workers=3, rounds=4, **options):
+def _syncer(tmp_path, workers=3, rounds=4, clock=time.monotonic, **options):
     task = make_task()
     task = ElasticTask(task.loss_fn, task.params, task.batches, workers, task.inner_steps, rounds,
                        task.method)  # fmt: skip
     defaults = dict(heartbeat_interval=0.05, heartbeat_timeout=0.3)
-    return Syncer(task, Elastic(**{**defaults, **options}), tmp_path)
+    return Syncer(task, Elastic(**{**defaults, **options}), tmp_path, clock=clock)
 
 
 def _join_all(syncer, workers):
@@ -331,6 +331,49 @@ def test_files_keep_arrays_exactly_and_refuse_torn_and_edited_bytes(tmp_path):
     body = wire.pack({"a": np.arange(3)})
     path.write_bytes(struct.pack("<I", zlib.crc32(body)) + body)
     np.testing.assert_array_equal(wire.read_file(path)["a"], np.arange(3))
+
+
+def test_the_syncer_on_a_clock_the_test_sets_keeps_grace_and_round_timeout_to_the_second(
+    tmp_path,
+):
+    """No sleeping: the syncer's clock is the test's. With K = 2 and grace 3 s, a sync closes
+    3 s after its second push, not before. Without grace and with a round timeout of 20 s, a
+    worker with no delta 20 s after the opening is removed, not before, and the sync closes
+    without it."""
+
+    def line(folder, k):
+        return json.loads((folder / "history.jsonl").read_text().splitlines()[k])
+
+    now = [1000.0]
+    s = _syncer(tmp_path / "grace", clock=lambda: now[0], min_workers=2, grace_seconds=3.0,
+                heartbeat_timeout=1e6, heartbeat_interval=1.0)  # fmt: skip
+    incs = _join_all(s, 3)
+    assert s.rule.is_open and s.rule.opened_at == 1000.0
+    now[0] = 1001.0
+    assert _push(s, 0, incs[0], 0.1) == "ok"
+    now[0] = 1002.0
+    assert _push(s, 1, incs[1], 0.2) == "ok"  # the quorum, at 1002
+    now[0] = 1004.999
+    s.tick()
+    assert s.round == 0
+    now[0] = 1005.0
+    s.tick()
+    assert s.round == 1 and line(tmp_path / "grace", 0)["included"] == [0, 1]
+    assert s.rule.opened_at == 1005.0 and s.rule.participants == {0, 1, 2}
+
+    now[0] = 2000.0
+    s = _syncer(tmp_path / "timeout", clock=lambda: now[0], min_workers=2, round_timeout=20.0,
+                heartbeat_timeout=1e6, heartbeat_interval=1.0)  # fmt: skip
+    incs = _join_all(s, 3)
+    for m in (0, 2):
+        assert _push(s, m, incs[m], 0.3) == "ok"
+    now[0] = 2020.0  # 20 s into the round: not past it
+    s.tick()
+    assert 1 in s.members and s.round == 0
+    now[0] = 2020.5
+    s.tick()
+    assert 1 not in s.members and s.round == 1  # removed; the sync closed with 0 and 2
+    assert line(tmp_path / "timeout", 0)["included"] == [0, 2]
 
 
 def test_kept_files_recycle_the_oldest_they_retire_and_keep_the_newest(tmp_path):
