@@ -70,8 +70,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
+    import importlib.metadata
+
     import torch
-    import torchft
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.workers)
@@ -88,7 +89,7 @@ def main() -> None:
         p.join(timeout=120)
     lighthouse.shutdown()
     print(json.dumps({
-        "torchft": getattr(torchft, "__version__", "0.2.0"), "torch": torch.__version__,
+        "torchft": importlib.metadata.version("torchft"), "torch": torch.__version__,
         "sync_seconds": round(statistics.median(gaps[2:]), 4),
         "sync_gaps": [round(x, 4) for x in gaps],
     }))  # fmt: skip

@@ -38,7 +38,6 @@ over several processes.
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +75,8 @@ class Push:
 class DecoupledSyncer(SyncerBase):
     """Decoupled DiLoCo's syncer (see the module docstring); every method is safe to call
     from the gRPC threads."""
+
+    CLOCK_PERIOD = 0.01  # a merge is due at its grace's end: a finer clock
 
     def __init__(
         self, task: ElasticTask, options: Elastic, directory: Path, *,
@@ -240,9 +241,6 @@ class DecoupledSyncer(SyncerBase):
                     self.cond.notify_all()
             else:
                 self.shortage.clear()
-
-    def run_clock(self, stop: threading.Event, period: float = 0.01) -> None:
-        super().run_clock(stop, period)  # a merge is due at its grace's end: a finer clock
 
     # ---- internals (with the lock held) -------------------------------------------------
 

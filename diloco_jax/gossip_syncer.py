@@ -22,7 +22,6 @@ its address and reports what it has saved).
 """
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,8 @@ log = logging.getLogger("diloco_jax.syncer")
 class GossipSyncer(SyncerBase):
     """The membership's state machine; every method is safe to call from the gRPC threads.
     A silent member is waited for, never removed."""
+
+    CLOCK_PERIOD = 0.1  # it only watches for absent workers
 
     def __init__(
         self, task: ElasticTask, options: Elastic, directory: Path, *,
@@ -111,9 +112,6 @@ class GossipSyncer(SyncerBase):
                                  "every worker (its θ_m lives only in it)")  # fmt: skip
                     log.error("%s", self.done)
                     return
-
-    def run_clock(self, stop: threading.Event, period: float = 0.1) -> None:
-        super().run_clock(stop, period)
 
     def _noted(self, worker: int) -> None:
         self._seen(worker)

@@ -133,9 +133,9 @@ class RoundRule:
             return WAIT
         waiting = (self.participants & members) - set(self.pushed)
         count = len(self.pushed)
-        graced = self.grace_seconds is not None and self.quorum_at is not None
-        if count >= self.min_workers and (
-            not waiting or (graced and now - self.quorum_at >= self.grace_seconds)
+        if count >= self.min_workers and (  # then quorum_at is set
+            not waiting
+            or (self.grace_seconds is not None and now - self.quorum_at >= self.grace_seconds)
         ):
             return Decision("close")
         if count + len(waiting) < self.min_workers:  # this round can't reach its quorum

@@ -24,6 +24,8 @@ class SyncerBase:
     on); `members`; `done` (None while the run goes on; "finished", or the line that ended
     it); `told` (the workers that heard the end)."""
 
+    CLOCK_PERIOD = 0.05  # seconds between the clock's ticks
+
     def __init__(self, task: ElasticTask, clock: Callable[[], float] = time.monotonic):
         self.task, self.clock = task, clock
         self.cond = threading.Condition()
@@ -35,10 +37,10 @@ class SyncerBase:
         """What the syncer's clock does every period (its rule's timeouts)."""
         raise NotImplementedError
 
-    def run_clock(self, stop: threading.Event, period: float = 0.05) -> None:
-        """Ticks every `period` s until `stop` or the run's end; an error ends the run
+    def run_clock(self, stop: threading.Event) -> None:
+        """Ticks every CLOCK_PERIOD s until `stop` or the run's end; an error ends the run
         (`done`) with its line, never a hang."""
-        while not stop.wait(period) and self.done is None:
+        while not stop.wait(self.CLOCK_PERIOD) and self.done is None:
             try:
                 self.tick()
             except Exception as error:
